@@ -1,0 +1,333 @@
+"""Typed configuration: nested dataclasses, dotted overrides, validation before any work.
+
+A config file is a Python file with a ``get_config()`` function returning a ``Config``.
+Overrides are ``key=value`` strings with dotted keys (``mesh.replica=4``, ``steps=100``);
+values are parsed according to the field's declared type. Every error names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config is malformed: unknown key, wrong type or impossible value."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 320  # byte tokenizer (256 bytes + EOS) padded to a multiple of 64
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 4  # < n_heads gives grouped-query attention
+    ffn_dim: int = 384
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    compute_dtype: str = "float32"  # "bfloat16" on GPU; params are always float32
+    remat: bool = False  # recompute each layer in the backward pass (saves activation memory)
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class MeshConfig:
+    replica: int = 2  # N workers (replicas); sync groups span this axis
+    shard: int = 4  # S devices per worker; FSDP shards span this axis
+    placement: str = ""  # optional JSON file with a "device_order" list (from `edit-jax placement`)
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # "stdlib" | "text" | "tokens" | "parquet"
+    paths: tuple[str, ...] = ()  # files or globs for "text" / "tokens" / "parquet"
+    text_column: str = "text"  # parquet column holding the documents
+    tokenizer: str = "byte"  # "byte", or a path to a local tokenizer.json (needs `tokenizers`)
+    token_dtype: str = "uint16"  # dtype of raw .bin token files
+    seq_len: int = 128  # context length; sequences are packed to it
+    val_fraction: float = 0.05  # fraction of documents (files) held out for validation
+    seed: int = 0  # shuffling seed (separate from the model seed)
+
+
+@dataclass
+class OptimConfig:
+    """Inner optimizer: clip by global norm -> AdamW, linear warmup then cosine decay."""
+
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    decay_steps: int = 0  # 0: decay over the whole run (`steps`)
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class SyncConfig:
+    """How replicas meet. ``method`` picks a preset behaviour of one machinery (EDIT.md)."""
+
+    method: str = "baseline"  # baseline | post_local_sgd | diloco | edit
+    warmup_steps: int = 0  # W: synchronous (HSDP) steps before local training starts
+    tau: int = 16  # sync interval in inner steps
+    outer_lr: float = 0.8
+    outer_momentum: float = 0.85
+    nesterov: bool = True
+    layerwise: bool = True  # sync unit by unit inside the forward (EDiT) vs whole model after the step
+    anomaly: bool = True  # anomaly elimination (EWMA z-test per worker and unit)
+    anomaly_alpha: float = 0.02
+    anomaly_warmup: int = 10  # K: syncs seen before the z-test applies; also the z-score window
+    anomaly_threshold: float = 3.0  # delta
+    weighting: bool = True  # softmax(-g / T) weights over workers
+    temperature: float = 1.0
+    clip: bool = True  # per-unit pseudo-gradient clipping
+    clip_threshold: float = 10.0  # phi
+    outer_sharding: str = "shard"  # "shard" | "replica_shard" (also shard outer state over replica)
+    cpu_offload: bool = False  # keep outer state in host memory
+    per_unit_metrics: bool = False  # log per-unit pseudo-gradient norms at each sync
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    steps: int = 200
+    batch_size: int = 16  # global batch in sequences, split over replica x shard
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100  # 0: only at the end
+    eval_batches: int = 8
+    checkpoint_every: int = 100  # 0: only at the end (and on SIGTERM / SIGINT)
+    keep_checkpoints: int = 2
+
+    @property
+    def method(self) -> str:
+        return self.sync.method
+
+
+METHODS = ("baseline", "post_local_sgd", "diloco", "edit")
+# `method=NAME` is accepted as shorthand for `sync.method=NAME`.
+ALIASES = {"method": "sync.method"}
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _parse_value(key: str, text: str, typ: Any) -> Any:
+    origin = typing.get_origin(typ)
+    try:
+        if typ is bool:
+            low = text.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if typ is int:
+            return int(text)
+        if typ is float:
+            return float(text)
+        if typ is str:
+            return text
+        if origin is tuple:
+            if text.strip() in ("", "()", "[]"):
+                return ()
+            if text.strip().startswith("["):
+                items = json.loads(text)
+            else:
+                items = [t for t in text.split(",") if t]
+            (elem,) = {a for a in typing.get_args(typ) if a is not Ellipsis}
+            return tuple(_parse_value(key, str(i), elem) for i in items)
+    except (ValueError, json.JSONDecodeError):
+        pass
+    name = getattr(typ, "__name__", str(typ))
+    raise ConfigError(f"config key '{key}': expected a value of type {name}, got {text!r}")
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Returns a copy of ``cfg`` with ``key=value`` overrides applied (dotted keys)."""
+    cfg = from_dict(to_dict(cfg))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value (e.g. steps=100)")
+        key, text = item.split("=", 1)
+        key = ALIASES.get(key.strip(), key.strip())
+        obj, parts = cfg, key.split(".")
+        for depth, part in enumerate(parts):
+            types_ = _field_types(type(obj))
+            if part not in types_:
+                prefix = ".".join(parts[:depth])
+                known = [f"{prefix}.{k}" if prefix else k for k in types_]
+                close = difflib.get_close_matches(key, known, n=3)
+                hint = f"; did you mean {', '.join(close)}?" if close else f"; known keys: {', '.join(known)}"
+                raise ConfigError(f"unknown config key '{key}'{hint}")
+            if depth == len(parts) - 1:
+                if dataclasses.is_dataclass(types_[part]):
+                    raise ConfigError(f"config key '{key}' is a section; set one of its fields ({key}.NAME=VALUE)")
+                setattr(obj, part, _parse_value(key, text, types_[part]))
+            else:
+                obj = getattr(obj, part)
+                if not dataclasses.is_dataclass(obj):
+                    raise ConfigError(f"config key '{'.'.join(parts[:depth + 1])}' is not a section")
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(d: dict, cls=Config, prefix: str = "") -> Any:
+    """Builds a config from a (JSON) dict, checking keys and types; errors name the key."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"config section '{prefix or '<root>'}': expected a mapping, got {type(d).__name__}")
+    types_ = _field_types(cls)
+    kwargs = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if k not in types_:
+            raise ConfigError(f"unknown config key '{key}'")
+        typ = types_[k]
+        if dataclasses.is_dataclass(typ):
+            kwargs[k] = from_dict(v, typ, key + ".")
+        elif typing.get_origin(typ) is tuple:
+            if not isinstance(v, (list, tuple)):
+                raise ConfigError(f"config key '{key}': expected a list, got {v!r}")
+            kwargs[k] = tuple(v)
+        elif typ is float and isinstance(v, int) and not isinstance(v, bool):
+            kwargs[k] = float(v)
+        else:
+            if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+                raise ConfigError(f"config key '{key}': expected {typ.__name__}, got {v!r}")
+            kwargs[k] = v
+    return cls(**kwargs)
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+    """Loads ``path`` (a Python file with ``get_config()``, or a preset name) and applies overrides."""
+    if path is None:
+        cfg = Config()
+    else:
+        cfg = _load_file(_resolve_config_path(path))
+    cfg = apply_overrides(cfg, list(overrides))
+    validate(cfg)
+    return cfg
+
+
+def _resolve_config_path(path: str) -> str:
+    if os.path.isfile(path):
+        return path
+    candidates = [os.path.join("configs", path + ".py"), os.path.join(_repo_configs_dir(), path + ".py")]
+    for c in candidates:
+        if os.path.isfile(c):
+            return c
+    raise ConfigError(f"config file {path!r} not found (looked for {path!r} and {', '.join(candidates)})")
+
+
+def _repo_configs_dir() -> str:
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def _load_file(path: str) -> Config:
+    spec = importlib.util.spec_from_file_location(f"edit_jax_user_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - report any failure of the user's file with its path
+        raise ConfigError(f"config file {path!r} failed to load: {type(e).__name__}: {e}") from e
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {path!r} has no get_config() function")
+    cfg = module.get_config()
+    if not isinstance(cfg, Config):
+        raise ConfigError(f"config file {path!r}: get_config() returned {type(cfg).__name__}, expected edit_jax.config.Config")
+    return cfg
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _require(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"config key '{key}': {msg}")
+
+
+def validate(cfg: Config) -> None:
+    """Checks every constraint that can be checked without devices or data."""
+    m, mesh, d, o, s = cfg.model, cfg.mesh, cfg.data, cfg.optim, cfg.sync
+    for key, val in [("steps", cfg.steps), ("batch_size", cfg.batch_size), ("model.d_model", m.d_model),
+                     ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
+                     ("model.ffn_dim", m.ffn_dim), ("model.vocab_size", m.vocab_size), ("mesh.replica", mesh.replica),
+                     ("mesh.shard", mesh.shard), ("data.seq_len", d.seq_len), ("log_every", cfg.log_every),
+                     ("eval_batches", cfg.eval_batches), ("sync.tau", s.tau), ("keep_checkpoints", cfg.keep_checkpoints)]:
+        _require(val > 0, key, f"must be positive, got {val}")
+    for key, val in [("eval_every", cfg.eval_every), ("checkpoint_every", cfg.checkpoint_every),
+                     ("optim.warmup_steps", o.warmup_steps), ("optim.decay_steps", o.decay_steps),
+                     ("optim.weight_decay", o.weight_decay), ("optim.grad_clip", o.grad_clip),
+                     ("sync.warmup_steps", s.warmup_steps)]:
+        _require(val >= 0, key, f"must be >= 0, got {val}")
+    _require(m.d_model % m.n_heads == 0, "model.n_heads", f"must divide model.d_model={m.d_model}, got {m.n_heads}")
+    _require(m.head_dim % 2 == 0, "model.n_heads", f"head dim d_model/n_heads={m.head_dim} must be even for rotary embeddings")
+    _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", f"must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
+    _require(m.compute_dtype in ("float32", "bfloat16", "float16"), "model.compute_dtype",
+             f"expected float32, bfloat16 or float16, got {m.compute_dtype!r}")
+    workers = mesh.replica * mesh.shard
+    _require(cfg.batch_size % workers == 0, "batch_size",
+             f"global batch {cfg.batch_size} must be divisible by mesh.replica x mesh.shard = "
+             f"{mesh.replica} x {mesh.shard} = {workers}")
+    # Every parameter is FSDP-sharded over `shard` along one of its dims (see sharding.py).
+    for key, dim in [("model.d_model", m.d_model), ("model.ffn_dim", m.ffn_dim), ("model.vocab_size", m.vocab_size)]:
+        _require(dim % mesh.shard == 0, key, f"must be divisible by mesh.shard={mesh.shard} (FSDP shards it), got {dim}")
+    _require(d.source in ("stdlib", "text", "tokens", "parquet"), "data.source",
+             f"expected one of stdlib, text, tokens, parquet; got {d.source!r}")
+    _require(d.source == "stdlib" or len(d.paths) > 0, "data.paths", f"data.source={d.source!r} needs at least one path or glob")
+    _require(0.0 < d.val_fraction < 1.0, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
+    _require(d.token_dtype in ("uint16", "uint32", "int32"), "data.token_dtype",
+             f"expected uint16, uint32 or int32, got {d.token_dtype!r}")
+    _require(o.lr > 0, "optim.lr", f"must be positive, got {o.lr}")
+    _require(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    _require(0.0 <= o.b1 < 1.0, "optim.b1", f"must be in [0, 1), got {o.b1}")
+    _require(0.0 <= o.b2 < 1.0, "optim.b2", f"must be in [0, 1), got {o.b2}")
+    _require(s.method in METHODS, "sync.method", f"expected one of {', '.join(METHODS)}; got {s.method!r}")
+    _require(s.outer_lr > 0, "sync.outer_lr", f"must be positive, got {s.outer_lr}")
+    _require(0.0 <= s.outer_momentum < 1.0, "sync.outer_momentum", f"must be in [0, 1), got {s.outer_momentum}")
+    _require(0.0 < s.anomaly_alpha <= 1.0, "sync.anomaly_alpha", f"must be in (0, 1], got {s.anomaly_alpha}")
+    _require(s.anomaly_warmup >= 2, "sync.anomaly_warmup", f"must be >= 2 (the z-score window needs an unbiased std), got {s.anomaly_warmup}")
+    _require(s.anomaly_threshold > 0, "sync.anomaly_threshold", f"must be positive, got {s.anomaly_threshold}")
+    _require(s.temperature > 0, "sync.temperature", f"must be positive, got {s.temperature}")
+    _require(s.clip_threshold > 0, "sync.clip_threshold", f"must be positive, got {s.clip_threshold}")
+    _require(s.outer_sharding in ("shard", "replica_shard"), "sync.outer_sharding",
+             f"expected 'shard' or 'replica_shard', got {s.outer_sharding!r}")
+    if mesh.placement:
+        _require(os.path.isfile(mesh.placement), "mesh.placement", f"file {mesh.placement!r} not found")
+
+
+def dumps(cfg: Config) -> str:
+    return json.dumps(to_dict(cfg), indent=2, sort_keys=False)
+
+
+def replace(cfg, **kw):
+    return dataclasses.replace(cfg, **kw)
+
+
+__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "ConfigError",
+           "load_config", "apply_overrides", "validate", "to_dict", "from_dict", "dumps", "METHODS"]
+
