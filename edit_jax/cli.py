@@ -1,0 +1,66 @@
+"""Command line: ``edit-jax train`` and ``edit-jax placement``.
+
+    edit-jax train --config configs/demo.py --run-dir runs/demo steps=300 mesh.replica=4 mesh.shard=2
+
+Overrides are dotted ``key=value`` pairs (``method=NAME`` is short for ``sync.method=NAME``).
+On CPU the number of emulated devices is set from the mesh unless XLA_FLAGS already sets it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _train(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="edit-jax train", description="Train a Llama model with EDiT / baselines.")
+    parser.add_argument("--config", default="configs/demo.py",
+                        help="a Python file with get_config(), or a preset name in configs/ (default: configs/demo.py)")
+    parser.add_argument("--run-dir", default=None, help="output dir: config.json, metrics.jsonl, checkpoints/ "
+                        "(re-running on it resumes); default runs/<config name>")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=100 mesh.replica=4")
+    args = parser.parse_args(argv)
+
+    from edit_jax.config import ConfigError, load_config  # no JAX import: devices are not set yet
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"edit-jax: bad config: {e}", file=sys.stderr)
+        return 2
+    from edit_jax.sharding import set_cpu_device_count
+
+    set_cpu_device_count(cfg.mesh.replica * cfg.mesh.shard)
+    import os
+
+    run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
+    from edit_jax.checkpoint import CheckpointError
+    from edit_jax.data import DataError
+    from edit_jax.sharding import MeshError
+    from edit_jax.train import train
+
+    try:
+        result = train(cfg, run_dir, progress=not args.no_progress)
+    except (ConfigError, DataError, MeshError, CheckpointError) as e:
+        kind = {ConfigError: "bad config", DataError: "data", MeshError: "mesh", CheckpointError: "checkpoint"}
+        print(f"edit-jax: {kind.get(type(e), type(e).__name__)} error: {e}", file=sys.stderr)
+        return 2
+    ppl = f" (ppl {result.final_val_ppl:.2f})" if result.final_val_ppl else ""
+    val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
+    print(f"edit-jax: {'stopped' if result.interrupted else 'done'} at step {result.steps}: "
+          f"train loss {result.final_loss:.4f}, val loss {val}{ppl}, {result.seconds:.1f} s; run dir {run_dir}")
+    return 130 if result.interrupted else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"train": _train, "placement": lambda a: __import__("edit_jax.placement.cli", fromlist=["main"]).main(a)}
+    if not argv or argv[0] not in commands:
+        print("usage: edit-jax {train,placement} [options]  (edit-jax COMMAND --help for details)", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU MLP, causal (grouped-query) attention.
+
+Flax modules define the math of one decoder layer and of the "root" pieces (embedding, final norm,
+LM head). The stack of layers is a plain ``jax.lax.scan`` over parameters stacked along a leading
+layer axis, and every unit's params pass through one ``hook`` on their way into compute:
+
+    root params  -> hook -> embed ... final norm, LM head
+    layer l      -> hook -> decoder layer l
+
+In synchronous HSDP the hook all-gathers the unit's FSDP shards; in EDiT it first syncs the unit
+with the other replicas (pseudo gradient, penalty, outer step) and then gathers. The hook may also
+take a per-unit input (``hook_xs``, scanned with the layers) and return a per-unit output, which
+is how the layer-wise sync threads its outer state through the forward pass.
+
+Params tree: {"root": {"embed", "final_norm", ["lm_head"]}, "layers": {...stacked, leading L...}}.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from edit_jax.config import ModelConfig
+
+Params = Any
+# hook(unit_params, unit_xs, which) -> (params ready for compute, unit_ys); which: "root" | "layer"
+Hook = Callable[[Params, Any, str], tuple[Params, Any]]
+
+PRESETS: dict[str, dict] = {
+    # tiny: tests and the 8 x 8 CPU mesh; every dim divisible by 8 so any shard count <= 8 works.
+    "tiny": dict(vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
+    # demo: the README's main job on 8 CPU devices, a few minutes on 2 cores.
+    "demo": dict(vocab_size=320, d_model=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=384),
+    # The paper's sizes (Llama shapes; vocab of the Llama tokenizer).
+    "350m": dict(vocab_size=32000, d_model=1024, n_layers=24, n_heads=16, n_kv_heads=16, ffn_dim=2816),
+    "1b": dict(vocab_size=32000, d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632),
+    "3b": dict(vocab_size=32000, d_model=3200, n_layers=26, n_heads=32, n_kv_heads=32, ffn_dim=8640),
+    "7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+    return ModelConfig(**{**PRESETS[name], **overrides})
+
+
+def _dense_init(std: float):
+    return nn.initializers.normal(stddev=std)
+
+
+class RMSNorm(nn.Module):
+    eps: float = 1e-5
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary(x: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half convention)."""
+    seq, half = x.shape[1], x.shape[-1] // 2
+    freqs = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]  # [seq, half]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.cfg
+        hd, init = c.head_dim, _dense_init(c.init_std)
+        # Output projection scaled down with depth (GPT-2 style) to keep the residual stream stable.
+        out_init = _dense_init(c.init_std / (2 * c.n_layers) ** 0.5)
+        wq = self.param("wq", init, (c.d_model, c.n_heads * hd))
+        wk = self.param("wk", init, (c.d_model, c.n_kv_heads * hd))
+        wv = self.param("wv", init, (c.d_model, c.n_kv_heads * hd))
+        wo = self.param("wo", out_init, (c.n_heads * hd, c.d_model))
+        b, t, _ = x.shape
+        q = (x @ wq.astype(x.dtype)).reshape(b, t, c.n_heads, hd)
+        k = (x @ wk.astype(x.dtype)).reshape(b, t, c.n_kv_heads, hd)
+        v = (x @ wv.astype(x.dtype)).reshape(b, t, c.n_kv_heads, hd)
+        q, k = rotary(q, c.rope_theta), rotary(k, c.rope_theta)
+        # Grouped-query attention: dot_product_attention repeats K/V heads over query groups.
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return y.reshape(b, t, c.n_heads * hd) @ wo.astype(x.dtype)
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.cfg
+        init, out_init = _dense_init(c.init_std), _dense_init(c.init_std / (2 * c.n_layers) ** 0.5)
+        w_gate = self.param("w_gate", init, (c.d_model, c.ffn_dim))
+        w_up = self.param("w_up", init, (c.d_model, c.ffn_dim))
+        w_down = self.param("w_down", out_init, (c.ffn_dim, c.d_model))
+        h = jax.nn.silu(x @ w_gate.astype(x.dtype)) * (x @ w_up.astype(x.dtype))
+        return h @ w_down.astype(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        x = x + Attention(self.cfg, name="attn")(RMSNorm(self.cfg.norm_eps, name="attn_norm")(x))
+        return x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg.norm_eps, name="mlp_norm")(x))
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
+    """Full (unsharded) fp32 params with the decoder layers stacked along a leading axis."""
+    k_embed, k_head, k_layers = jax.random.split(key, 3)
+    dummy = jnp.zeros((1, 1, cfg.d_model), jnp.float32)
+    layer_keys = jax.random.split(k_layers, cfg.n_layers)
+    layers = jax.vmap(lambda k: DecoderLayer(cfg).init(k, dummy)["params"])(layer_keys)
+    root = {
+        "embed": cfg.init_std * jax.random.normal(k_embed, (cfg.vocab_size, cfg.d_model), jnp.float32),
+        "final_norm": {"scale": jnp.ones((cfg.d_model,), jnp.float32)},
+    }
+    if not cfg.tie_embeddings:
+        root["lm_head"] = cfg.init_std * jax.random.normal(k_head, (cfg.d_model, cfg.vocab_size), jnp.float32)
+    return {"root": root, "layers": layers}
+
+
+def identity_hook(unit_params, unit_xs, which):
+    return unit_params, None
+
+
+def forward(cfg: ModelConfig, params: Params, tokens: jax.Array, hook: Hook = identity_hook,
+            hook_xs: Any = None) -> tuple[jax.Array, Any]:
+    """Logits [batch, seq, vocab] (fp32) for int tokens [batch, seq], and the hook's outputs.
+
+    ``hook_xs`` is ``{"root": ..., "layers": ...}`` (the layers' entry scanned with the layers)
+    or None; the returned ys have the same layout.
+    """
+    dtype = jnp.dtype(cfg.compute_dtype)
+    xs = hook_xs if hook_xs is not None else {"root": None, "layers": None}
+    # The root unit passes the hook first (EDiT syncs it before any layer).
+    root, root_ys = hook(params["root"], xs["root"], "root")
+    x = jnp.take(root["embed"], tokens, axis=0).astype(dtype)
+
+    def layer_step(x, layer):
+        layer_params, layer_xs = layer
+        full, ys = hook(layer_params, layer_xs, "layer")
+        return DecoderLayer(cfg).apply({"params": full}, x), ys
+
+    if cfg.remat:
+        layer_step = jax.checkpoint(layer_step, prevent_cse=False)
+    x, layer_ys = jax.lax.scan(layer_step, x, (params["layers"], xs["layers"]))
+    x = RMSNorm(cfg.norm_eps).apply({"params": root["final_norm"]}, x)
+    head = root["embed"].T if cfg.tie_embeddings else root["lm_head"]
+    logits = jnp.dot(x, head.astype(dtype), preferred_element_type=jnp.float32)
+    return logits, {"root": root_ys, "layers": layer_ys}
+
+
+def token_loss_sum(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Sum of next-token cross-entropy over all positions (fp32)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def count_params(params: Params) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x params in matmuls + attention scores (PaLM appendix B)."""
+    hd = cfg.head_dim
+    per_layer = cfg.d_model * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * cfg.d_model * cfg.ffn_dim
+    matmul_params = cfg.n_layers * per_layer + cfg.d_model * cfg.vocab_size
+    return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.d_model * seq_len

@@ -1,0 +1,188 @@
+"""The sync of one unit (EDIT.md, Algorithm 2): pseudo gradient, penalty, outer Nesterov step.
+
+Everything here runs per device under ``shard_map`` on the device's FSDP block of one unit, with
+collectives over the named axes: ``psum`` over ``shard`` turns a block's squared norm into the norm
+of the worker's whole unit, and reductions over ``replica`` combine workers. The same function
+serves the layer-wise sync inside the forward (one unit per call, EDiT) and the whole-model sync
+after the step (DiLoCo, Post Local SGD: called on every unit).
+
+Anomaly detector (one per worker and unit), worked example in EDIT.md:
+  flagged  = not finite(g) or (count >= K and (g - mu)/sigma > delta * max(1, std(window)))
+  if not flagged: mu += a*d; M2 = (1-a)(M2 + a*d*d2); count += 1; window <- z (0 while count < K)
+The test's z uses the statistics before the update; the z appended to the window uses those after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from edit_jax.config import SyncConfig
+from edit_jax.sharding import REPLICA, replica_gather, shard_sq_norm
+
+
+@struct.dataclass
+class Detector:
+    """EWMA z-test state. Leading dims are free (e.g. [N, U] globally, [U] or [] locally)."""
+
+    mean: jax.Array
+    m2: jax.Array
+    count: jax.Array  # int32: syncs fed (outliers are not fed)
+    window: jax.Array  # [..., K] last K z-scores, oldest first
+
+    @staticmethod
+    def zeros(shape: tuple[int, ...], window: int) -> "Detector":
+        return Detector(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
+                        jnp.zeros(shape, jnp.int32), jnp.zeros(shape + (window,), jnp.float32))
+
+
+@dataclass(frozen=True)
+class Penalty:
+    """Which parts of the pseudo-gradient penalty are on, and their constants (static)."""
+
+    anomaly: bool = True
+    alpha: float = 0.02
+    warmup: int = 10  # K
+    threshold: float = 3.0  # delta
+    weighting: bool = True
+    temperature: float = 1.0
+    clip: bool = True
+    clip_threshold: float = 10.0  # phi
+
+    @staticmethod
+    def off() -> "Penalty":
+        return Penalty(anomaly=False, weighting=False, clip=False)
+
+    @staticmethod
+    def from_config(s: SyncConfig) -> "Penalty":
+        return Penalty(s.anomaly, s.anomaly_alpha, s.anomaly_warmup, s.anomaly_threshold, s.weighting,
+                       s.temperature, s.clip, s.clip_threshold)
+
+
+def outer_optimizer(lr: float, momentum: float, nesterov: bool = True) -> optax.GradientTransformation:
+    """Outer optimizer: SGD with (Nesterov) momentum on the pseudo gradient. With lr 1 and
+    momentum 0 it sets θ̄ to the (weighted) mean of the workers: Post Local SGD."""
+    return optax.sgd(lr, momentum=momentum, nesterov=nesterov)
+
+
+def trace_state(opt: optax.GradientTransformation, trace: Any) -> Any:
+    """optax.sgd's state with ``trace`` as its momentum buffer (we store only the trace)."""
+    state = opt.init(trace)
+    return (state[0]._replace(trace=trace),) + tuple(state[1:])
+
+
+# ----------------------------------------------------------------------------- the detector
+
+
+def detector_test(det: Detector, g: jax.Array, p: Penalty) -> jax.Array:
+    """True where ``g`` is an anomaly (non-finite, or a one-sided z-test once K syncs were seen)."""
+    sigma = jnp.sqrt(det.m2)
+    z = (g - det.mean) / jnp.where(sigma > 0, sigma, 1.0)
+    z = jnp.where(sigma > 0, z, jnp.where(g > det.mean, jnp.inf, 0.0))
+    k = det.window.shape[-1]
+    win_std = jnp.sqrt(jnp.sum(jnp.square(det.window - det.window.mean(-1, keepdims=True)), -1) / (k - 1))
+    ready = det.count >= p.warmup
+    return ~jnp.isfinite(g) | (ready & (z > p.threshold * jnp.maximum(1.0, win_std)))
+
+
+def detector_feed(det: Detector, g: jax.Array, p: Penalty) -> Detector:
+    """The detector after seeing the (non-anomalous) norm ``g``."""
+    d = g - det.mean
+    mean = det.mean + p.alpha * d
+    d2 = g - mean
+    m2 = (1.0 - p.alpha) * (det.m2 + p.alpha * d * d2)
+    count = det.count + 1
+    sigma = jnp.sqrt(m2)
+    z = jnp.where((count >= p.warmup) & (sigma > 0), d2 / jnp.where(sigma > 0, sigma, 1.0), 0.0)
+    window = jnp.concatenate([det.window[..., 1:], z[..., None]], axis=-1)
+    return Detector(mean, m2, count, window)
+
+
+def detector_step(det: Detector, g: jax.Array, p: Penalty) -> tuple[Detector, jax.Array]:
+    """Tests ``g``; feeds it only when it is not flagged (the reference feeds g + 1e6 by mistake,
+    blinding the detector for hundreds of syncs; we leave the detector untouched instead)."""
+    flagged = detector_test(det, g, p) if p.anomaly else jnp.zeros_like(g, dtype=bool)
+    fed = detector_feed(det, jnp.where(flagged, det.mean, g), p)
+    new = jax.tree.map(lambda a, b: jnp.where(flagged[..., None] if a.ndim > flagged.ndim else flagged, a, b), det, fed)
+    return new, flagged
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def worker_weights(g: jax.Array, flagged: jax.Array, p: Penalty) -> jax.Array:
+    """This worker's weight: softmax over ``replica`` of -g/T (flagged workers excluded), or the
+    plain mean over the non-flagged workers. Zero everywhere if every worker is flagged."""
+    ok = ~flagged
+    if p.weighting:
+        logit = jnp.where(ok, -g / p.temperature, -jnp.inf)
+        top = jax.lax.pmax(logit, REPLICA)
+        top = jnp.where(jnp.isfinite(top), top, 0.0)
+        e = jnp.where(ok, jnp.exp(logit - top), 0.0)
+    else:
+        e = ok.astype(jnp.float32)
+    total = jax.lax.psum(e, REPLICA)
+    return jnp.where(total > 0, e / jnp.where(total > 0, total, 1.0), 0.0)
+
+
+# ----------------------------------------------------------------------------- one unit
+
+
+@struct.dataclass
+class UnitSync:
+    """Result of syncing one unit on one device."""
+
+    params: Any  # θ̄ after the outer step: the worker's new local params (its block)
+    outer_params: Any
+    trace: Any
+    detector: Detector
+    metrics: dict
+
+
+def sync_unit(local: Any, outer_params: Any, trace: Any, det: Detector, p: Penalty,
+              opt: optax.GradientTransformation) -> UnitSync:
+    """Algorithm 2 for one unit. ``local``, ``outer_params`` and ``trace`` are this device's FSDP
+    blocks of the unit; ``det`` is this worker's detector for the unit (scalars)."""
+    local = jax.tree.map(lambda x: x.astype(jnp.float32), local)
+    # 1. pseudo gradient (old minus new) and 2. the norm of this worker's whole unit.
+    delta = jax.tree.map(lambda o, x: o - x, outer_params, local)
+    g = jnp.sqrt(shard_sq_norm(delta))
+    # 3. anomaly elimination (the norm is identical on all of the worker's shards, so are flags).
+    det, flagged = detector_step(det, g, p)
+    delta = jax.tree.map(lambda d: jnp.where(flagged, 0.0, d), delta)  # where: NaN * 0 is NaN
+    # 4. weighted average over workers.
+    w = worker_weights(g, flagged, p)
+    any_ok = jax.lax.psum(w, REPLICA) > 0
+    avg = jax.tree.map(lambda d: jax.lax.psum(w * d, REPLICA), delta)
+    # 5. clip the averaged pseudo gradient over the whole unit.
+    avg_norm = jnp.sqrt(shard_sq_norm(avg))
+    clip = jnp.minimum(1.0, p.clip_threshold / (avg_norm + 1e-6)) if p.clip else jnp.ones_like(avg_norm)
+    avg = jax.tree.map(lambda d: d * clip, avg)
+    # 6. outer step; skipped (a rollback of the window) when every worker was flagged.
+    updates, (trace_st, _) = opt.update(avg, trace_state(opt, trace))
+    new_outer = jax.tree.map(lambda o, u: jnp.where(any_ok, o + u, o), outer_params, updates)
+    new_trace = jax.tree.map(lambda old, t: jnp.where(any_ok, t, old), trace, trace_st.trace)
+    update_norm = jnp.sqrt(shard_sq_norm(jax.tree.map(lambda a, b: a - b, new_outer, outer_params)))
+    metrics = {
+        "pseudo_grad_norm": replica_gather(g),  # [N]: every worker's norm of this unit
+        "weight": replica_gather(w),
+        "flagged": replica_gather(flagged) > 0.5,
+        "avg_norm": avg_norm,
+        "clip_factor": clip,
+        "update_norm": update_norm,
+    }
+    # 7. every worker restarts from θ̄ (a flagged worker loses its local progress).
+    return UnitSync(new_outer, new_outer, new_trace, det, metrics)
+
+
+def replica_mean(x: Any) -> Any:
+    return jax.tree.map(lambda v: jax.lax.pmean(v, REPLICA), x)
+
+
+__all__ = ["Detector", "Penalty", "UnitSync", "sync_unit", "detector_step", "detector_test", "detector_feed",
+           "worker_weights", "outer_optimizer", "trace_state"]

@@ -1,0 +1,148 @@
+"""The (replica, shard) mesh and how every array is laid out on it.
+
+Layout (EDIT.md, "State and where it lives"):
+- Per-replica values (a replica's params, its AdamW state, its anomaly detectors) carry an explicit
+  leading replica dimension of size N sharded over ``replica``: they may differ across replicas,
+  and no spec ever claims they are replicated over ``replica``.
+- Within a replica every parameter is FSDP-sharded over ``shard`` along one dimension (the largest
+  one divisible by S; never the stacked-layer axis, which the forward scans over).
+- Outer values (θ̄, the Nesterov trace) have no replica dimension: they are identical on every
+  replica and sharded over ``shard`` like the params (optionally over ``replica`` too).
+- A batch is split over both axes: replica r's rows are [r*B/N, (r+1)*B/N).
+
+All compute runs under ``jax.shard_map`` on local blocks; ``gather_unit`` is the FSDP hook: an
+all-gather over ``shard`` whose transpose (a reduce-scatter) sums the gradient over the replica.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from edit_jax.config import MeshConfig
+
+REPLICA, SHARD = "replica", "shard"
+
+
+class MeshError(ValueError):
+    """The devices cannot form the requested (replica, shard) mesh."""
+
+
+def make_mesh(mesh_cfg: MeshConfig, devices: list | None = None, device_order: list[int] | None = None) -> Mesh:
+    """Builds the (replica, shard) mesh from ``devices`` (default: all), optionally reordered.
+
+    ``device_order[r * S + s]`` is the index (into ``devices``) of replica r's shard s: the
+    placement scheduler's output. Without it, consecutive devices form a replica.
+    """
+    n, s = mesh_cfg.replica, mesh_cfg.shard
+    devices = list(jax.devices() if devices is None else devices)
+    if device_order is None and mesh_cfg.placement:
+        from edit_jax.placement import load_device_order
+
+        device_order = load_device_order(mesh_cfg.placement, len(devices), (n, s))
+    if len(devices) != n * s:
+        platform = devices[0].platform if devices else "none"
+        hint = ""
+        if platform == "cpu":
+            hint = (f" On CPU, emulate devices by setting XLA_FLAGS=--xla_force_host_platform_device_count={n * s}"
+                    " before JAX starts (`edit-jax train` does this itself when the flag is unset).")
+        raise MeshError(f"mesh.replica x mesh.shard = {n} x {s} = {n * s} devices expected, found {len(devices)} "
+                        f"{platform} device(s).{hint}")
+    if device_order is not None:
+        order = [int(i) for i in device_order]
+        if sorted(order) != list(range(n * s)):
+            raise MeshError(f"device order must be a permutation of 0..{n * s - 1}, got {order}")
+        devices = [devices[i] for i in order]
+    grid = np.array(devices, dtype=object).reshape(n, s)
+    return Mesh(grid, (REPLICA, SHARD), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def set_cpu_device_count(count: int) -> None:
+    """Asks XLA for ``count`` CPU devices unless the user set the flag; must run before JAX starts."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+# ----------------------------------------------------------------------------- FSDP rule
+
+
+def fsdp_dim(shape: tuple[int, ...], num_shards: int, stacked: bool) -> int:
+    """The dimension of a parameter that FSDP splits over ``shard``: the largest one divisible by
+    S (the last of equals), never the stacked-layer axis 0 of a layer param."""
+    first = 1 if stacked else 0
+    candidates = [d for d in range(first, len(shape)) if shape[d] % num_shards == 0]
+    if not candidates:
+        raise MeshError(f"parameter of shape {shape} has no dimension divisible by mesh.shard={num_shards}")
+    return max(candidates, key=lambda d: (shape[d], d))
+
+
+def _is_stacked(path) -> bool:
+    return len(path) > 0 and getattr(path[0], "key", None) == "layers"
+
+
+def param_shard_dims(params: Any, num_shards: int) -> Any:
+    """Pytree of ints: the FSDP dim of each param leaf (in the unstacked-replica layout)."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: fsdp_dim(tuple(x.shape), num_shards, _is_stacked(p)), params)
+
+
+def spec_for(ndim: int, shard_dim: int, leading_replica: bool, outer_over_replica: bool = False) -> P:
+    """PartitionSpec of a param-shaped array; ``leading_replica`` adds the replica dim in front."""
+    axes: list[Any] = [None] * ndim
+    axes[shard_dim] = (SHARD, REPLICA) if outer_over_replica else SHARD
+    return P(REPLICA, *axes) if leading_replica else P(*axes)
+
+
+def replica_specs(params: Any, shard_dims: Any) -> Any:
+    """Specs of per-replica param-shaped values ([N, ...] leaves)."""
+    return jax.tree.map(lambda x, d: spec_for(x.ndim, d, True), params, shard_dims)
+
+
+def outer_specs(params: Any, shard_dims: Any, over_replica: bool = False) -> Any:
+    """Specs of outer (θ̄-shaped, no replica dim) values."""
+    return jax.tree.map(lambda x, d: spec_for(x.ndim, d, False, over_replica), params, shard_dims)
+
+
+BATCH_SPEC = P((REPLICA, SHARD))
+
+
+def named(mesh: Mesh, specs: Any) -> Any:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+# ----------------------------------------------------------------------------- the FSDP hook
+
+
+def unit_dims(shard_dims: Any, stacked: bool) -> Any:
+    """Shard dims as seen inside the scan body, where a layer param has lost its layer axis."""
+    return jax.tree.map(lambda d: d - 1 if stacked else d, shard_dims)
+
+
+def gather_unit(local: Any, dims: Any, dtype: Any = None) -> Any:
+    """All-gathers a unit's FSDP shards over ``shard`` (cast first so the gather moves ``dtype``)."""
+    def one(x, d):
+        if dtype is not None:
+            x = x.astype(dtype)
+        return jax.lax.all_gather(x, SHARD, axis=d, tiled=True)
+
+    return jax.tree.map(one, local, dims)
+
+
+def shard_sq_norm(tree: Any) -> jax.Array:
+    """Squared L2 norm over a whole pytree of FSDP-sharded local blocks (psum over ``shard``)."""
+    local = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
+    return jax.lax.psum(local, SHARD)
+
+
+def replica_gather(x: jax.Array) -> jax.Array:
+    """[N, ...] of every replica's ``x``, identical on all devices. A psum of one-hot slots rather
+    than an all-gather, so the result is typed as replicated over ``replica`` (shard_map's check)."""
+    n = jax.lax.axis_size(REPLICA)
+    slot = jax.nn.one_hot(jax.lax.axis_index(REPLICA), n, dtype=jnp.float32)
+    slot = slot.reshape((n,) + (1,) * jnp.ndim(x))
+    return jax.lax.psum(slot * jnp.asarray(x, jnp.float32)[None], REPLICA)

@@ -1,0 +1,359 @@
+"""Train state and the compiled steps, all under ``shard_map`` over the (replica, shard) mesh.
+
+One machinery, several kinds of step (chosen per step by ``schedule.py``):
+
+- ``hsdp``: gradients averaged over ``shard`` and ``replica`` (Baseline; EDiT's warmup).
+- ``local``: gradients averaged over ``shard`` only; nothing crosses ``replica``.
+- ``sync_forward``: EDiT's sync step. Inside the scanned forward, each unit (root first, then layer
+  by layer) is synced across replicas (outer.sync_unit) just before its FSDP gather; the gradient
+  is taken at the synced params (the sync is the identity in the backward pass) and the inner
+  AdamW update applies to them.
+- ``local_then_sync``: a local step followed by a whole-model sync of every unit (DiLoCo, Post
+  Local SGD, or EDiT with ``sync.layerwise=false``).
+
+Loss normalisation: each device sums its tokens' losses and divides by the tokens of its replica,
+so the sum over ``shard`` (what the all-gather's transpose does to the gradient) is the replica's
+mean gradient; ``hsdp`` then averages over replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh, PartitionSpec as P
+
+from edit_jax import model as model_lib
+from edit_jax.config import Config
+from edit_jax.optim import inner_optimizer
+from edit_jax.outer import Detector, Penalty, outer_optimizer, sync_unit
+from edit_jax.sharding import (BATCH_SPEC, REPLICA, SHARD, gather_unit, named, outer_specs, param_shard_dims,
+                               replica_specs, shard_sq_norm, unit_dims)
+
+STEP_KINDS = ("hsdp", "local", "sync_forward", "local_then_sync")
+
+
+@struct.dataclass
+class OuterState:
+    params: Any  # θ̄: identical on every replica, sharded over `shard`
+    trace: Any  # Nesterov momentum buffer, laid out like θ̄
+    detector: Detector  # per worker and unit: leaves [N, U] (window [N, U, K]); unit 0 is the root
+    syncs: jax.Array  # int32: syncs applied (the initialising one not counted)
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array  # int32: inner steps done
+    params: Any  # per-replica params, leaves [N, ...]
+    opt_state: Any  # per-replica inner AdamW state
+    outer: OuterState | None  # None for the Baseline
+    rng: jax.Array  # uint32 key data, saved with checkpoints for reproducible stochastic extensions
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The static facts the compiled steps need, derived once from the config."""
+
+    method: str
+    uses_outer: bool
+    layerwise: bool
+    penalty: Penalty
+    outer_lr: float
+    outer_momentum: float
+    nesterov: bool
+
+    @staticmethod
+    def from_config(cfg: Config) -> "Plan":
+        s = cfg.sync
+        if s.method == "baseline":
+            return Plan("baseline", False, False, Penalty.off(), 1.0, 0.0, False)
+        if s.method == "post_local_sgd":  # θ̄ = plain mean of the workers: SGD with lr 1, no momentum.
+            return Plan("post_local_sgd", True, False, Penalty.off(), 1.0, 0.0, False)
+        if s.method == "diloco":
+            return Plan("diloco", True, False, Penalty.off(), s.outer_lr, s.outer_momentum, s.nesterov)
+        return Plan("edit", True, s.layerwise, Penalty.from_config(s), s.outer_lr, s.outer_momentum, s.nesterov)
+
+
+def n_units(cfg: Config) -> int:
+    return 1 + cfg.model.n_layers
+
+
+@jax.custom_vjp
+def _with_value(x, value):
+    """Returns ``value`` in the forward pass and passes the cotangent to ``x`` unchanged: the sync
+    acts as the identity in the backward pass, so the gradient is taken at the synced point."""
+    return value
+
+
+def _with_value_fwd(x, value):
+    return value, None
+
+
+def _with_value_bwd(_, g):
+    return g, jax.tree.map(jnp.zeros_like, g)
+
+
+_with_value.defvjp(_with_value_fwd, _with_value_bwd)
+
+
+def _varying(x):
+    """Marks values computed identically on every replica (θ̄) as per-replica, as local params are."""
+    return jax.tree.map(lambda v: jax.lax.pcast(v, REPLICA, to="varying"), x)
+
+
+def make_state(cfg: Config, plan: Plan, inner_opt: optax.GradientTransformation, key: jax.Array) -> TrainState:
+    """A fresh state: every replica starts from the same params; θ̄ = those params, trace = 0."""
+    n = cfg.mesh.replica
+    params = model_lib.init_params(cfg.model, key)
+    outer = None
+    if plan.uses_outer:
+        outer = OuterState(params, jax.tree.map(jnp.zeros_like, params),
+                           Detector.zeros((n, n_units(cfg)), cfg.sync.anomaly_warmup), jnp.int32(0))
+    rep = jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), params)
+    return TrainState(jnp.int32(0), rep, inner_opt.init(rep), outer, jax.random.key_data(jax.random.fold_in(key, 1)))
+
+
+def state_shapes(cfg: Config) -> TrainState:
+    """Shapes and dtypes of the state for ``cfg`` (no devices needed)."""
+    plan = Plan.from_config(cfg)
+    return jax.eval_shape(partial(make_state, cfg, plan, inner_optimizer(cfg.optim, cfg.steps)), jax.random.key(0))
+
+
+def step_kind(cfg: Config, k: int) -> str:
+    """Which step inner step k (0-based) is (EDIT.md, Algorithm 1)."""
+    plan, w, tau = Plan.from_config(cfg), cfg.sync.warmup_steps, cfg.sync.tau
+    if plan.method == "baseline" or k < w:
+        return "hsdp"
+    if plan.layerwise:  # the sync of the window [k - tau, k) runs inside step k's forward
+        return "sync_forward" if k > w and (k - w) % tau == 0 else "local"
+    return "local_then_sync" if (k + 1 - w) % tau == 0 else "local"  # the same window, synced after step k - 1
+
+
+def init_outer_due(cfg: Config, k: int) -> bool:
+    """The first sync (k == W > 0) only sets θ̄ to the (identical) replicas' params."""
+    return Plan.from_config(cfg).uses_outer and cfg.sync.warmup_steps > 0 and k == cfg.sync.warmup_steps
+
+
+# ----------------------------------------------------------------------------- the machinery
+
+
+class Machinery:
+    """Compiles and holds the steps for one (config, mesh). Pure functions inside; this class only
+    binds the static facts (shapes, specs, optimizers) so callers need not pass them around."""
+
+    def __init__(self, cfg: Config, mesh: Mesh):
+        self.cfg, self.mesh = cfg, mesh
+        self.plan = Plan.from_config(cfg)
+        self.n, self.s = cfg.mesh.replica, cfg.mesh.shard
+        self.inner_opt = inner_optimizer(cfg.optim, cfg.steps)
+        self.outer_opt = outer_optimizer(self.plan.outer_lr, self.plan.outer_momentum, self.plan.nesterov)
+        abstract = jax.eval_shape(partial(model_lib.init_params, cfg.model), jax.random.key(0))
+        self.shard_dims = param_shard_dims(abstract, self.s)
+        self.param_specs = replica_specs(abstract, self.shard_dims)
+        self.outer_param_specs = outer_specs(abstract, self.shard_dims)
+        self.state_specs = self._state_specs(abstract)
+        self.state_shardings = named(mesh, self.state_specs)
+        self.tokens_per_replica = cfg.batch_size // self.n * cfg.data.seq_len
+        self._compiled: dict[str, Any] = {}
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of the state: the restore target of a checkpoint."""
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            state_shapes(self.cfg), self.state_shardings)
+
+    # -- specs --------------------------------------------------------------------------------
+
+    def _state_specs(self, abstract_params):
+        rep = jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.n,) + x.shape, x.dtype), abstract_params)
+        opt_abstract = jax.eval_shape(self.inner_opt.init, rep)
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        opt_specs = optax.tree_map_params(self.inner_opt, lambda _, spec: spec, opt_abstract, self.param_specs,
+                                          transform_non_params=lambda _: P(), is_leaf=is_spec)
+        outer = None
+        if self.plan.uses_outer:
+            det = Detector(P(REPLICA), P(REPLICA), P(REPLICA), P(REPLICA))
+            outer = OuterState(self.outer_param_specs, self.outer_param_specs, det, P())
+        return TrainState(P(), self.param_specs, opt_specs, outer, P())
+
+    # -- state creation -------------------------------------------------------------------------
+
+    def init_state(self, seed: int) -> TrainState:
+        make = partial(make_state, self.cfg, self.plan, self.inner_opt)
+        return jax.jit(make, out_shardings=self.state_shardings)(jax.random.key(seed))
+
+    # -- the compiled steps -----------------------------------------------------------------------
+
+    def step_fn(self, kind: str):
+        """The jitted step ``(state, batch) -> (state, metrics)`` of ``kind`` (compiled once)."""
+        if kind not in STEP_KINDS:
+            raise ValueError(f"unknown step kind {kind!r}; expected one of {STEP_KINDS}")
+        if kind not in self._compiled:
+            body = partial(self._local_step, kind=kind)
+            mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(self.state_specs, BATCH_SPEC),
+                                   out_specs=(self.state_specs, P()))
+            self._compiled[kind] = jax.jit(mapped, donate_argnums=0)
+        return self._compiled[kind]
+
+    def lowered(self, kind: str, state, batch):
+        """The lowered (not executed) step, for HLO inspection and memory analysis."""
+        self.step_fn(kind)
+        return self._compiled[kind].lower(state, batch)
+
+    def _local_step(self, state: TrainState, batch: jax.Array, *, kind: str):
+        cfg, plan = self.cfg, self.plan
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        dtype = jnp.dtype(cfg.model.compute_dtype)
+        root_dims, layer_dims = unit_dims(self.shard_dims["root"], False), unit_dims(self.shard_dims["layers"], True)
+        dims_of = {"root": root_dims, "layer": layer_dims}
+        sync_in_forward = kind == "sync_forward"
+
+        def hook(unit, xs, which):
+            if not sync_in_forward:
+                return gather_unit(unit, dims_of[which], dtype), None
+            outer_p, trace, det = xs
+            res = sync_unit(jax.lax.stop_gradient(unit), outer_p, trace, det, plan.penalty, self.outer_opt)
+            synced = _with_value(unit, _varying(res.params))
+            return gather_unit(synced, dims_of[which], dtype), res
+
+        hook_xs = None
+        if sync_in_forward:
+            o = state.outer
+            det = jax.tree.map(lambda x: x[0], o.detector)  # this replica's detectors: [U, ...]
+            hook_xs = {"root": (o.params["root"], o.trace["root"], jax.tree.map(lambda x: x[0], det)),
+                       "layers": (o.params["layers"], o.trace["layers"], jax.tree.map(lambda x: x[1:], det))}
+
+        def loss_fn(params):
+            local = jax.tree.map(lambda x: x[0], params)  # drop the (size 1) local replica dim
+            logits, ys = model_lib.forward(cfg.model, local, inputs, hook, hook_xs)
+            return model_lib.token_loss_sum(logits, targets) / self.tokens_per_replica, ys
+
+        (loss, ys), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        metrics = {}
+        params, outer = state.params, state.outer
+        if sync_in_forward:
+            params, outer, metrics = self._assemble_sync(state, ys["root"], ys["layers"])
+        if kind == "hsdp":
+            grads = jax.tree.map(lambda g: jax.lax.pmean(g, REPLICA), grads)
+        grad_norm = jnp.sqrt(shard_sq_norm(grads))
+        updates, opt_state = self.inner_opt.update(grads, state.opt_state, params)
+        params = optax.apply_updates(params, updates)
+        if kind == "local_then_sync":
+            params, outer, metrics = self._sync_whole(params, outer)
+        loss = jax.lax.pmean(jax.lax.psum(loss, SHARD), REPLICA)
+        metrics.update(loss=loss, grad_norm=jax.lax.pmean(grad_norm, REPLICA))
+        new = TrainState(state.step + 1, params, opt_state, outer, state.rng)
+        return new, metrics
+
+    # -- sync plumbing ---------------------------------------------------------------------------
+
+    def _assemble_sync(self, state: TrainState, root, layers):
+        """Reassembles per-unit sync results (root + scanned layers) into state and metrics."""
+        cat = lambda r, l: jnp.concatenate([r[None], l], axis=0)  # noqa: E731  (unit axis first)
+        params = _varying({"root": root.params, "layers": layers.params})
+        params = jax.tree.map(lambda x: x[None], params)  # restore the local replica dim
+        det = jax.tree.map(cat, root.detector, layers.detector)
+        det = jax.tree.map(lambda x: x[None], det)
+        outer = OuterState({"root": root.outer_params, "layers": layers.outer_params},
+                           {"root": root.trace, "layers": layers.trace}, det, state.outer.syncs + 1)
+        unit_metrics = jax.tree.map(cat, root.metrics, layers.metrics)
+        return params, outer, self._sync_metrics(unit_metrics)
+
+    def _sync_metrics(self, unit):
+        """Per-sync figures: per-worker norms over the whole model and per unit, weights, flags."""
+        g_units = unit["pseudo_grad_norm"]  # [U, N]
+        return {
+            "pseudo_grad_norm": jnp.sqrt(jnp.sum(jnp.square(g_units), axis=0)),  # [N] whole-model norm
+            "unit_pseudo_grad_norm": g_units,
+            "weight": jnp.mean(unit["weight"], axis=0),  # [N] mean over units
+            "unit_weight": unit["weight"],
+            "flagged": jnp.sum(unit["flagged"].astype(jnp.int32), axis=0),  # [N] units flagged
+            "unit_flagged": unit["flagged"],
+            "clip_factor": jnp.min(unit["clip_factor"]),
+            "unit_clip_factor": unit["clip_factor"],
+            "outer_update_norm": jnp.sqrt(jnp.sum(jnp.square(unit["update_norm"]))),
+        }
+
+    def _sync_whole(self, params, outer: OuterState):
+        """Syncs every unit after the step: the root, then the layers one by one (a scan, so that
+        the per-unit numerics are those of the layer-wise sync)."""
+        local = jax.tree.map(lambda x: x[0], params)
+        det = jax.tree.map(lambda x: x[0], outer.detector)
+        one = partial(sync_unit, p=self.plan.penalty, opt=self.outer_opt)
+        root = one(local["root"], outer.params["root"], outer.trace["root"], jax.tree.map(lambda x: x[0], det))
+
+        def body(_, xs):
+            return None, one(*xs)
+
+        _, layers = jax.lax.scan(body, None, (local["layers"], outer.params["layers"], outer.trace["layers"],
+                                              jax.tree.map(lambda x: x[1:], det)))
+        state_like = TrainState(None, None, None, outer, None)
+        return self._assemble_sync(state_like, root, layers)
+
+    # -- outside the step --------------------------------------------------------------------------
+
+    def init_outer_fn(self):
+        """θ̄ <- the replicas' params (identical after synchronous warmup), trace <- 0. The first
+        sync of EDIT.md (k == W): it changes no parameter."""
+        if "init_outer" not in self._compiled:
+            def body(state: TrainState):
+                theta = jax.tree.map(lambda x: x[0], state.params)
+                outer = state.outer.replace(params=theta, trace=jax.tree.map(jnp.zeros_like, theta))
+                return state.replace(outer=outer)
+
+            self._compiled["init_outer"] = jax.jit(body, out_shardings=self.state_shardings, donate_argnums=0)
+        return self._compiled["init_outer"]
+
+    def sync_fn(self):
+        """A whole-model sync of ``state`` (not donated): for evaluation on a fresh θ̄ and for tests."""
+        if "sync" not in self._compiled:
+            def body(state: TrainState):
+                params, outer, metrics = self._sync_whole(state.params, state.outer)
+                return state.replace(params=params, outer=outer), metrics
+
+            mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(self.state_specs,),
+                                   out_specs=(self.state_specs, P()))
+            self._compiled["sync"] = jax.jit(mapped)
+        return self._compiled["sync"]
+
+    def eval_fn(self, over_outer: bool):
+        """Mean token loss of a batch for per-replica params ([N, ...], each replica its rows) or for
+        outer params θ̄ (no replica dim)."""
+        key = f"eval_{over_outer}"
+        if key not in self._compiled:
+            cfg = self.cfg
+            dtype = jnp.dtype(cfg.model.compute_dtype)
+            dims = {"root": unit_dims(self.shard_dims["root"], False), "layer": unit_dims(self.shard_dims["layers"], True)}
+
+            def body(params, batch):
+                local = params if over_outer else jax.tree.map(lambda x: x[0], params)
+                hook = lambda unit, xs, which: (gather_unit(unit, dims[which], dtype), None)  # noqa: E731
+                logits, _ = model_lib.forward(cfg.model, local, batch[:, :-1], hook)
+                total = model_lib.token_loss_sum(logits, batch[:, 1:])
+                count = jnp.float32(batch.shape[0] * (batch.shape[1] - 1))
+                return jax.lax.psum(total, (REPLICA, SHARD)) / jax.lax.psum(count, (REPLICA, SHARD))
+
+            spec = self.outer_param_specs if over_outer else self.param_specs
+            self._compiled[key] = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(spec, BATCH_SPEC), out_specs=P()))
+        return self._compiled[key]
+
+    def eval_params(self, state: TrainState):
+        """What evaluation runs on: θ̄ after a fresh (uncommitted) sync, or the replicas' params
+        while they are kept identical (Baseline, warmup)."""
+        if state.outer is None or int(state.step) <= self.cfg.sync.warmup_steps:
+            return state.params, False
+        synced, _ = self.sync_fn()(state)
+        return synced.outer.params, True
+
+    def evaluate(self, state: TrainState, batches) -> float:
+        params, over_outer = self.eval_params(state)
+        fn = self.eval_fn(over_outer)
+        losses = [float(fn(params, self.put_batch(b))) for b in batches]
+        return sum(losses) / len(losses)
+
+    def put_batch(self, batch):
+        return jax.device_put(batch, named(self.mesh, BATCH_SPEC))

@@ -1,0 +1,258 @@
+"""The training loop: config in, result with the final metrics out.
+
+    result = train(cfg, run_dir="runs/demo")
+
+Order of work: validate the config, build the mesh, load the data, restore or create the state,
+then step. Everything that can reject the input does so before the first step. The run dir holds
+``config.json`` (resolved config), ``metrics.jsonl`` (one JSON object per record: training
+records with ``step``/``loss``/``tokens_per_s``, sync records with ``"sync": true``, evaluation
+records with ``val_loss``) and ``checkpoints/``. Re-running on the same run dir resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from edit_jax import data as data_lib
+from edit_jax.checkpoint import Checkpointer, CheckpointError
+from edit_jax.config import Config, dumps, validate
+from edit_jax.sharding import REPLICA, make_mesh
+from edit_jax.step import Machinery, TrainState, init_outer_due, state_shapes, step_kind
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float
+    final_val_loss: float | None
+    final_val_ppl: float | None
+    tokens: int
+    seconds: float
+    run_dir: str | None
+    interrupted: bool = False
+    resumed_from: int | None = None
+    history: list[dict] = field(default_factory=list)  # training records of this invocation
+
+
+class _StopFlag:
+    """SIGTERM / SIGINT set a flag; the loop checkpoints at the next step boundary and returns."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: signals cannot be caught here
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal is not None:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+class MetricsLog:
+    """Appends JSON lines; on resume drops records past the restored step (they will be redone)."""
+
+    def __init__(self, path: str | None, resume_step: int | None):
+        self.path = path
+        if path and os.path.exists(path):
+            keep = []
+            with open(path) as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # a line cut by a kill
+                    if resume_step is not None and rec.get("step", 0) <= resume_step:
+                        keep.append(line if line.endswith("\n") else line + "\n")
+            with open(path, "w") as f:
+                f.writelines(keep)
+
+    def write(self, record: dict) -> None:
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def _to_json(x):
+    a = np.asarray(x)
+    return a.item() if a.ndim == 0 else a.tolist()
+
+
+def _elastic_state(machinery: Machinery, host: TrainState, old_n: int) -> TrainState:
+    """Maps a state saved with ``old_n`` replicas onto this run's N (same S): every replica restarts
+    from θ̄ (EDIT.md, elasticity), AdamW moments become the mean of the old replicas', detectors of
+    surviving workers are kept and new workers start fresh."""
+    n = machinery.n
+    specs = machinery.state_specs
+
+    def remap(x, spec, kind):
+        if not spec or spec[0] != REPLICA:
+            return x
+        x = np.asarray(x)
+        if kind == "detector":
+            out = np.zeros((n,) + x.shape[1:], x.dtype)
+            out[: min(n, old_n)] = x[: min(n, old_n)]
+            return out
+        return np.broadcast_to(x.mean(axis=0, keepdims=True).astype(x.dtype), (n,) + x.shape[1:])
+
+    is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)  # noqa: E731
+    theta = host.outer.params if host.outer is not None else jax.tree.map(lambda x: np.asarray(x)[0], host.params)
+    params = jax.tree.map(lambda t: np.broadcast_to(np.asarray(t), (n,) + np.shape(t)), theta)
+    opt_state = jax.tree.map(lambda x, s: remap(x, s, "opt"), host.opt_state, specs.opt_state)
+    outer = host.outer
+    if outer is not None:
+        outer = outer.replace(detector=jax.tree.map(lambda x, s: remap(x, s, "detector"), outer.detector,
+                                                    specs.outer.detector, is_leaf=None))
+    del is_spec
+    state = TrainState(host.step, params, opt_state, outer, host.rng)
+    return jax.device_put(state, machinery.state_shardings)
+
+
+def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, devices: list | None = None,
+          stop_after: int | None = None) -> TrainResult:
+    """Trains ``cfg`` to ``cfg.steps`` (resuming from ``run_dir``'s latest checkpoint if any).
+
+    ``stop_after`` stops (with a checkpoint) after that many steps of this invocation, as a signal
+    would: for tests and for splitting a run into chunks.
+    """
+    validate(cfg)
+    mesh = make_mesh(cfg.mesh, devices)
+    corpus = data_lib.load_corpus(cfg.data)
+    data_lib.check_model_vocab(corpus, cfg.model.vocab_size)
+    stream = data_lib.make_train_stream(corpus, cfg.data.seq_len, cfg.batch_size, cfg.mesh.replica, cfg.data.seed)
+    val = data_lib.val_batches(corpus, cfg.data.seq_len, cfg.batch_size, cfg.eval_batches)
+    machinery = Machinery(cfg, mesh)
+
+    ckpt, resumed_from, state = None, None, None
+    if run_dir:
+        os.makedirs(run_dir, exist_ok=True)
+        ckpt = Checkpointer(run_dir, cfg.keep_checkpoints)
+        latest = ckpt.latest_step()
+        if latest is not None:
+            meta = ckpt.read_meta(latest)
+            ckpt.check_compatible(meta, cfg, latest)
+            old_n = meta["config"]["mesh"]["replica"]
+            if old_n == cfg.mesh.replica:
+                state, data_state = ckpt.restore(latest, machinery.abstract_state())
+            else:
+                old_cfg = Config.__new__(Config)
+                old_cfg.__dict__.update(cfg.__dict__)
+                old_cfg.mesh = type(cfg.mesh)(**{**cfg.mesh.__dict__, "replica": old_n})
+                host, data_state = ckpt.restore_host(latest, state_shapes(old_cfg))
+                state = _elastic_state(machinery, host, old_n)
+            stream.set_state(data_state)
+            resumed_from = latest
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            f.write(dumps(cfg) + "\n")
+    if state is None:
+        state = machinery.init_state(cfg.seed)
+    log = MetricsLog(os.path.join(run_dir, "metrics.jsonl") if run_dir else None, resumed_from)
+
+    start_step = int(state.step)
+    tokens_per_step = cfg.batch_size * cfg.data.seq_len
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    say(f"edit-jax: {cfg.sync.method} on mesh replica={cfg.mesh.replica} x shard={cfg.mesh.shard} "
+        f"({jax.devices()[0].platform}); data {corpus.description}")
+    if resumed_from is not None:
+        say(f"edit-jax: resumed from {os.path.join(run_dir, 'checkpoints', str(resumed_from))}")
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    history, last_loss, val_loss = [], float("nan"), None
+    t_start, interrupted, done_here = time.perf_counter(), False, 0
+
+    def save(step):
+        if ckpt is not None:
+            ckpt.save(step, state, stream.get_state(), cfg)
+
+    def evaluate(step):
+        loss = machinery.evaluate(state, val)
+        rec = {"step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+        log.write(rec)
+        say(f"edit-jax: step {step} val_loss {loss:.4f} (ppl {rec['val_ppl']:.2f})")
+        return loss
+
+    with _StopFlag() as stop:
+        k = start_step
+        while k < cfg.steps:
+            if init_outer_due(cfg, k):
+                state = machinery.init_outer_fn()(state)
+            kind = step_kind(cfg, k)
+            batch = machinery.put_batch(stream.next())
+            t0 = time.perf_counter()
+            state, metrics = machinery.step_fn(kind)(state, batch)
+            k += 1
+            done_here += 1
+            is_sync = "pseudo_grad_norm" in metrics
+            if k % cfg.log_every == 0 or is_sync or k == cfg.steps:
+                metrics = jax.device_get(metrics)
+                dt = time.perf_counter() - t0
+                last_loss = float(metrics["loss"])
+                rec = {"step": k, "loss": last_loss, "grad_norm": float(metrics["grad_norm"]),
+                       "tokens_per_s": tokens_per_step / dt, "step_time": dt, "kind": kind}
+                log.write(rec)
+                history.append(rec)
+                if is_sync:
+                    srec = {"step": k, "sync": True}
+                    for name in ("pseudo_grad_norm", "weight", "flagged", "clip_factor", "outer_update_norm"):
+                        srec[name] = _to_json(metrics[name])
+                    if cfg.sync.per_unit_metrics:
+                        for name in ("unit_pseudo_grad_norm", "unit_weight", "unit_flagged", "unit_clip_factor"):
+                            srec[name] = _to_json(metrics[name])
+                    log.write(srec)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}", ms=f"{dt * 1e3:.0f}")
+            if bar is not None:
+                bar.update(1)
+            if not math.isfinite(last_loss) and history and history[-1]["step"] == k:
+                say(f"edit-jax: loss is {last_loss} at step {k}; stopping (checkpoints are kept)")
+                interrupted = True
+                break
+            if cfg.eval_every and k % cfg.eval_every == 0 and k < cfg.steps:
+                val_loss = evaluate(k)
+            if cfg.checkpoint_every and k % cfg.checkpoint_every == 0 and k < cfg.steps:
+                save(k)
+            if stop.signal is not None or (stop_after is not None and done_here >= stop_after and k < cfg.steps):
+                save(k)
+                interrupted = True
+                say(f"edit-jax: stopped at step {k} ({'signal ' + str(stop.signal) if stop.signal else 'stop_after'}); "
+                    "checkpoint saved, re-run the same command to resume")
+                break
+    if bar is not None:
+        bar.close()
+    if not interrupted:
+        val_loss = evaluate(k)
+        save(k)
+    if ckpt is not None:
+        ckpt.close()
+    seconds = time.perf_counter() - t_start
+    return TrainResult(steps=k, final_loss=last_loss, final_val_loss=val_loss,
+                       final_val_ppl=math.exp(min(val_loss, 50.0)) if val_loss is not None else None,
+                       tokens=(k - start_step) * tokens_per_step, seconds=seconds, run_dir=run_dir,
+                       interrupted=interrupted, resumed_from=resumed_from, history=history)
+
+
+__all__ = ["train", "TrainResult", "CheckpointError"]
