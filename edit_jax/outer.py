@@ -145,10 +145,22 @@ class UnitSync:
 
 
 def sync_unit(local: Any, outer_params: Any, trace: Any, det: Detector, p: Penalty,
-              opt: optax.GradientTransformation) -> UnitSync:
+              opt: optax.GradientTransformation, replica_dims: Any = None) -> UnitSync:
     """Algorithm 2 for one unit. ``local``, ``outer_params`` and ``trace`` are this device's FSDP
-    blocks of the unit; ``det`` is this worker's detector for the unit (scalars)."""
+    blocks of the unit; ``det`` is this worker's detector for the unit (scalars).
+
+    With ``replica_dims`` (the FSDP dim of each leaf), θ̄ and the trace are sharded over
+    ``replica`` too: each device holds 1/N of its shard block. Then θ̄ is all-gathered over
+    ``replica`` for the pseudo gradient, the weighted sum is a reduce-scatter, the outer step
+    updates 1/N, and the new θ̄ is all-gathered back: N times less outer memory for an all-gather
+    of θ̄ more traffic than the all-reduce of the plain layout.
+    """
     local = jax.tree.map(lambda x: x.astype(jnp.float32), local)
+    over_replica = replica_dims is not None
+    if over_replica:
+        outer_chunk = outer_params
+        outer_params = jax.tree.map(lambda o, d: jax.lax.all_gather(o, REPLICA, axis=d, tiled=True),
+                                    outer_chunk, replica_dims)
     # 1. pseudo gradient (old minus new) and 2. the norm of this worker's whole unit.
     delta = jax.tree.map(lambda o, x: o - x, outer_params, local)
     g = jnp.sqrt(shard_sq_norm(delta))
@@ -158,16 +170,21 @@ def sync_unit(local: Any, outer_params: Any, trace: Any, det: Detector, p: Penal
     # 4. weighted average over workers.
     w = worker_weights(g, flagged, p)
     any_ok = jax.lax.psum(w, REPLICA) > 0
-    avg = jax.tree.map(lambda d: jax.lax.psum(w * d, REPLICA), delta)
+    if over_replica:  # reduce-scatter: this device gets its 1/N of the weighted sum
+        avg = jax.tree.map(lambda d, dim: jax.lax.psum_scatter(w * d, REPLICA, scatter_dimension=dim, tiled=True),
+                           delta, replica_dims)
+        outer_params = outer_chunk
+    else:
+        avg = jax.tree.map(lambda d: jax.lax.psum(w * d, REPLICA), delta)
     # 5. clip the averaged pseudo gradient over the whole unit.
-    avg_norm = jnp.sqrt(shard_sq_norm(avg))
+    avg_norm = jnp.sqrt(shard_sq_norm(avg, over_replica))
     clip = jnp.minimum(1.0, p.clip_threshold / (avg_norm + 1e-6)) if p.clip else jnp.ones_like(avg_norm)
     avg = jax.tree.map(lambda d: d * clip, avg)
     # 6. outer step; skipped (a rollback of the window) when every worker was flagged.
     updates, (trace_st, _) = opt.update(avg, trace_state(opt, trace))
     new_outer = jax.tree.map(lambda o, u: jnp.where(any_ok, o + u, o), outer_params, updates)
     new_trace = jax.tree.map(lambda old, t: jnp.where(any_ok, t, old), trace, trace_st.trace)
-    update_norm = jnp.sqrt(shard_sq_norm(jax.tree.map(lambda a, b: a - b, new_outer, outer_params)))
+    update_norm = jnp.sqrt(shard_sq_norm(jax.tree.map(lambda a, b: a - b, new_outer, outer_params), over_replica))
     metrics = {
         "pseudo_grad_norm": replica_gather(g),  # [N]: every worker's norm of this unit
         "weight": replica_gather(w),
@@ -177,7 +194,10 @@ def sync_unit(local: Any, outer_params: Any, trace: Any, det: Detector, p: Penal
         "update_norm": update_norm,
     }
     # 7. every worker restarts from θ̄ (a flagged worker loses its local progress).
-    return UnitSync(new_outer, new_outer, new_trace, det, metrics)
+    new_local = new_outer
+    if over_replica:
+        new_local = jax.tree.map(lambda o, d: jax.lax.all_gather(o, REPLICA, axis=d, tiled=True), new_outer, replica_dims)
+    return UnitSync(new_local, new_outer, new_trace, det, metrics)
 
 
 def replica_mean(x: Any) -> Any:

@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from edit_jax import model as model_lib
-from edit_jax.config import Config
+from edit_jax.config import Config, ConfigError
 from edit_jax.optim import inner_optimizer
 from edit_jax.outer import Detector, Penalty, outer_optimizer, sync_unit
 from edit_jax.sharding import (BATCH_SPEC, REPLICA, SHARD, gather_unit, named, outer_specs, param_shard_dims,
@@ -79,6 +79,10 @@ class Plan:
         return Plan("edit", True, s.layerwise, Penalty.from_config(s), s.outer_lr, s.outer_momentum, s.nesterov)
 
 
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
 def n_units(cfg: Config) -> int:
     return 1 + cfg.model.n_layers
 
@@ -103,7 +107,13 @@ _with_value.defvjp(_with_value_fwd, _with_value_bwd)
 
 def _varying(x):
     """Marks values computed identically on every replica (θ̄) as per-replica, as local params are."""
-    return jax.tree.map(lambda v: jax.lax.pcast(v, REPLICA, to="varying"), x)
+    def one(v):
+        aval = jax.typeof(v)  # the varying-axes set is `.mat.varying` in recent JAX, `.vma` before
+        mat = getattr(aval, "mat", None)
+        varying = mat.varying if mat is not None else getattr(aval, "vma", frozenset())
+        return v if REPLICA in varying else jax.lax.pcast(v, REPLICA, to="varying")
+
+    return jax.tree.map(one, x)
 
 
 def make_state(cfg: Config, plan: Plan, inner_opt: optax.GradientTransformation, key: jax.Array) -> TrainState:
@@ -155,9 +165,20 @@ class Machinery:
         abstract = jax.eval_shape(partial(model_lib.init_params, cfg.model), jax.random.key(0))
         self.shard_dims = param_shard_dims(abstract, self.s)
         self.param_specs = replica_specs(abstract, self.shard_dims)
-        self.outer_param_specs = outer_specs(abstract, self.shard_dims)
+        self.outer_over_replica = self.plan.uses_outer and cfg.sync.outer_sharding == "replica_shard"
+        if self.outer_over_replica:
+            self._check_outer_divisible(abstract)
+        self.outer_param_specs = outer_specs(abstract, self.shard_dims, self.outer_over_replica)
         self.state_specs = self._state_specs(abstract)
         self.state_shardings = named(mesh, self.state_specs)
+        self.offload = self.plan.uses_outer and cfg.sync.cpu_offload
+        if self.offload:  # θ̄ and the trace live in host memory; a sync step brings them in
+            host = lambda s: NamedSharding(mesh, s, memory_kind="pinned_host")  # noqa: E731
+            outer = self.state_shardings.outer
+            outer = outer.replace(params=jax.tree.map(host, self.outer_param_specs, is_leaf=_is_spec),
+                                  trace=jax.tree.map(host, self.outer_param_specs, is_leaf=_is_spec))
+            self.state_shardings = self.state_shardings.replace(outer=outer)
+        self.device_outer_shardings = named(mesh, self.outer_param_specs)
         self.tokens_per_replica = cfg.batch_size // self.n * cfg.data.seq_len
         self._compiled: dict[str, Any] = {}
 
@@ -167,6 +188,14 @@ class Machinery:
                             state_shapes(self.cfg), self.state_shardings)
 
     # -- specs --------------------------------------------------------------------------------
+
+    def _check_outer_divisible(self, abstract):
+        bad = [f"{jax.tree_util.keystr(path)} (dim {d} = {x.shape[d]})"
+               for (path, x), d in zip(jax.tree_util.tree_flatten_with_path(abstract)[0], jax.tree.leaves(self.shard_dims))
+               if x.shape[d] % (self.n * self.s)]
+        if bad:
+            raise ConfigError(f"config key 'sync.outer_sharding': 'replica_shard' needs each parameter's FSDP dim "
+                              f"divisible by mesh.replica x mesh.shard = {self.n * self.s}; not so for {', '.join(bad)}")
 
     def _state_specs(self, abstract_params):
         rep = jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.n,) + x.shape, x.dtype), abstract_params)
@@ -193,11 +222,34 @@ class Machinery:
         if kind not in STEP_KINDS:
             raise ValueError(f"unknown step kind {kind!r}; expected one of {STEP_KINDS}")
         if kind not in self._compiled:
-            body = partial(self._local_step, kind=kind)
-            mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(self.state_specs, BATCH_SPEC),
-                                   out_specs=(self.state_specs, P()))
-            self._compiled[kind] = jax.jit(mapped, donate_argnums=0)
+            uses_outer_here = kind in ("sync_forward", "local_then_sync")
+            specs = self.state_specs if uses_outer_here else self.state_specs.replace(outer=None)
+            mapped = jax.shard_map(partial(self._local_step, kind=kind), mesh=self.mesh,
+                                   in_specs=(specs, BATCH_SPEC), out_specs=(specs, P()))
+
+            def step(state: TrainState, batch):
+                if not uses_outer_here:  # the outer state does not enter local steps at all
+                    new, metrics = mapped(state.replace(outer=None), batch)
+                    return new.replace(outer=state.outer), metrics
+                new, metrics = mapped(state.replace(outer=self._outer_to_device(state.outer)), batch)
+                return new.replace(outer=self._outer_to_home(new.outer)), metrics
+
+            self._compiled[kind] = jax.jit(step, donate_argnums=0, out_shardings=(self.state_shardings, None))
         return self._compiled[kind]
+
+    def _outer_to_device(self, outer: OuterState) -> OuterState:
+        if not self.offload:
+            return outer
+        put = lambda x, s: jax.device_put(x, s)  # noqa: E731
+        return outer.replace(params=jax.tree.map(put, outer.params, self.device_outer_shardings),
+                             trace=jax.tree.map(put, outer.trace, self.device_outer_shardings))
+
+    def _outer_to_home(self, outer: OuterState) -> OuterState:
+        if not self.offload:
+            return outer
+        home = self.state_shardings.outer
+        return outer.replace(params=jax.tree.map(jax.device_put, outer.params, home.params),
+                             trace=jax.tree.map(jax.device_put, outer.trace, home.trace))
 
     def lowered(self, kind: str, state, batch):
         """The lowered (not executed) step, for HLO inspection and memory analysis."""
@@ -216,7 +268,8 @@ class Machinery:
             if not sync_in_forward:
                 return gather_unit(unit, dims_of[which], dtype), None
             outer_p, trace, det = xs
-            res = sync_unit(jax.lax.stop_gradient(unit), outer_p, trace, det, plan.penalty, self.outer_opt)
+            rdims = dims_of[which] if self.outer_over_replica else None
+            res = sync_unit(jax.lax.stop_gradient(unit), outer_p, trace, det, plan.penalty, self.outer_opt, rdims)
             synced = _with_value(unit, _varying(res.params))
             return gather_unit(synced, dims_of[which], dtype), res
 
@@ -283,11 +336,15 @@ class Machinery:
         the per-unit numerics are those of the layer-wise sync)."""
         local = jax.tree.map(lambda x: x[0], params)
         det = jax.tree.map(lambda x: x[0], outer.detector)
+        over = self.outer_over_replica
+        root_dims = unit_dims(self.shard_dims["root"], False) if over else None
+        layer_dims = unit_dims(self.shard_dims["layers"], True) if over else None
         one = partial(sync_unit, p=self.plan.penalty, opt=self.outer_opt)
-        root = one(local["root"], outer.params["root"], outer.trace["root"], jax.tree.map(lambda x: x[0], det))
+        root = one(local["root"], outer.params["root"], outer.trace["root"], jax.tree.map(lambda x: x[0], det),
+                   replica_dims=root_dims)
 
         def body(_, xs):
-            return None, one(*xs)
+            return None, one(*xs, replica_dims=layer_dims)
 
         _, layers = jax.lax.scan(body, None, (local["layers"], outer.params["layers"], outer.trace["layers"],
                                               jax.tree.map(lambda x: x[1:], det)))
@@ -317,7 +374,12 @@ class Machinery:
 
             mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(self.state_specs,),
                                    out_specs=(self.state_specs, P()))
-            self._compiled["sync"] = jax.jit(mapped)
+
+            def sync(state: TrainState):
+                new, metrics = mapped(state.replace(outer=self._outer_to_device(state.outer)))
+                return new.replace(outer=self._outer_to_home(new.outer)), metrics
+
+            self._compiled["sync"] = jax.jit(sync, out_shardings=(self.state_shardings, None))
         return self._compiled["sync"]
 
     def eval_fn(self, over_outer: bool):
@@ -331,6 +393,9 @@ class Machinery:
 
             def body(params, batch):
                 local = params if over_outer else jax.tree.map(lambda x: x[0], params)
+                if over_outer and self.outer_over_replica:  # θ̄ is split over replica too: reassemble
+                    local = jax.tree.map(lambda x, d: jax.lax.all_gather(x, REPLICA, axis=d, tiled=True), local,
+                                         {"root": dims["root"], "layers": self.shard_dims["layers"]})
                 hook = lambda unit, xs, which: (gather_unit(unit, dims[which], dtype), None)  # noqa: E731
                 logits, _ = model_lib.forward(cfg.model, local, batch[:, :-1], hook)
                 total = model_lib.token_loss_sum(logits, batch[:, 1:])
@@ -338,7 +403,10 @@ class Machinery:
                 return jax.lax.psum(total, (REPLICA, SHARD)) / jax.lax.psum(count, (REPLICA, SHARD))
 
             spec = self.outer_param_specs if over_outer else self.param_specs
-            self._compiled[key] = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(spec, BATCH_SPEC), out_specs=P()))
+            mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(spec, BATCH_SPEC), out_specs=P())
+            to_device = (lambda p: jax.device_put(p, self.device_outer_shardings)) if over_outer and self.offload \
+                else (lambda p: p)
+            self._compiled[key] = jax.jit(lambda p, b: mapped(to_device(p), b))
         return self._compiled[key]
 
     def eval_params(self, state: TrainState):

@@ -1,0 +1,511 @@
+"""Search over balanced partitions: DT-FM's hybrid genetic algorithm, and the two baselines.
+
+A layout is ``labels`` (int array, labels[d] = group of device d) with fixed group sizes. Any
+objective exposing the small protocol below can be searched (the DT-FM model in ``cost.py``, the
+EDiT mesh model in ``edit_cost.py``):
+
+    num_groups: int;  sizes: (G,) ints;  gain_pair: (N, N) link costs for the local-search gains
+    gain_kind: "spread" (fast links should cross groups: DT-FM, where a group is a DP group and
+               the pipeline runs across groups) or "cluster" (fast links inside groups: EDiT,
+               where a group is a replica that talks every step)
+    cost(labels) -> float;  optional: fixed_groups (labels that must not be renamed),
+    structured_layouts() -> list of labels, repair(labels, rng) -> labels,
+    swap_allowed(labels, u, v) -> bool
+
+Three searches, compared at an equal number of true-objective evaluations (the x-axis of the
+paper's convergence figure; the gain-driven local search does not call the objective, exactly as
+in the paper, so it is free on that axis, while our true-objective swap moves are charged):
+
+* ``genetic_search(..., gain="paper")`` ("ours"): population of 100 (random partitions plus
+  structured layouts built from the topology's link-cost clusters), steady-state generations with
+  label-aligned crossover, balance repair, local search by cyclic moves with the paper's gain,
+  duplicate rejection, replacement of the worst member, and true-objective swap descent whenever
+  an offspring becomes the best so far.
+* ``genetic_search(..., gain="kl", structured=False, swaps=False)``: the same GA with the textbook
+  Kernighan-Lin gain and random initialisation only (the paper's weaker baseline).
+* ``random_search``: best of that many uniformly random balanced partitions.
+
+All randomness comes from the ``numpy.random.Generator`` passed in, so a seed fixes the result.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+GAIN_KINDS = ("paper", "kl")
+
+
+@dataclass
+class SearchResult:
+    method: str
+    labels: np.ndarray
+    cost: float
+    curve: np.ndarray  # best cost after each evaluation (length = evaluations used)
+    evaluations: int
+    seconds: float
+    extra: dict = field(default_factory=dict)
+
+
+class _Budget:
+    """Counts true-objective evaluations and records the best-so-far curve."""
+
+    def __init__(self, objective, limit: int):
+        self.objective = objective
+        self.limit = int(limit)
+        self.curve = np.empty(self.limit)
+        self.used = 0
+        self.best_cost = np.inf
+        self.best_labels: np.ndarray | None = None
+
+    @property
+    def remaining(self) -> int:
+        return self.limit - self.used
+
+    def evaluate(self, labels: np.ndarray) -> float:
+        value = float(self.objective.cost(labels))
+        if value < self.best_cost:
+            self.best_cost, self.best_labels = value, labels.copy()
+        self.curve[self.used] = self.best_cost
+        self.used += 1
+        return value
+
+    def result(self, method: str, started: float, **extra) -> SearchResult:
+        return SearchResult(method=method, labels=self.best_labels, cost=self.best_cost,
+                            curve=self.curve[:self.used].copy(), evaluations=self.used,
+                            seconds=time.perf_counter() - started, extra=extra)
+
+
+# ----------------------------------------------------------------------------------------------
+# Partitions
+# ----------------------------------------------------------------------------------------------
+
+def base_labels(sizes: np.ndarray) -> np.ndarray:
+    return np.repeat(np.arange(len(sizes)), sizes)
+
+
+def random_partition(sizes: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    return rng.permutation(base_labels(sizes))
+
+
+def canonical_key(labels: np.ndarray, num_groups: int, fixed_groups=()) -> bytes:
+    """Identity of the partition, independent of how interchangeable groups are numbered:
+    groups are renamed in order of their first device (fixed groups keep their label)."""
+    first = np.full(num_groups, labels.size)
+    np.minimum.at(first, labels, np.arange(labels.size))
+    rename = np.arange(num_groups)
+    free = np.array([g for g in range(num_groups) if g not in fixed_groups])
+    rename[free[np.argsort(first[free], kind="stable")]] = free
+    return rename[labels].astype(np.int16).tobytes()
+
+
+def _is_balanced(labels: np.ndarray, sizes: np.ndarray) -> bool:
+    return bool(np.array_equal(np.bincount(labels, minlength=len(sizes)), sizes))
+
+
+def rebalance(labels: np.ndarray, sizes: np.ndarray, rng: np.random.Generator | None = None,
+              protected: np.ndarray | None = None) -> np.ndarray:
+    """Move surplus devices of over-full groups into under-full ones (in place, returned).
+
+    Surplus devices are chosen at random (deterministically, last first, without ``rng``),
+    preferring devices that are not ``protected`` (the ones crossover just copied)."""
+    counts = np.bincount(labels, minlength=len(sizes))
+    surplus = []
+    for g in np.flatnonzero(counts > sizes):
+        members = np.flatnonzero(labels == g)
+        if protected is not None:  # unprotected first
+            members = np.concatenate([members[~protected[members]], members[protected[members]]])
+            if rng is not None:
+                unprot = members[: int((~protected[members]).sum())]
+                members[: unprot.size] = rng.permutation(unprot)
+        elif rng is not None:
+            members = rng.permutation(members)
+        else:
+            members = members[::-1]
+        surplus.extend(members[: counts[g] - sizes[g]].tolist())
+    holes = np.repeat(np.arange(len(sizes)), np.maximum(sizes - counts, 0))
+    if rng is not None:
+        holes = rng.permutation(holes)
+    labels[np.array(surplus, dtype=np.int64)] = holes
+    return labels
+
+
+# ----------------------------------------------------------------------------------------------
+# Structured layouts from the topology's link-cost clusters
+# ----------------------------------------------------------------------------------------------
+
+def cluster_levels(pair_cost: np.ndarray, max_levels: int = 6) -> list[np.ndarray]:
+    """Clusterings of the devices at increasing link-cost thresholds (single linkage).
+
+    Level t joins devices connected by links of cost <= the t-th distinct cost: on the paper's
+    networks the first level is the nodes / regions, later ones merge nearby regions. Returns a
+    list of cluster-id arrays (ids in order of first device), coarsest all-in-one dropped."""
+    n = pair_cost.shape[0]
+    off = pair_cost[~np.eye(n, dtype=bool)]
+    levels = np.unique(off)
+    result: list[np.ndarray] = []
+    seen: set[bytes] = set()
+    for threshold in levels:
+        cluster = _components(pair_cost <= threshold)
+        if cluster.max() == 0:
+            break
+        key = cluster.tobytes()
+        if key not in seen:
+            seen.add(key)
+            result.append(cluster)
+        if len(result) >= max_levels:
+            break
+    return result
+
+
+def _components(adjacent: np.ndarray) -> np.ndarray:
+    n = adjacent.shape[0]
+    cluster = np.full(n, -1)
+    next_id = 0
+    for start in range(n):
+        if cluster[start] >= 0:
+            continue
+        stack = [start]
+        cluster[start] = next_id
+        while stack:
+            d = stack.pop()
+            for e in np.flatnonzero(adjacent[d] & (cluster < 0)):
+                cluster[e] = next_id
+                stack.append(int(e))
+        next_id += 1
+    return cluster
+
+
+def block_layout(cluster: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Fill groups in order with the devices sorted by cluster: 'each group = one node/region'."""
+    order = np.lexsort((np.arange(cluster.size), cluster))
+    labels = np.empty(cluster.size, dtype=np.int64)
+    labels[order] = base_labels(sizes)
+    return labels
+
+
+def stripe_layout(cluster: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The i-th device of every cluster goes to group i (mod G), then balance is repaired:
+    'each group takes one device per node/region'. With 4-GPU nodes and single hosts (case 2)
+    the node devices fill groups 0-3 and the single hosts spill into the others."""
+    rank_in_cluster = np.zeros(cluster.size, dtype=np.int64)
+    for c in np.unique(cluster):
+        members = np.flatnonzero(cluster == c)
+        rank_in_cluster[members] = np.arange(members.size)
+    labels = rank_in_cluster % len(sizes)
+    return rebalance(labels, sizes)
+
+
+def structured_layouts(pair_cost: np.ndarray, sizes: np.ndarray) -> list[np.ndarray]:
+    """Blocks and stripes for every cluster level, plus the plain index blocks and stripes."""
+    n = pair_cost.shape[0]
+    layouts = [block_layout(np.arange(n) // max(1, n // len(sizes)), sizes),
+               stripe_layout(np.arange(n) // max(1, n // len(sizes)), sizes)]
+    for cluster in cluster_levels(pair_cost):
+        layouts.append(block_layout(cluster, sizes))
+        layouts.append(stripe_layout(cluster, sizes))
+    return layouts
+
+
+# ----------------------------------------------------------------------------------------------
+# Local search: cyclic moves driven by a gain
+# ----------------------------------------------------------------------------------------------
+
+class _MoveState:
+    """Labels plus the (G, N) sums of gain-link costs from each group to each device, updated
+    incrementally so that every gain is a lookup (the pair matrix is symmetric)."""
+
+    def __init__(self, labels: np.ndarray, pair: np.ndarray, num_groups: int):
+        self.labels = labels.copy()
+        self.pair = pair
+        self.num_groups = num_groups
+        onehot = np.zeros((num_groups, labels.size))
+        onehot[labels, np.arange(labels.size)] = 1.0
+        self.sums = onehot @ pair  # sums[g, d] = sum of pair[members of g, d]
+        self.counts = np.bincount(labels, minlength=num_groups).astype(np.float64)
+
+    def move(self, device: int, target: int) -> None:
+        source = self.labels[device]
+        row = self.pair[device]
+        self.sums[source] -= row
+        self.sums[target] += row
+        self.counts[source] -= 1
+        self.counts[target] += 1
+        self.labels[device] = target
+
+
+def _mover_and_gains(state: _MoveState, group: int, locked: np.ndarray, kind: str):
+    """Pick the device to move out of ``group`` and its gain for every target group.
+
+    paper: the mover is an endpoint of the group's fastest internal link (a device whose
+      cheapest in-group link is smallest; ties broken by the best gain); gain(v, S->T) =
+      mean link cost from v to T - v's cheapest link inside S. Moving a device out of a group
+      that already holds a fast partner into a group it is far from spreads fast links across
+      groups, which is what the pipeline matchings need.
+    kl: the textbook Kernighan-Lin gain, keeping fast links inside groups: gain(v, S->T) =
+      mean cost to S - mean cost to T; the mover is the device with the best gain."""
+    in_group = state.labels == group
+    movable = np.flatnonzero(in_group & ~locked)
+    if movable.size == 0:
+        return -1, None
+    denominators = state.counts.copy()
+    denominators[group] -= 1.0  # the mover itself is not its own peer
+    mean = state.sums[:, movable].T / np.maximum(denominators, 1.0)  # (movable, G)
+    if kind == "paper":
+        inside = np.where(in_group, state.pair[movable], np.inf)
+        inside[np.arange(movable.size), movable] = np.inf
+        cheapest_inside = inside.min(axis=1)
+        if not np.isfinite(cheapest_inside[0]):
+            cheapest_inside[:] = 0.0  # a group of one has no internal link
+        gains = mean - cheapest_inside[:, None]
+        gains[:, group] = -np.inf
+        best_gain = gains.max(axis=1)
+        best_gain[cheapest_inside > cheapest_inside.min() + 1e-12] = -np.inf
+    else:
+        gains = mean[:, [group]] - mean
+        gains[:, group] = -np.inf
+        best_gain = gains.max(axis=1)
+    row = int(np.argmax(best_gain))
+    return int(movable[row]), gains[row]
+
+
+def _cyclic_move(state: _MoveState, start: int, kind: str) -> float:
+    """One balance-preserving chain of moves start -> g1 -> g2 -> ... -> start.
+
+    Each step moves the current group's mover to the unvisited group of best gain; after every
+    step, closing the chain (the next mover goes back to ``start``) is considered, and the closed
+    prefix of largest total gain is applied if that total is positive. Returns the gain applied."""
+    num_groups = state.num_groups
+    locked = np.zeros(state.labels.size, dtype=bool)
+    visited = np.zeros(num_groups, dtype=bool)
+    visited[start] = True
+    moves: list[tuple[int, int, int]] = []
+    total, best_total, best_plan = 0.0, 1e-12, None
+    current = start
+    while True:
+        device, gains = _mover_and_gains(state, current, locked, kind)
+        if device < 0:
+            break
+        if moves:
+            closing = total + gains[start]
+            if closing > best_total:
+                best_total, best_plan = closing, moves + [(device, current, start)]
+        open_gains = np.where(visited, -np.inf, gains)
+        if not np.isfinite(open_gains).any():
+            break
+        target = int(np.argmax(open_gains))
+        state.move(device, target)
+        moves.append((device, current, target))
+        total += gains[target]
+        locked[device] = True
+        visited[target] = True
+        current = target
+    for device, source, _ in reversed(moves):
+        state.move(device, source)
+    if best_plan is None:
+        return 0.0
+    for device, _, target in best_plan:
+        state.move(device, target)
+    return best_total
+
+
+def local_search(labels: np.ndarray, pair: np.ndarray, num_groups: int, kind: str,
+                 rng: np.random.Generator, rounds: int = 1) -> np.ndarray:
+    """Cyclic moves from every group (random order), ``rounds`` times or until none helps."""
+    state = _MoveState(labels, pair, num_groups)
+    for _ in range(rounds):
+        improved = False
+        for start in rng.permutation(num_groups):
+            if _cyclic_move(state, int(start), kind) > 0:
+                improved = True
+        if not improved:
+            break
+    return state.labels
+
+
+# ----------------------------------------------------------------------------------------------
+# Genetic operators
+# ----------------------------------------------------------------------------------------------
+
+def align_labels(donor: np.ndarray, receiver: np.ndarray, num_groups: int, fixed_groups=()) -> np.ndarray:
+    """Rename the donor's groups to maximise overlap with the receiver's (fixed groups map to
+    themselves), so that copying labels transplants group membership, not arbitrary numbers."""
+    overlap = np.bincount(donor * num_groups + receiver, minlength=num_groups * num_groups)
+    overlap = overlap.reshape(num_groups, num_groups).astype(np.float64)
+    for g in fixed_groups:
+        overlap[g, :] = -1e9
+        overlap[:, g] = -1e9
+        overlap[g, g] = 1e9
+    rows, cols = linear_sum_assignment(-overlap)
+    rename = np.empty(num_groups, dtype=np.int64)
+    rename[rows] = cols
+    return rename[donor]
+
+
+def crossover(donor: np.ndarray, receiver: np.ndarray, sizes: np.ndarray, rng: np.random.Generator,
+              fixed_groups=(), copied: int = 5) -> np.ndarray:
+    """Copy the (aligned) group labels of ``copied`` random devices from donor into receiver."""
+    aligned = align_labels(donor, receiver, len(sizes), fixed_groups)
+    child = receiver.copy()
+    picked = rng.choice(child.size, size=min(copied, child.size), replace=False)
+    child[picked] = aligned[picked]
+    protected = np.zeros(child.size, dtype=bool)
+    protected[picked] = True
+    return rebalance(child, sizes, rng, protected)
+
+
+def _swap_allowed(objective, labels, u, v) -> bool:
+    check = getattr(objective, "swap_allowed", None)
+    return True if check is None else bool(check(labels, u, v))
+
+
+def swap_descent(labels: np.ndarray, cost: float, budget: _Budget, rng: np.random.Generator,
+                 max_evaluations: int, objective) -> tuple[np.ndarray, float]:
+    """First-improvement descent over single swaps between groups, on the true objective.
+
+    The gain-driven local search cannot see the all-or-nothing bottleneck matchings (case 2's
+    plateau); trying swaps on the real cost can. Each try is charged as an evaluation."""
+    labels = labels.copy()
+    n = labels.size
+    tries = 0
+    while tries < max_evaluations and budget.remaining > 0:
+        u, v = rng.integers(n, size=2)
+        if labels[u] == labels[v] or not _swap_allowed(objective, labels, u, v):
+            tries += 1  # still bounds the loop; not an evaluation
+            continue
+        trial = labels.copy()
+        trial[u], trial[v] = labels[v], labels[u]
+        value = budget.evaluate(trial)
+        tries += 1
+        if value < cost - 1e-12:
+            labels, cost = trial, value
+    return labels, cost
+
+
+def _repair(objective, labels, rng):
+    fix = getattr(objective, "repair", None)
+    return labels if fix is None else fix(labels, rng)
+
+
+# ----------------------------------------------------------------------------------------------
+# Searches
+# ----------------------------------------------------------------------------------------------
+
+def random_search(objective, evaluations: int, rng: np.random.Generator) -> SearchResult:
+    """Best of ``evaluations`` uniformly random balanced partitions."""
+    started = time.perf_counter()
+    budget = _Budget(objective, evaluations)
+    sizes = np.asarray(objective.sizes)
+    while budget.remaining > 0:
+        budget.evaluate(_repair(objective, random_partition(sizes, rng), rng))
+    return budget.result("random", started)
+
+
+def genetic_search(objective, evaluations: int, rng: np.random.Generator, *, gain: str = "paper",
+                   structured: bool = True, swaps: bool = True, population: int = 100,
+                   local_rounds: int = 1, swap_tries: int | None = None,
+                   method: str | None = None) -> SearchResult:
+    """The hybrid GA (module docstring). ``evaluations`` counts true-objective calls."""
+    if gain not in GAIN_KINDS:
+        raise ValueError(f"gain must be one of {GAIN_KINDS}, got {gain!r}")
+    started = time.perf_counter()
+    sizes = np.asarray(objective.sizes)
+    num_groups = len(sizes)
+    fixed = tuple(getattr(objective, "fixed_groups", ()))
+    kind = gain if getattr(objective, "gain_kind", "spread") == "spread" else _cluster_variant(gain)
+    pair = objective.gain_pair
+    budget = _Budget(objective, evaluations)
+    swap_tries = swap_tries if swap_tries is not None else 2 * labels_size(sizes)
+
+    def improve(labels):
+        labels = local_search(labels, pair, num_groups, kind, rng, rounds=local_rounds)
+        return _repair(objective, labels, rng)
+
+    # initial population: structured layouts first, then random partitions improved locally
+    members: list[np.ndarray] = []
+    costs: list[float] = []
+    keys: set[bytes] = set()
+    seeds: list[np.ndarray] = []
+    if structured:
+        maker = getattr(objective, "structured_layouts", None)
+        seeds = maker() if maker is not None else structured_layouts(pair, sizes)
+    for labels in seeds:
+        if len(members) >= population or budget.remaining == 0:
+            break
+        labels = _repair(objective, np.asarray(labels, dtype=np.int64), rng)
+        key = canonical_key(labels, num_groups, fixed)
+        if key in keys or not _is_balanced(labels, sizes):
+            continue
+        keys.add(key)
+        members.append(labels)
+        costs.append(budget.evaluate(labels))
+    attempts = 0
+    while len(members) < population and budget.remaining > 0 and attempts < 20 * population:
+        attempts += 1
+        labels = improve(random_partition(sizes, rng))
+        key = canonical_key(labels, num_groups, fixed)
+        if key in keys:
+            continue
+        keys.add(key)
+        members.append(labels)
+        costs.append(budget.evaluate(labels))
+    if swaps and members and budget.remaining > 0:
+        best = int(np.argmin(costs))
+        members[best], costs[best] = _swap_into(members[best], costs[best], budget, rng, swap_tries,
+                                                objective, keys, num_groups, fixed)
+
+    # steady-state generations
+    cost_array = np.array(costs)
+    stall = 0
+    while budget.remaining > 0 and len(members) >= 2 and stall < 50 * evaluations:
+        a, b = rng.choice(len(members), size=2, replace=False)
+        child = improve(crossover(members[a], members[b], sizes, rng, fixed))
+        key = canonical_key(child, num_groups, fixed)
+        if key in keys:  # a duplicate: mutate by one random swap instead of re-evaluating it
+            stall += 1
+            u, v = rng.integers(child.size, size=2)
+            if child[u] == child[v] or not _swap_allowed(objective, child, u, v):
+                continue
+            child[u], child[v] = child[v], child[u]
+            key = canonical_key(child, num_groups, fixed)
+            if key in keys:
+                continue
+        value = budget.evaluate(child)
+        best_before = cost_array.min()
+        worst = int(np.argmax(cost_array))
+        if value < cost_array[worst]:
+            keys.discard(canonical_key(members[worst], num_groups, fixed))
+            keys.add(key)
+            members[worst], cost_array[worst] = child, value
+            if swaps and value < best_before and budget.remaining > 0:
+                improved, improved_cost = _swap_into(child, value, budget, rng, swap_tries, objective,
+                                                     keys, num_groups, fixed)
+                if improved_cost < value:
+                    keys.discard(key)
+                    members[worst], cost_array[worst] = improved, improved_cost
+    name = method or {("paper", True): "ours", ("kl", False): "kernighan-lin"}.get((gain, structured), f"ga-{gain}")
+    return budget.result(name, started, population=len(members))
+
+
+def _swap_into(labels, cost, budget, rng, tries, objective, keys, num_groups, fixed):
+    """Swap descent whose result is registered in ``keys`` (the population's identity set)."""
+    improved, improved_cost = swap_descent(labels, cost, budget, rng, tries, objective)
+    if improved_cost < cost:
+        key = canonical_key(improved, num_groups, fixed)
+        if key not in keys:
+            keys.add(key)
+            return improved, improved_cost
+    return labels, cost
+
+
+def labels_size(sizes: np.ndarray) -> int:
+    return int(np.sum(sizes))
+
+
+def _cluster_variant(gain: str) -> str:
+    """For 'cluster' objectives (EDiT replicas) the frequent traffic is inside a group, so the
+    gain that serves them is the keep-fast-links-together one for both GA variants."""
+    return "kl"
