@@ -80,13 +80,19 @@ class Checkpointer:
         """Restores into host NumPy arrays of the saved shapes (for elastic restarts with another N)."""
         path = os.path.join(self.directory, str(step))
         restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), abstract_state)
+        # A manager of its own: orbax binds an item's handler type (here PyTree, not Standard) at
+        # first use, and the run's manager must keep saving with StandardSave afterwards.
+        reader = ocp.CheckpointManager(self.directory, item_names=("state", "data", "meta"),
+                                       options=ocp.CheckpointManagerOptions(create=False, read_only=True))
         try:
-            out = self.manager.restore(step, args=ocp.args.Composite(
+            out = reader.restore(step, args=ocp.args.Composite(
                 state=ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args),
                 data=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"checkpoint {path} could not be restored: {type(e).__name__}: {e}. "
                                   "It was left untouched; move it away to start over.") from e
+        finally:
+            reader.close()
         return out["state"], out["data"]
 
     def close(self) -> None:

@@ -41,7 +41,7 @@ def _train(argv: list[str]) -> int:
     from edit_jax.train import train
 
     try:
-        result = train(cfg, run_dir, progress=not args.no_progress)
+        result = train(cfg, run_dir, progress=not args.no_progress, verbose=True)
     except (ConfigError, DataError, MeshError, CheckpointError) as e:
         kind = {ConfigError: "bad config", DataError: "data", MeshError: "mesh", CheckpointError: "checkpoint"}
         print(f"edit-jax: {kind.get(type(e), type(e).__name__)} error: {e}", file=sys.stderr)

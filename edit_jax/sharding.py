@@ -146,4 +146,5 @@ def replica_gather(x: jax.Array) -> jax.Array:
     n = jax.lax.axis_size(REPLICA)
     slot = jax.nn.one_hot(jax.lax.axis_index(REPLICA), n, dtype=jnp.float32)
     slot = slot.reshape((n,) + (1,) * jnp.ndim(x))
-    return jax.lax.psum(slot * jnp.asarray(x, jnp.float32)[None], REPLICA)
+    x = jnp.asarray(x, jnp.float32)[None]
+    return jax.lax.psum(jnp.where(slot > 0, x, 0.0), REPLICA)  # where, not *: 0 * NaN would poison every slot

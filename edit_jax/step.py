@@ -36,6 +36,9 @@ from edit_jax.sharding import (BATCH_SPEC, REPLICA, SHARD, gather_unit, named, o
                                replica_specs, shard_sq_norm, unit_dims)
 
 STEP_KINDS = ("hsdp", "local", "sync_forward", "local_then_sync")
+# Sync figures (identical on every device); "loss" and "grad_norm" come back per replica, [N].
+SYNC_METRICS = ("pseudo_grad_norm", "unit_pseudo_grad_norm", "weight", "unit_weight", "flagged", "unit_flagged",
+                "clip_factor", "unit_clip_factor", "outer_update_norm")
 
 
 @struct.dataclass
@@ -224,8 +227,11 @@ class Machinery:
         if kind not in self._compiled:
             uses_outer_here = kind in ("sync_forward", "local_then_sync")
             specs = self.state_specs if uses_outer_here else self.state_specs.replace(outer=None)
+            metric_specs = {"loss": P(REPLICA), "grad_norm": P(REPLICA)}
+            if uses_outer_here:
+                metric_specs.update({k: P() for k in SYNC_METRICS})
             mapped = jax.shard_map(partial(self._local_step, kind=kind), mesh=self.mesh,
-                                   in_specs=(specs, BATCH_SPEC), out_specs=(specs, P()))
+                                   in_specs=(specs, BATCH_SPEC), out_specs=(specs, metric_specs))
 
             def step(state: TrainState, batch):
                 if not uses_outer_here:  # the outer state does not enter local steps at all
@@ -250,6 +256,23 @@ class Machinery:
         home = self.state_shardings.outer
         return outer.replace(params=jax.tree.map(jax.device_put, outer.params, home.params),
                              trace=jax.tree.map(jax.device_put, outer.trace, home.trace))
+
+    def grads_fn(self, sync_over_replica: bool):
+        """``(state, batch) -> (mean loss, per-replica grads)`` of the step's gradient path (for
+        tests: the gradient an "hsdp" (True) or "local" (False) step hands to the optimizer)."""
+        key = f"grads_{sync_over_replica}"
+        if key not in self._compiled:
+            specs = self.state_specs.replace(outer=None)
+
+            def body(state, batch):
+                loss, grads = self._local_step(state, batch, kind="grads_only")
+                if sync_over_replica:
+                    grads = jax.tree.map(lambda g: jax.lax.pmean(g, REPLICA), grads)
+                return loss, grads
+
+            mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, BATCH_SPEC), out_specs=(P(), self.param_specs))
+            self._compiled[key] = jax.jit(lambda st, b: mapped(st.replace(outer=None), b))
+        return self._compiled[key]
 
     def lowered(self, kind: str, state, batch):
         """The lowered (not executed) step, for HLO inspection and memory analysis."""
@@ -286,19 +309,22 @@ class Machinery:
             return model_lib.token_loss_sum(logits, targets) / self.tokens_per_replica, ys
 
         (loss, ys), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        if kind == "hsdp":
+            grads = jax.tree.map(lambda g: jax.lax.pmean(g, REPLICA), grads)
+        if kind == "grads_only":
+            return jax.lax.pmean(jax.lax.psum(loss, SHARD), REPLICA), grads
         metrics = {}
         params, outer = state.params, state.outer
         if sync_in_forward:
             params, outer, metrics = self._assemble_sync(state, ys["root"], ys["layers"])
-        if kind == "hsdp":
-            grads = jax.tree.map(lambda g: jax.lax.pmean(g, REPLICA), grads)
         grad_norm = jnp.sqrt(shard_sq_norm(grads))
         updates, opt_state = self.inner_opt.update(grads, state.opt_state, params)
         params = optax.apply_updates(params, updates)
         if kind == "local_then_sync":
             params, outer, metrics = self._sync_whole(params, outer)
-        loss = jax.lax.pmean(jax.lax.psum(loss, SHARD), REPLICA)
-        metrics.update(loss=loss, grad_norm=jax.lax.pmean(grad_norm, REPLICA))
+        # Per-replica figures leave the step sharded over `replica` ([N] globally) and are averaged
+        # on the host: a pmean here would put an all-reduce across replicas into every local step.
+        metrics.update(loss=jax.lax.psum(loss, SHARD)[None], grad_norm=grad_norm[None])
         new = TrainState(state.step + 1, params, opt_state, outer, state.rng)
         return new, metrics
 
@@ -316,7 +342,7 @@ class Machinery:
         unit_metrics = jax.tree.map(cat, root.metrics, layers.metrics)
         return params, outer, self._sync_metrics(unit_metrics)
 
-    def _sync_metrics(self, unit):
+    def _sync_metrics(self, unit):  # keys: SYNC_METRICS
         """Per-sync figures: per-worker norms over the whole model and per unit, weights, flags."""
         g_units = unit["pseudo_grad_norm"]  # [U, N]
         return {

@@ -128,7 +128,7 @@ def _elastic_state(machinery: Machinery, host: TrainState, old_n: int) -> TrainS
 
 
 def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, devices: list | None = None,
-          stop_after: int | None = None) -> TrainResult:
+          stop_after: int | None = None, verbose: bool | None = None) -> TrainResult:
     """Trains ``cfg`` to ``cfg.steps`` (resuming from ``run_dir``'s latest checkpoint if any).
 
     ``stop_after`` stops (with a checkpoint) after that many steps of this invocation, as a signal
@@ -169,7 +169,8 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
 
     start_step = int(state.step)
     tokens_per_step = cfg.batch_size * cfg.data.seq_len
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    verbose = progress if verbose is None else verbose
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if verbose else (lambda msg: None)
     say(f"edit-jax: {cfg.sync.method} on mesh replica={cfg.mesh.replica} x shard={cfg.mesh.shard} "
         f"({jax.devices()[0].platform}); data {corpus.description}")
     if resumed_from is not None:
@@ -210,9 +211,11 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
             if k % cfg.log_every == 0 or is_sync or k == cfg.steps:
                 metrics = jax.device_get(metrics)
                 dt = time.perf_counter() - t0
-                last_loss = float(metrics["loss"])
-                rec = {"step": k, "loss": last_loss, "grad_norm": float(metrics["grad_norm"]),
+                last_loss = float(np.mean(metrics["loss"]))  # per replica -> mean on the host
+                rec = {"step": k, "loss": last_loss, "grad_norm": float(np.mean(metrics["grad_norm"])),
                        "tokens_per_s": tokens_per_step / dt, "step_time": dt, "kind": kind}
+                if cfg.mesh.replica > 1:
+                    rec["replica_loss"] = _to_json(metrics["loss"])
                 log.write(rec)
                 history.append(rec)
                 if is_sync:

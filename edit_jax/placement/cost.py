@@ -337,6 +337,20 @@ class DtfmCostModel:
         graph = self.stage_graph(members)
         return dp + 2.0 * path_length(graph, list(range(self.num_groups)))
 
+    def grid_cost(self, grid: np.ndarray) -> float:
+        """Cost of a fully specified grid (rows = pipelines, columns = stages in pipeline order)
+        with no scheduling at all: DP over the columns, and each pipeline hop paid at the slowest
+        of the given pairs (no matching, no TSP). This is how the reference scores a random
+        placement ('random layout, pipeline in index order' in PLACEMENT.md's targets)."""
+        grid = np.asarray(grid)
+        dp = float(self.dp_costs(grid.T).max())
+        pp = float(self.pp_pair[grid[:, :-1], grid[:, 1:]].max(axis=0).sum())
+        return dp + 2.0 * pp
+
+    def random_grid(self, rng: np.random.Generator) -> np.ndarray:
+        """A random placement: devices in random (pipeline, stage) positions."""
+        return rng.permutation(self.topology.num_devices).reshape(self.d_dp, self.d_pp)
+
     def layout(self, labels: np.ndarray) -> DtfmLayout:
         """Decode labels into costs, stage order and the chained-matching device grid."""
         members = balanced_members(labels, self.num_groups)

@@ -23,7 +23,10 @@ in the paper, so it is free on that axis, while our true-objective swap moves ar
   an offspring becomes the best so far.
 * ``genetic_search(..., gain="kl", structured=False, swaps=False)``: the same GA with the textbook
   Kernighan-Lin gain and random initialisation only (the paper's weaker baseline).
-* ``random_search``: best of that many uniformly random balanced partitions.
+* ``random_placement_search`` ("random"): best of that many random placements scored as placed,
+  with no scheduling (no matching, no TSP, no column assignment): the reference's random curve.
+* ``random_search`` ("random-partitions"): best of that many uniformly random balanced partitions
+  scored by the full model (optimal matchings and TSP): a stronger random baseline that we add.
 
 All randomness comes from the ``numpy.random.Generator`` passed in, so a seed fixes the result.
 """
@@ -46,7 +49,8 @@ class SearchResult:
     cost: float
     curve: np.ndarray  # best cost after each evaluation (length = evaluations used)
     evaluations: int
-    seconds: float
+    seconds: float  # wall clock
+    cpu_seconds: float = 0.0  # this process's CPU time: the one-core cost, robust to a busy machine
     extra: dict = field(default_factory=dict)
 
 
@@ -73,10 +77,15 @@ class _Budget:
         self.used += 1
         return value
 
-    def result(self, method: str, started: float, **extra) -> SearchResult:
+    def result(self, method: str, started: tuple[float, float], **extra) -> SearchResult:
         return SearchResult(method=method, labels=self.best_labels, cost=self.best_cost,
                             curve=self.curve[:self.used].copy(), evaluations=self.used,
-                            seconds=time.perf_counter() - started, extra=extra)
+                            seconds=time.perf_counter() - started[0],
+                            cpu_seconds=time.process_time() - started[1], extra=extra)
+
+
+def _clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,9 +227,10 @@ class _MoveState:
     """Labels plus the (G, N) sums of gain-link costs from each group to each device, updated
     incrementally so that every gain is a lookup (the pair matrix is symmetric)."""
 
-    def __init__(self, labels: np.ndarray, pair: np.ndarray, num_groups: int):
+    def __init__(self, labels: np.ndarray, pair: np.ndarray, num_groups: int, pair_no_self: np.ndarray):
         self.labels = labels.copy()
         self.pair = pair
+        self.pair_no_self = pair_no_self  # pair with +inf on the diagonal
         self.num_groups = num_groups
         onehot = np.zeros((num_groups, labels.size))
         onehot[labels, np.arange(labels.size)] = 1.0
@@ -232,8 +242,8 @@ class _MoveState:
         row = self.pair[device]
         self.sums[source] -= row
         self.sums[target] += row
-        self.counts[source] -= 1
-        self.counts[target] += 1
+        self.counts[source] -= 1.0
+        self.counts[target] += 1.0
         self.labels[device] = target
 
 
@@ -246,30 +256,27 @@ def _mover_and_gains(state: _MoveState, group: int, locked: np.ndarray, kind: st
       that already holds a fast partner into a group it is far from spreads fast links across
       groups, which is what the pipeline matchings need.
     kl: the textbook Kernighan-Lin gain, keeping fast links inside groups: gain(v, S->T) =
-      mean cost to S - mean cost to T; the mover is the device with the best gain."""
+      mean cost to S - mean cost to T; the mover is the device with the best gain.
+    Returns (-1, None) when every device of the group is locked."""
     in_group = state.labels == group
     movable = np.flatnonzero(in_group & ~locked)
     if movable.size == 0:
         return -1, None
-    denominators = state.counts.copy()
-    denominators[group] -= 1.0  # the mover itself is not its own peer
-    mean = state.sums[:, movable].T / np.maximum(denominators, 1.0)  # (movable, G)
+    denominators = np.maximum(state.counts - (np.arange(state.num_groups) == group), 1.0)
+    mean = state.sums[:, movable].T / denominators  # (movable, G): mean cost to each group
     if kind == "paper":
-        inside = np.where(in_group, state.pair[movable], np.inf)
-        inside[np.arange(movable.size), movable] = np.inf
-        cheapest_inside = inside.min(axis=1)
+        cheapest_inside = state.pair_no_self[movable][:, in_group].min(axis=1)
         if not np.isfinite(cheapest_inside[0]):
             cheapest_inside[:] = 0.0  # a group of one has no internal link
-        gains = mean - cheapest_inside[:, None]
-        gains[:, group] = -np.inf
-        best_gain = gains.max(axis=1)
-        best_gain[cheapest_inside > cheapest_inside.min() + 1e-12] = -np.inf
+        fastest = np.flatnonzero(cheapest_inside <= cheapest_inside.min() + 1e-12)
+        gains = mean[fastest] - cheapest_inside[fastest, None]
+        candidates = movable[fastest]
     else:
         gains = mean[:, [group]] - mean
-        gains[:, group] = -np.inf
-        best_gain = gains.max(axis=1)
-    row = int(np.argmax(best_gain))
-    return int(movable[row]), gains[row]
+        candidates = movable
+    gains[:, group] = -np.inf
+    row = int(gains.max(axis=1).argmax()) if len(candidates) > 1 else 0
+    return int(candidates[row]), gains[row]
 
 
 def _cyclic_move(state: _MoveState, start: int, kind: str) -> float:
@@ -282,40 +289,56 @@ def _cyclic_move(state: _MoveState, start: int, kind: str) -> float:
     locked = np.zeros(state.labels.size, dtype=bool)
     visited = np.zeros(num_groups, dtype=bool)
     visited[start] = True
-    moves: list[tuple[int, int, int]] = []
-    total, best_total, best_plan = 0.0, 1e-12, None
+    moves: list[tuple[int, int]] = []  # (device, source group)
+    total, best_total, best_prefix, best_closer = 0.0, 1e-12, -1, None
     current = start
-    while True:
+    for _ in range(num_groups):
         device, gains = _mover_and_gains(state, current, locked, kind)
         if device < 0:
             break
         if moves:
             closing = total + gains[start]
             if closing > best_total:
-                best_total, best_plan = closing, moves + [(device, current, start)]
-        open_gains = np.where(visited, -np.inf, gains)
-        if not np.isfinite(open_gains).any():
+                best_total, best_prefix, best_closer = closing, len(moves), (device, current)
+        if len(moves) == num_groups - 1:
             break
-        target = int(np.argmax(open_gains))
-        state.move(device, target)
-        moves.append((device, current, target))
+        gains[visited] = -np.inf
+        target = int(gains.argmax())
+        if not np.isfinite(gains[target]):
+            break
         total += gains[target]
+        moves.append((device, current))
+        state.move(device, target)
         locked[device] = True
         visited[target] = True
         current = target
-    for device, source, _ in reversed(moves):
+    keep = max(best_prefix, 0)
+    for device, source in reversed(moves[keep:]):  # undo the moves past the best closed prefix
         state.move(device, source)
-    if best_plan is None:
+    if best_closer is None:
         return 0.0
-    for device, _, target in best_plan:
-        state.move(device, target)
+    state.move(best_closer[0], start)
     return best_total
+
+
+_NO_SELF_CACHE: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _no_self(pair: np.ndarray) -> np.ndarray:
+    """``pair`` with +inf on the diagonal, cached per matrix (the searches reuse one matrix)."""
+    cached = _NO_SELF_CACHE.get(id(pair))
+    if cached is None or cached[0] is not pair:
+        no_self = pair.copy()
+        np.fill_diagonal(no_self, np.inf)
+        _NO_SELF_CACHE.clear()
+        _NO_SELF_CACHE[id(pair)] = cached = (pair, no_self)
+    return cached[1]
 
 
 def local_search(labels: np.ndarray, pair: np.ndarray, num_groups: int, kind: str,
                  rng: np.random.Generator, rounds: int = 1) -> np.ndarray:
     """Cyclic moves from every group (random order), ``rounds`` times or until none helps."""
-    state = _MoveState(labels, pair, num_groups)
+    state = _MoveState(labels, pair, num_groups, _no_self(pair))
     for _ in range(rounds):
         improved = False
         for start in rng.permutation(num_groups):
@@ -396,12 +419,30 @@ def _repair(objective, labels, rng):
 
 def random_search(objective, evaluations: int, rng: np.random.Generator) -> SearchResult:
     """Best of ``evaluations`` uniformly random balanced partitions."""
-    started = time.perf_counter()
+    started = _clock()
     budget = _Budget(objective, evaluations)
     sizes = np.asarray(objective.sizes)
     while budget.remaining > 0:
         budget.evaluate(_repair(objective, random_partition(sizes, rng), rng))
-    return budget.result("random", started)
+    return budget.result("random-partitions", started)
+
+
+def random_placement_search(objective, evaluations: int, rng: np.random.Generator) -> SearchResult:
+    """Best of ``evaluations`` random placements scored as placed (``objective.grid_cost``): no
+    scheduler at all. This is the reference's 'random' curve in the paper's convergence figure
+    (for DT-FM: random pipelines, stages in index order, no matching, no TSP)."""
+    started = _clock()
+    curve = np.empty(evaluations)
+    best_cost, best_grid = np.inf, None
+    for i in range(evaluations):
+        grid = objective.random_grid(rng)
+        value = float(objective.grid_cost(grid))
+        if value < best_cost:
+            best_cost, best_grid = value, grid
+        curve[i] = best_cost
+    return SearchResult(method="random", labels=best_grid, cost=best_cost, curve=curve,
+                        evaluations=evaluations, seconds=time.perf_counter() - started[0],
+                        cpu_seconds=time.process_time() - started[1], extra={"grid": best_grid})
 
 
 def genetic_search(objective, evaluations: int, rng: np.random.Generator, *, gain: str = "paper",
@@ -411,14 +452,16 @@ def genetic_search(objective, evaluations: int, rng: np.random.Generator, *, gai
     """The hybrid GA (module docstring). ``evaluations`` counts true-objective calls."""
     if gain not in GAIN_KINDS:
         raise ValueError(f"gain must be one of {GAIN_KINDS}, got {gain!r}")
-    started = time.perf_counter()
+    started = _clock()
     sizes = np.asarray(objective.sizes)
     num_groups = len(sizes)
     fixed = tuple(getattr(objective, "fixed_groups", ()))
-    kind = gain if getattr(objective, "gain_kind", "spread") == "spread" else _cluster_variant(gain)
+    # For "cluster" objectives (EDiT replicas) the frequent traffic is inside a group, so the
+    # keep-fast-links-together gain is the one that serves them, in both GA variants.
+    kind = gain if getattr(objective, "gain_kind", "spread") == "spread" else "kl"
     pair = objective.gain_pair
     budget = _Budget(objective, evaluations)
-    swap_tries = swap_tries if swap_tries is not None else 2 * labels_size(sizes)
+    swap_tries = swap_tries if swap_tries is not None else 2 * int(sizes.sum())
 
     def improve(labels):
         labels = local_search(labels, pair, num_groups, kind, rng, rounds=local_rounds)
@@ -499,13 +542,3 @@ def _swap_into(labels, cost, budget, rng, tries, objective, keys, num_groups, fi
             keys.add(key)
             return improved, improved_cost
     return labels, cost
-
-
-def labels_size(sizes: np.ndarray) -> int:
-    return int(np.sum(sizes))
-
-
-def _cluster_variant(gain: str) -> str:
-    """For 'cluster' objectives (EDiT replicas) the frequent traffic is inside a group, so the
-    gain that serves them is the keep-fast-links-together one for both GA variants."""
-    return "kl"

@@ -1,0 +1,35 @@
+"""Shared test helpers: tiny configs and meshes on the CPU-emulated devices of conftest.py."""
+
+import os
+
+import jax
+import numpy as np
+
+from edit_jax.config import Config, DataConfig, MeshConfig, OptimConfig, SyncConfig, validate
+from edit_jax.model import preset
+from edit_jax.sharding import make_mesh
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config(replica=2, shard=4, method="baseline", **kw) -> Config:
+    sync = kw.pop("sync", {})
+    optim = kw.pop("optim", {})
+    model = kw.pop("model", {})
+    cfg = Config(model=preset("tiny", **model), mesh=MeshConfig(replica=replica, shard=shard),
+                 data=DataConfig(seq_len=kw.pop("seq_len", 32)),
+                 optim=OptimConfig(**{"lr": 3e-3, "warmup_steps": 0, **optim}),
+                 sync=SyncConfig(**{"method": method, "warmup_steps": 0, "tau": 2, "anomaly_warmup": 3, **sync}),
+                 **{"steps": 10, "batch_size": 16, "log_every": 1, "eval_every": 0, "eval_batches": 1,
+                    "checkpoint_every": 0, **kw})
+    validate(cfg)
+    return cfg
+
+
+def mesh_for(cfg):
+    return make_mesh(cfg.mesh, jax.devices()[: cfg.mesh.replica * cfg.mesh.shard])
+
+
+def random_batch(cfg, seed=0, vocab=256):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab, (cfg.batch_size, cfg.data.seq_len + 1)).astype(np.int32)

@@ -1,0 +1,219 @@
+"""End to end: config errors, run-dir outputs, checkpoints (resume exactness with real kills,
+corrupt and incompatible checkpoints), elastic restarts, and the 8 x 8 mesh."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from edit_jax.checkpoint import CheckpointError
+from edit_jax.config import ConfigError, load_config
+from edit_jax.train import train
+from tests.helpers import REPO, tiny_config
+
+
+def devs(cfg):
+    return jax.devices()[: cfg.mesh.replica * cfg.mesh.shard]
+
+
+def _records(run_dir, key="loss"):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    return {r["step"]: r[key] for r in recs if key in r}
+
+
+# ----------------------------------------------------------------------------- config errors
+
+
+@pytest.mark.parametrize("override,match", [
+    ("mesh.replcia=2", r"unknown config key 'mesh.replcia'.*did you mean mesh.replica"),
+    ("steps=ten", r"config key 'steps': expected a value of type int, got 'ten'"),
+    ("batch_size=12", r"config key 'batch_size': global batch 12 must be divisible by .* 2 x 4 = 8"),
+    ("method=sgd", r"config key 'sync.method': expected one of baseline, post_local_sgd, diloco, edit"),
+    ("model.n_kv_heads=3", r"config key 'model.n_kv_heads'"),
+    ("sync.outer_momentum=1.5", r"config key 'sync.outer_momentum'"),
+    ("model", r"expected key=value"),
+])
+def test_bad_config_names_the_key(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(os.path.join(REPO, "configs/tiny.py"), [override])
+
+
+def test_cli_bad_config_fails_before_any_work(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "edit_jax", "train", "--config", "configs/tiny.py",
+                           "--run-dir", str(run_dir), "mesh.shard=3"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "mesh.shard" in proc.stderr and "divisible" in proc.stderr
+    assert not run_dir.exists()  # nothing was written
+
+
+def test_missing_data_path_is_named(tmp_path):
+    cfg = tiny_config()
+    cfg.data.source, cfg.data.paths = "text", (str(tmp_path / "nope*.txt"),)
+    from edit_jax.data import DataError
+
+    with pytest.raises(DataError, match="nope"):
+        train(cfg, str(tmp_path / "run"), progress=False, devices=devs(cfg))
+
+
+# ----------------------------------------------------------------------------- a run
+
+
+def test_run_dir_outputs_and_loss_falls(tmp_path):
+    cfg = tiny_config(2, 4, method="edit", steps=24, eval_every=12, eval_batches=2, seq_len=64,
+                      optim={"warmup_steps": 4}, sync={"warmup_steps": 4, "tau": 4})
+    result = train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
+    assert result.steps == 24 and not result.interrupted
+    losses = _records(tmp_path)
+    assert losses[24] < losses[1] - 1.0  # from ~log(320)=5.8 down well below
+    vals = _records(tmp_path, "val_loss")
+    assert set(vals) == {12, 24} and vals[24] < vals[12]
+    syncs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"sync": true' in line]
+    assert [s["step"] for s in syncs] == [9, 13, 17, 21]  # syncs inside steps W + k*tau (0-based 8, 12, ...)
+    assert all(len(s["weight"]) == 2 and abs(sum(s["weight"]) - 1) < 1e-5 for s in syncs)
+    saved = json.load(open(tmp_path / "config.json"))
+    assert saved["sync"]["method"] == "edit" and saved["mesh"]["replica"] == 2
+    assert os.listdir(tmp_path / "checkpoints") == ["24"]
+
+
+def test_edit_trains_on_8x8_mesh(tmp_path):
+    cfg = tiny_config(8, 8, method="edit", steps=8, batch_size=64, seq_len=16,
+                      sync={"warmup_steps": 2, "tau": 3})
+    result = train(cfg, None, progress=False, devices=devs(cfg))
+    assert np.isfinite(result.final_loss) and result.final_val_loss < 5.5
+
+
+# ----------------------------------------------------------------------------- resume exactness
+
+
+def _cli(run_dir, *overrides):
+    cmd = [sys.executable, "-m", "edit_jax", "train", "--config", "configs/tiny.py", "--run-dir", str(run_dir),
+           "--no-progress", "method=edit", "steps=24", "log_every=1", "checkpoint_every=5", "sync.warmup_steps=3",
+           "sync.tau=4", "data.seq_len=32", *overrides]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets its own device count
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_step(run_dir, step, proc, timeout=180):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if os.path.exists(path) and any(s >= step for s in _records(run_dir)):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise TimeoutError
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("full")
+    proc = _cli(run_dir)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    return _records(run_dir)
+
+
+def test_killed_run_resumes_exactly(tmp_path, uninterrupted):
+    """SIGKILL mid-window (after the checkpoint at 10; syncs run in steps 7, 11, 15, ...), resume,
+    then SIGTERM (which checkpoints at the current step), resume again: the losses of every step
+    equal the uninterrupted run's, bit for bit."""
+    proc = _cli(tmp_path)
+    _wait_for_step(tmp_path, 12, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    resumed = _cli(tmp_path)
+    _wait_for_step(tmp_path, 17, resumed)
+    resumed.send_signal(signal.SIGTERM)
+    out, err = resumed.communicate(timeout=120)
+    assert "resumed from" in err and "/checkpoints/10" in err
+    assert resumed.returncode == 130 and "checkpoint saved" in err, err
+    stopped_at = max(_records(tmp_path))
+    assert str(stopped_at) in os.listdir(tmp_path / "checkpoints")  # SIGTERM saved the current step
+    final = _cli(tmp_path)
+    out, err = final.communicate(timeout=300)
+    assert final.returncode == 0, err
+    assert f"/checkpoints/{stopped_at}" in err
+    losses = _records(tmp_path)
+    assert sorted(losses) == sorted(uninterrupted)  # no step lost or logged twice
+    for step, loss in uninterrupted.items():
+        assert losses[step] == loss, (step, losses[step], loss)  # bit-exact on CPU
+
+
+# ----------------------------------------------------------------------------- broken checkpoints
+
+
+def _tree_digest(path):
+    h = hashlib.sha256()
+    for root, _, files in sorted(os.walk(path)):
+        for name in sorted(files):
+            with open(os.path.join(root, name), "rb") as f:
+                h.update(name.encode() + f.read())
+    return h.hexdigest()
+
+
+def test_corrupt_checkpoint_is_reported_and_kept(tmp_path):
+    cfg = tiny_config(2, 4, steps=3)
+    train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
+    ckpt = tmp_path / "checkpoints" / "3"
+    victims = [os.path.join(r, f) for r, _, fs in os.walk(ckpt / "state") for f in fs if "manifest" in f or
+               f.endswith(".zarray") or "d" in r.split(os.sep)[-1]]
+    assert victims
+    for v in victims:
+        with open(v, "wb") as f:
+            f.write(b"garbage")
+    before = _tree_digest(ckpt)
+    cfg.steps = 6
+    with pytest.raises(CheckpointError, match=r"checkpoints/3 could not be restored.*left untouched"):
+        train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
+    assert _tree_digest(ckpt) == before
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3"]
+
+
+def test_incompatible_checkpoint_names_keys(tmp_path):
+    train(tiny_config(2, 4, steps=2), str(tmp_path), progress=False, devices=jax.devices()[:8])
+    other = tiny_config(2, 4, steps=4, model={"d_model": 128})
+    with pytest.raises(CheckpointError, match=r"model.d_model: checkpoint 64, config 128"):
+        train(other, str(tmp_path), progress=False, devices=devs(other))
+
+
+# ----------------------------------------------------------------------------- elasticity
+
+
+def test_elastic_restart_with_more_replicas(tmp_path):
+    cfg = tiny_config(2, 4, method="edit", steps=6, sync={"warmup_steps": 0, "tau": 3})
+    train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
+    from edit_jax.checkpoint import Checkpointer
+    from edit_jax.step import state_shapes
+
+    host, _ = Checkpointer(str(tmp_path), 2).restore_host(6, state_shapes(cfg))
+    theta = host.outer.params
+    bigger = tiny_config(4, 4, method="edit", steps=9, sync={"warmup_steps": 0, "tau": 3})
+    from edit_jax.sharding import make_mesh
+    from edit_jax.step import Machinery
+    from edit_jax.train import _elastic_state
+
+    m = Machinery(bigger, make_mesh(bigger.mesh, jax.devices()[:16]))
+    state = _elastic_state(m, host, old_n=2)
+    for new, t in zip(jax.tree.leaves(state.params), jax.tree.leaves(theta)):
+        new = np.asarray(new)
+        assert new.shape[0] == 4
+        for r in range(4):  # every replica, old or new, restarts from θ̄
+            np.testing.assert_array_equal(new[r], np.asarray(t))
+    for a, b in zip(jax.tree.leaves(state.outer.params), jax.tree.leaves(theta)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the outer state carries over
+    det = np.asarray(state.outer.detector.count)
+    np.testing.assert_array_equal(det[:2], np.asarray(host.outer.detector.count))
+    assert (det[2:] == 0).all()  # new workers' detectors start fresh
+    result = train(bigger, str(tmp_path), progress=False, devices=jax.devices()[:16])
+    assert result.resumed_from == 6 and result.steps == 9 and np.isfinite(result.final_loss)
