@@ -43,10 +43,11 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, state: Any, data_state: dict, cfg: Config) -> None:
+        if int(step) in self.manager.all_steps():  # e.g. a signal right after a periodic save
+            return
         meta = {"config": to_dict(cfg), "step": int(step)}
         self.manager.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)),
-            force=True)
+            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
         self.manager.wait_until_finished()
 
     def read_meta(self, step: int) -> dict:

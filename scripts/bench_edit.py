@@ -65,13 +65,17 @@ def parse_args(argv=None):
     p.add_argument("--steps-per-rep", type=int, default=3, help="section c: timed steps per kind per repetition")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for every section (repeatable)")
-    p.add_argument("--json", default=os.path.join(common.DEFAULT_JSON_DIR, "bench_edit.json"),
-                   help="where to write the JSON result; default runs/bench/bench_edit.json")
+    p.add_argument("--json", default=None,
+                   help="where to write the JSON result; default runs/bench/bench_edit.json (all sections) or "
+                        "runs/bench/bench_edit_<sections>.json with --only (e.g. bench_edit_ab.json)")
     args = p.parse_args(argv)
     args.sections = [s.strip() for s in args.only.split(",") if s.strip()]
     bad = [s for s in args.sections if s not in SECTIONS]
     if bad:
         p.error(f"--only: unknown section(s) {bad}; expected some of {','.join(SECTIONS)}")
+    if args.json is None:
+        tag = "" if sorted(set(args.sections)) == list(SECTIONS) else "_" + "".join(sorted(set(args.sections)))
+        args.json = os.path.join(common.DEFAULT_JSON_DIR, f"bench_edit{tag}.json")
     return args
 
 
@@ -432,7 +436,10 @@ def section_d(ctx: Ctx) -> dict:
 
     args, cfg = ctx.args, ctx.cfg
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    common_ov = [f"steps={args.steps}", "eval_every=0", "checkpoint_every=0", f"log_every={max(1, args.steps)}"]
+    # log_every stays the config's (10): train() then fetches metrics every 10 steps, which bounds how
+    # many steps are dispatched ahead. Without such a sync (e.g. log_every >= 100) XLA:CPU with 8
+    # emulated devices on 2 cores aborted here ("Termination timeout for all gather RendezvousKey").
+    common_ov = [f"steps={args.steps}", "eval_every=0", "checkpoint_every=0"]
     extra = {"baseline": [], "post_local_sgd": [], "edit": [],
              "diloco": [f"sync.outer_lr={args.diloco_outer_lr}", f"sync.outer_momentum={args.diloco_outer_momentum}"]}
     out, rows = {}, []

@@ -109,7 +109,7 @@ def main(argv=None) -> dict:
         state, metrics = fn(state, batch)
         jax.block_until_ready(state)
         times.append(time.perf_counter() - t0)
-    loss = float(jax.device_get(metrics["loss"]))
+    loss = float(np.mean(jax.device_get(metrics["loss"])))  # per replica ([N]) since b9fb776, or a scalar
 
     n_params = model_lib.count_params(jax.eval_shape(lambda k: model_lib.init_params(cfg.model, k), jax.random.key(0)))
     tokens_per_step = cfg.batch_size * cfg.data.seq_len

@@ -29,7 +29,6 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -150,7 +149,8 @@ def main() -> int:
         ratio = mean_random / np.mean(costs("ours"))
         entry["random_mean_over_ours"] = ratio
         print(f"| {CASE_NUMBER[name]} {name} | {optimum:.2f} | {fmt(costs('random'))} | {fmt(costs('random-partitions'))} "
-              f"| {fmt(costs('kernighan-lin'))} | {fmt(costs('ours'))} | {' / '.join(str(r) for r in reach)} "
+              f"| {fmt(costs('kernighan-lin'))} | {fmt(costs('ours'))} "
+              f"| {' / '.join(str(r) for r in reach)} "
               f"| {' / '.join(f'{t:.1f}' for t in ours_times)} ({' / '.join(f'{t:.0f}' for t in ours_wall)}) "
               f"| {ablation} | {ratio:.2f}x |", flush=True)
 
@@ -180,11 +180,18 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(fig_curves), figsize=(4.2 * len(fig_curves), 3.6), squeeze=False)
-    for ax, (name, curves) in zip(axes[0], fig_curves.items()):
+    columns = min(3, len(fig_curves))
+    rows = -(-(len(fig_curves) + 1) // columns)  # one spare panel for the legend
+    fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.4 * rows), squeeze=False)
+    panels = axes.ravel()
+    for ax, (name, curves) in zip(panels, fig_curves.items()):
         plot_convergence(curves, "", f"case {CASE_NUMBER[name]}: {name} (seed {args.seeds[0]})", ax=ax)
         ax.set_xscale("log")
-    axes[0][0].legend(fontsize=7)
+    handles, labels = panels[0].get_legend_handles_labels()
+    for ax in panels[len(fig_curves):]:
+        ax.axis("off")
+    panels[len(fig_curves)].legend(handles, labels, loc="center", fontsize=9)
+    fig.suptitle(f"DT-FM cost model: best cost vs objective evaluations ({args.evaluations} per search)")
     fig.tight_layout()
     plot_path = os.path.join(args.out_dir, "convergence.png")
     fig.savefig(plot_path, dpi=110)

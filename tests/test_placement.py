@@ -222,7 +222,10 @@ def test_baselines_order_on_world():
 
 def test_stripe_layout_and_crossover_keep_balance():
     sizes = np.full(8, 8)
-    assert np.bincount(stripe_layout(np.concatenate([np.arange(32) // 4, 8 + np.arange(32)]), sizes)).tolist() == [8] * 8
+    spot_nodes = np.concatenate([np.arange(32) // 4, 8 + np.arange(32)])
+    labels = stripe_layout(spot_nodes, sizes)
+    assert np.bincount(labels).tolist() == [8] * 8
+    assert all(set(labels[4 * k:4 * k + 4]) == {0, 1, 2, 3} for k in range(8))  # one GPU of each node
     rng = np.random.default_rng(10)
     for _ in range(20):
         child = crossover(random_partition(sizes, rng), random_partition(sizes, rng), sizes, rng)
@@ -329,7 +332,8 @@ def test_topology_files(tmp_path):
         load_topology(str(tmp_path / "partial.json"))
     with pytest.raises(PlacementError, match="not found"):
         load_topology(str(tmp_path / "nope.json"))
-    lines = ["src,dst,delay_ms,bandwidth_gbps"] + [f"{i},{j},{i + j},{1 + i}" for i, j in itertools.combinations(range(n), 2)]
+    pairs = itertools.combinations(range(n), 2)
+    lines = ["src,dst,delay_ms,bandwidth_gbps"] + [f"{i},{j},{i + j},{1 + i}" for i, j in pairs]
     lines.append("1,0,3,3")  # the reverse direction of (0, 1): averaged with 1 ms / 1 Gbit/s
     (tmp_path / "net.csv").write_text("\n".join(lines))
     top = load_topology(str(tmp_path / "net.csv"))

@@ -58,17 +58,22 @@ from edit_jax.placement.topology import SCENARIOS, PlacementError, Topology, loa
 RANDOM_PLACEMENT_SAMPLES = 1000  # for the reported mean step time of a random placement
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keep the epilog's layout and show every option's default."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="edit-jax placement", description=__doc__.split("\n\n")[0],
-        epilog=__doc__[__doc__.index("Network:"):], formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=__doc__[__doc__.index("Network:"):], formatter_class=_HelpFormatter)
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--scenario", help=f"built-in network: {', '.join(SCENARIOS)} (or 1-5)")
     where.add_argument("--topology", metavar="FILE", help="network file, JSON or CSV (formats below)")
-    parser.add_argument("--objective", choices=["dtfm", "edit"], default="dtfm")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--objective", choices=["dtfm", "edit"], default="dtfm",
+                        help="DT-FM pipeline x data-parallel layout, or EDiT's (replica, shard) mesh")
+    parser.add_argument("--seed", type=int, default=0, help="seeds every search (numpy Generator)")
     parser.add_argument("--evaluations", type=int, default=5000, help="objective evaluations per search")
-    parser.add_argument("--population", type=int, default=100)
+    parser.add_argument("--population", type=int, default=100, help="GA population size")
     parser.add_argument("--json", metavar="FILE", help="write the placement and its costs here")
     parser.add_argument("--plot", metavar="FILE.png", help="convergence curves of the searches")
     parser.add_argument("--no-baselines", action="store_true", help="skip the baseline searches")
@@ -218,7 +223,8 @@ def print_report(report: dict, objective, topology: Topology) -> None:
               f"  (PP hops {hops})")
     else:
         kind = "A-EDiT equivalent step time" if report["asynchronous"] else "EDiT step time"
-        print(f"layout: {objective.replicas} replicas x {objective.shard} shards (rows = replicas, columns = sync groups)")
+        print(f"layout: {objective.replicas} replicas x {objective.shard} shards "
+              "(rows = replicas, columns = sync groups)")
         for r, row in enumerate(report["groups"]):
             regions = _region_summary(topology, row)
             print(f"  replica {r}: {row}  step {report['replica_step_seconds'][r]:.3f}s (compute "
@@ -257,7 +263,8 @@ def plot_convergence(curves: dict, path: str, title: str, ax=None) -> None:
     styles = {"ours": ("C0", "-"), "kernighan-lin": ("C1", "-"), "random": ("C2", "-"),
               "random-partitions": ("C2", ":")}
     labels = {"ours": "ours (paper gain + structured seeds + swaps)", "kernighan-lin": "Kernighan-Lin GA",
-              "random": "random placement", "random-partitions": "random partitions + model"}
+              "random": "random placement", "random-partitions": "random partitions + model",
+              "ours-no-seeds": "ours without structured seeds"}
     for name, curve in curves.items():
         color, style = styles.get(name, (None, "--"))
         ax.plot(np.arange(1, len(curve) + 1), curve, color=color, linestyle=style, label=labels.get(name, name))

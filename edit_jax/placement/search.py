@@ -125,11 +125,11 @@ def rebalance(labels: np.ndarray, sizes: np.ndarray, rng: np.random.Generator | 
     surplus = []
     for g in np.flatnonzero(counts > sizes):
         members = np.flatnonzero(labels == g)
-        if protected is not None:  # unprotected first
-            members = np.concatenate([members[~protected[members]], members[protected[members]]])
+        if protected is not None:  # unprotected devices leave first
+            free, kept = members[~protected[members]], members[protected[members]]
             if rng is not None:
-                unprot = members[: int((~protected[members]).sum())]
-                members[: unprot.size] = rng.permutation(unprot)
+                free = rng.permutation(free)
+            members = np.concatenate([free, kept])
         elif rng is not None:
             members = rng.permutation(members)
         else:

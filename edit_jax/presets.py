@@ -1,0 +1,58 @@
+"""Preset configs: the paper's settings at each model size, and small CPU ones for every method.
+
+Paper (EDIT.md, "The paper's setup"): context 4096, global batch 1024 sequences, 100k steps, cosine
+decay, tau = 128, phi = 10, inner lr 1.5e-4 (Baseline lr 3e-4), outer lr 0.8, outer momentum 0.85,
+8 x 8 mesh, FineWeb-Edu parquet with the Llama tokenizer. Our choices where the paper is silent:
+2000 synchronous warmup steps W (2% of the run) and 2000 lr warmup steps; bf16 compute and
+rematerialised layers for GPU memory.
+"""
+
+from __future__ import annotations
+
+from edit_jax.config import Config, DataConfig, MeshConfig, OptimConfig, SyncConfig
+from edit_jax.model import preset
+
+PAPER_SIZES = ("350m", "1b", "3b", "7b")
+
+
+def sync_for(method: str, **kw) -> SyncConfig:
+    """The sync settings of a method (the same machinery, EDIT.md's table)."""
+    base = dict(method=method)
+    if method == "post_local_sgd":
+        base.update(outer_lr=1.0, outer_momentum=0.0, nesterov=False, anomaly=False, weighting=False, clip=False)
+    elif method == "diloco":
+        base.update(anomaly=False, weighting=False, clip=False, layerwise=False)
+    return SyncConfig(**{**base, **kw})
+
+
+def paper(size: str, method: str = "edit") -> Config:
+    if size not in PAPER_SIZES:
+        raise ValueError(f"unknown paper size {size!r}; known: {', '.join(PAPER_SIZES)}")
+    steps = 100_000
+    return Config(
+        model=preset(size, compute_dtype="bfloat16", remat=True),
+        mesh=MeshConfig(replica=8, shard=8),
+        data=DataConfig(source="parquet", paths=("data/fineweb-edu/*.parquet",), tokenizer="tokenizer.json",
+                        seq_len=4096),
+        optim=OptimConfig(lr=3e-4 if method == "baseline" else 1.5e-4, warmup_steps=2000, min_lr_ratio=0.1,
+                          weight_decay=0.1, grad_clip=1.0),
+        sync=sync_for(method, warmup_steps=2000, tau=128, outer_lr=0.8 if method != "post_local_sgd" else 1.0,
+                      outer_momentum=0.85 if method != "post_local_sgd" else 0.0, clip_threshold=10.0,
+                      anomaly_alpha=0.02, anomaly_warmup=120, anomaly_threshold=3.0, temperature=1.0),
+        steps=steps, batch_size=1024, seed=0, log_every=10, eval_every=1000, eval_batches=16,
+        checkpoint_every=1000, keep_checkpoints=3,
+    )
+
+
+def cpu(method: str = "edit", steps: int = 300) -> Config:
+    """The demo model on a 2 x 4 CPU-emulated mesh and the stdlib corpus: minutes per method."""
+    return Config(
+        model=preset("demo"),
+        mesh=MeshConfig(replica=2, shard=4),
+        data=DataConfig(seq_len=128),
+        optim=OptimConfig(lr=3e-3, warmup_steps=20),
+        sync=sync_for(method, warmup_steps=20, tau=10, outer_lr=0.8 if method != "post_local_sgd" else 1.0,
+                      outer_momentum=0.85 if method != "post_local_sgd" else 0.0, anomaly_warmup=3,
+                      clip_threshold=10.0),
+        steps=steps, batch_size=16, log_every=10, eval_every=50, eval_batches=8, checkpoint_every=100,
+    )

@@ -1,0 +1,59 @@
+"""Config files, overrides and presets."""
+
+import glob
+import os
+
+import pytest
+
+from edit_jax.config import Config, ConfigError, apply_overrides, from_dict, load_config, to_dict
+from edit_jax.model import count_params
+from tests.helpers import REPO
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "*.py"))))
+def test_every_config_file_loads_and_validates(path):
+    cfg = load_config(path)
+    name = os.path.basename(path)
+    for method in ("baseline", "post_local_sgd", "diloco", "edit"):
+        if name.startswith(method + "_") or name == f"cpu_{method}.py":
+            assert cfg.sync.method == method
+
+
+def test_overrides_parse_types_and_aliases():
+    cfg = apply_overrides(Config(), ["steps=7", "method=diloco", "mesh.replica=4", "optim.lr=1e-3",
+                                     "sync.anomaly=false", "data.paths=a.txt,b/*.txt"])
+    assert cfg.steps == 7 and cfg.sync.method == "diloco" and cfg.mesh.replica == 4
+    assert cfg.optim.lr == 1e-3 and cfg.sync.anomaly is False and cfg.data.paths == ("a.txt", "b/*.txt")
+    assert Config().steps != 7  # the default is not mutated
+
+
+def test_dict_roundtrip_and_errors():
+    cfg = load_config(os.path.join(REPO, "configs/demo.py"))
+    assert from_dict(to_dict(cfg)) == cfg
+    with pytest.raises(ConfigError, match="unknown config key 'model.width'"):
+        from_dict({"model": {"width": 3}})
+    with pytest.raises(ConfigError, match="config key 'steps': expected int"):
+        from_dict({"steps": "3"})
+    with pytest.raises(ConfigError, match="is a section"):
+        apply_overrides(Config(), ["model=3"])
+
+
+def test_missing_config_file_is_named():
+    with pytest.raises(ConfigError, match="nope.py"):
+        load_config("nope.py")
+
+
+def test_paper_presets_have_paper_sizes():
+    import jax
+
+    from edit_jax.model import init_params
+    from edit_jax.presets import paper
+
+    want = {"350m": (0.3e9, 0.45e9), "1b": (0.95e9, 1.25e9), "3b": (3.0e9, 3.8e9), "7b": (6.5e9, 7.0e9)}
+    for size, (lo, hi) in want.items():
+        cfg = paper(size)
+        shapes = jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))
+        assert lo < count_params(shapes) < hi, (size, count_params(shapes))
+        assert cfg.sync.tau == 128 and cfg.sync.clip_threshold == 10.0 and cfg.optim.lr == 1.5e-4
+        assert cfg.sync.outer_lr == 0.8 and cfg.sync.outer_momentum == 0.85 and cfg.mesh.replica == 8
+    assert paper("1b", "baseline").optim.lr == 3e-4
