@@ -37,13 +37,15 @@ def _train(argv: list[str]) -> int:
     run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
     from edit_jax.checkpoint import CheckpointError
     from edit_jax.data import DataError
+    from edit_jax.placement import PlacementError
     from edit_jax.sharding import MeshError
     from edit_jax.train import train
 
     try:
         result = train(cfg, run_dir, progress=not args.no_progress, verbose=True)
-    except (ConfigError, DataError, MeshError, CheckpointError) as e:
-        kind = {ConfigError: "bad config", DataError: "data", MeshError: "mesh", CheckpointError: "checkpoint"}
+    except (ConfigError, DataError, MeshError, CheckpointError, PlacementError) as e:
+        kind = {ConfigError: "bad config", DataError: "data", MeshError: "mesh", CheckpointError: "checkpoint",
+                PlacementError: "placement"}
         print(f"edit-jax: {kind.get(type(e), type(e).__name__)} error: {e}", file=sys.stderr)
         return 2
     ppl = f" (ppl {result.final_val_ppl:.2f})" if result.final_val_ppl else ""

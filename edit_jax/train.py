@@ -184,6 +184,7 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
 
     history, last_loss, val_loss = [], float("nan"), None
     t_start, interrupted, done_here = time.perf_counter(), False, 0
+    timed_kinds: set[str] = set()
 
     def save(step):
         if ckpt is not None:
@@ -216,6 +217,9 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
                        "tokens_per_s": tokens_per_step / dt, "step_time": dt, "kind": kind}
                 if cfg.mesh.replica > 1:
                     rec["replica_loss"] = _to_json(metrics["loss"])
+                if kind not in timed_kinds:  # the first step of a kind also compiles it
+                    rec["includes_compile"] = True
+                timed_kinds.add(kind)
                 log.write(rec)
                 history.append(rec)
                 if is_sync:
