@@ -29,6 +29,9 @@ from edit_jax.sharding import REPLICA, make_mesh
 from edit_jax.step import Machinery, TrainState, init_outer_due, state_shapes, step_kind
 
 
+MAX_IN_FLIGHT = 2  # steps the loop may run ahead of the device (see the loop)
+
+
 @dataclass
 class TrainResult:
     steps: int
@@ -185,6 +188,7 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
     history, last_loss, val_loss = [], float("nan"), None
     t_start, interrupted, done_here = time.perf_counter(), False, 0
     timed_kinds: set[str] = set()
+    in_flight: list = []
 
     def save(step):
         if ckpt is not None:
@@ -206,6 +210,12 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
             batch = machinery.put_batch(stream.next())
             t0 = time.perf_counter()
             state, metrics = machinery.step_fn(kind)(state, batch)
+            # At most MAX_IN_FLIGHT steps dispatched ahead of the host: XLA:CPU's collectives
+            # deadlock (rendezvous timeout) when ~50 steps are queued, and a short queue costs
+            # nothing on any backend (the device is still fed one step ahead).
+            in_flight.append(metrics["loss"])
+            if len(in_flight) > MAX_IN_FLIGHT:
+                in_flight.pop(0).block_until_ready()
             k += 1
             done_here += 1
             is_sync = "pseudo_grad_norm" in metrics

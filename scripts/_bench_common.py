@@ -28,9 +28,8 @@ DEFAULT_JSON_DIR = os.path.join(REPO, "runs", "bench")
 
 def ensure_cpu_devices(count: int) -> None:
     """Asks XLA for ``count`` CPU devices unless XLA_FLAGS already sets a count (then that count
-    must be >= ``count``; the scripts use the first ``count`` devices). Call before importing jax."""
-    if "jax" in sys.modules and "jaxlib" in sys.modules:
-        pass  # too late to matter if a backend exists already; callers import jax after this
+    must be >= ``count``; the scripts use the first ``count`` devices). Call before jax creates its
+    first backend (importing jax alone is fine: XLA_FLAGS is read when the CPU client is made)."""
     flags = os.environ.get("XLA_FLAGS", "")
     m = re.search(r"--xla_force_host_platform_device_count=(\d+)", flags)
     if m is None:

@@ -159,13 +159,10 @@ def param_counts(cfg):
     import jax
 
     from edit_jax import model as model_lib
-    from edit_jax.sharding import param_shard_dims
 
     abstract = jax.eval_shape(lambda k: model_lib.init_params(cfg.model, k), jax.random.key(0))
     n = model_lib.count_params(abstract)
-    dims = param_shard_dims(abstract, cfg.mesh.shard)
-    per_dev = sum(x.size // cfg.mesh.shard for x in jax.tree.leaves(abstract))
-    del dims
+    per_dev = sum(x.size // cfg.mesh.shard for x in jax.tree.leaves(abstract))  # every leaf is FSDP-sharded
     return n, per_dev
 
 

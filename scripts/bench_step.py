@@ -53,6 +53,11 @@ def parse_args(argv=None):
                         "CPU-emulated mesh pass the host's peak divided by R x S")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override (repeatable), e.g. --set model.n_layers=8")
+    p.add_argument("--block-every", type=int, default=1, metavar="K",
+                   help="block_until_ready after every K-th step and time the group (per-step time = group "
+                        "time / K); default 1: every step is timed on its own. K > 1 measures with async "
+                        "dispatch. Caution: on an 8-device CPU-emulated mesh with 2 cores, K >= 50 "
+                        "deadlocked XLA:CPU (collective rendezvous abort after 40 s); K <= 40 was fine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=os.path.join(common.DEFAULT_JSON_DIR, "bench_step.json"),
                    help="where to write the JSON result; default runs/bench/bench_step.json")
@@ -95,6 +100,7 @@ def main(argv=None) -> dict:
     tokens = rng.integers(0, min(cfg.model.vocab_size, 257), (cfg.batch_size, cfg.data.seq_len + 1), dtype=np.int32)
     batch = machinery.put_batch(jnp.asarray(tokens))
     fn = machinery.step_fn(args.kind)
+    env = common.env_info()  # before timing: its load average is the one the timings saw
 
     t0 = time.perf_counter()
     state, metrics = fn(state, batch)
@@ -103,12 +109,17 @@ def main(argv=None) -> dict:
     for _ in range(args.warmup):
         state, metrics = fn(state, batch)
     jax.block_until_ready((state, metrics))
-    times = []
-    for _ in range(args.steps):
+    times = []  # per-step seconds: one entry per step (K = 1) or per group of K steps
+    k = max(1, args.block_every)
+    done = 0
+    while done < args.steps:
+        group = min(k, args.steps - done)
         t0 = time.perf_counter()
-        state, metrics = fn(state, batch)
+        for _ in range(group):
+            state, metrics = fn(state, batch)
         jax.block_until_ready(state)
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0) / group)
+        done += group
     loss = float(np.mean(jax.device_get(metrics["loss"])))  # per replica ([N]) since b9fb776, or a scalar
 
     n_params = model_lib.count_params(jax.eval_shape(lambda k: model_lib.init_params(cfg.model, k), jax.random.key(0)))
@@ -116,11 +127,11 @@ def main(argv=None) -> dict:
     fpt = model_lib.flops_per_token(cfg.model, cfg.data.seq_len)
     st = common.summary(times)
     res = {
-        "benchmark": "bench_step", "env": common.env_info(),
+        "benchmark": "bench_step", "env": env, "loadavg_at_end": common.loadavg(),
         "setup": {"model": args.model, "params": n_params, "kind": args.kind, "method": cfg.sync.method,
                   "mesh": [args.replica, args.shard], "devices": n_dev, "batch": cfg.batch_size, "seq": cfg.data.seq_len,
                   "tokens_per_step": tokens_per_step, "compute_dtype": cfg.model.compute_dtype, "remat": cfg.model.remat,
-                  "warmup": args.warmup, "steps": args.steps, "overrides": args.overrides,
+                  "warmup": args.warmup, "steps": args.steps, "block_every": k, "overrides": args.overrides,
                   "batch_source": "one fixed random batch, already on device (no data loading timed)"},
         "first_call_s": first, "step_time": st, "step_times_s": times,
         "tokens_per_s_median": tokens_per_step / st["median_s"], "tokens_per_s_mean": tokens_per_step / st["mean_s"],
@@ -140,7 +151,8 @@ def main(argv=None) -> dict:
         ["batch x seq = tokens/step", f"{cfg.batch_size} x {cfg.data.seq_len} = {tokens_per_step:,}"],
         ["compute dtype", cfg.model.compute_dtype + (" + remat" if cfg.model.remat else "")],
         ["first call (compile + 1 step)", f"{first:.2f} s"],
-        ["timed steps (after warmup)", f"{args.steps} (warmup {args.warmup})"],
+        ["timed steps (after warmup)", f"{args.steps} (warmup {args.warmup})"
+         + (f", blocking every {k} steps ({len(times)} groups)" if k > 1 else ", each blocked")],
         ["step time median / mean", f"{st['median_s'] * 1e3:.1f} / {st['mean_s'] * 1e3:.1f} ms"],
         ["step time stdev / min / max", f"{st['stdev_s'] * 1e3:.1f} / {st['min_s'] * 1e3:.1f} / {st['max_s'] * 1e3:.1f} ms"],
         ["tokens/s median / mean", f"{res['tokens_per_s_median']:,.0f} / {res['tokens_per_s_mean']:,.0f}"],

@@ -263,3 +263,16 @@ def test_placement_file_drives_the_mesh(tmp_path):
 
     with pytest.raises(PlacementError, match="bad.json"):
         make_mesh(cfg.mesh, devs(cfg))
+
+
+def test_long_unlogged_run_does_not_deadlock(tmp_path):
+    """With nothing fetched for many steps the loop used to queue every step, and XLA:CPU's
+    collective rendezvous deadlocked on the 8-device mesh (abort after 40 s). The loop now caps the
+    steps in flight. Reproduces in a fresh 8-device process (the CLI), not in this 64-device one."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-m", "edit_jax", "train", "--config", "configs/demo.py", "--run-dir",
+                           str(tmp_path), "--no-progress", "method=baseline", "steps=100", "log_every=1000",
+                           "eval_every=0", "checkpoint_every=0", "eval_batches=1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "done at step 100" in proc.stdout
