@@ -23,7 +23,7 @@ import optax
 from flax import struct
 
 from edit_jax.config import SyncConfig
-from edit_jax.sharding import REPLICA, replica_gather, shard_sq_norm
+from edit_jax.sharding import REPLICA, SHARD, replica_gather, shard_sq_norm
 
 
 @struct.dataclass
@@ -150,17 +150,11 @@ def sync_unit(local: Any, outer_params: Any, trace: Any, det: Detector, p: Penal
     blocks of the unit; ``det`` is this worker's detector for the unit (scalars).
 
     With ``replica_dims`` (the FSDP dim of each leaf), θ̄ and the trace are sharded over
-    ``replica`` too: each device holds 1/N of its shard block. Then θ̄ is all-gathered over
-    ``replica`` for the pseudo gradient, the weighted sum is a reduce-scatter, the outer step
-    updates 1/N, and the new θ̄ is all-gathered back: N times less outer memory for an all-gather
-    of θ̄ more traffic than the all-reduce of the plain layout.
+    ``replica`` too (each device holds 1/N of its shard block): see ``_sync_unit_over_replica``.
     """
+    if replica_dims is not None:
+        return _sync_unit_over_replica(local, outer_params, trace, det, p, opt, replica_dims)
     local = jax.tree.map(lambda x: x.astype(jnp.float32), local)
-    over_replica = replica_dims is not None
-    if over_replica:
-        outer_chunk = outer_params
-        outer_params = jax.tree.map(lambda o, d: jax.lax.all_gather(o, REPLICA, axis=d, tiled=True),
-                                    outer_chunk, replica_dims)
     # 1. pseudo gradient (old minus new) and 2. the norm of this worker's whole unit.
     delta = jax.tree.map(lambda o, x: o - x, outer_params, local)
     g = jnp.sqrt(shard_sq_norm(delta))
@@ -170,21 +164,9 @@ def sync_unit(local: Any, outer_params: Any, trace: Any, det: Detector, p: Penal
     # 4. weighted average over workers.
     w = worker_weights(g, flagged, p)
     any_ok = jax.lax.psum(w, REPLICA) > 0
-    if over_replica:  # reduce-scatter: this device gets its 1/N of the weighted sum
-        avg = jax.tree.map(lambda d, dim: jax.lax.psum_scatter(w * d, REPLICA, scatter_dimension=dim, tiled=True),
-                           delta, replica_dims)
-        outer_params = outer_chunk
-    else:
-        avg = jax.tree.map(lambda d: jax.lax.psum(w * d, REPLICA), delta)
-    # 5. clip the averaged pseudo gradient over the whole unit.
-    avg_norm = jnp.sqrt(shard_sq_norm(avg, over_replica))
-    clip = jnp.minimum(1.0, p.clip_threshold / (avg_norm + 1e-6)) if p.clip else jnp.ones_like(avg_norm)
-    avg = jax.tree.map(lambda d: d * clip, avg)
-    # 6. outer step; skipped (a rollback of the window) when every worker was flagged.
-    updates, (trace_st, _) = opt.update(avg, trace_state(opt, trace))
-    new_outer = jax.tree.map(lambda o, u: jnp.where(any_ok, o + u, o), outer_params, updates)
-    new_trace = jax.tree.map(lambda old, t: jnp.where(any_ok, t, old), trace, trace_st.trace)
-    update_norm = jnp.sqrt(shard_sq_norm(jax.tree.map(lambda a, b: a - b, new_outer, outer_params), over_replica))
+    avg = jax.tree.map(lambda d: jax.lax.psum(w * d, REPLICA), delta)
+    # 5.-6. clip, outer step.
+    new_outer, new_trace, clip, avg_norm, update_norm = _outer_step(avg, outer_params, trace, any_ok, p, opt, SHARD)
     metrics = {
         "pseudo_grad_norm": replica_gather(g),  # [N]: every worker's norm of this unit
         "weight": replica_gather(w),
@@ -194,9 +176,61 @@ def sync_unit(local: Any, outer_params: Any, trace: Any, det: Detector, p: Penal
         "update_norm": update_norm,
     }
     # 7. every worker restarts from θ̄ (a flagged worker loses its local progress).
-    new_local = new_outer
-    if over_replica:
-        new_local = jax.tree.map(lambda o, d: jax.lax.all_gather(o, REPLICA, axis=d, tiled=True), new_outer, replica_dims)
+    return UnitSync(new_outer, new_outer, new_trace, det, metrics)
+
+
+def _outer_step(avg, outer_params, trace, any_ok, p: Penalty, opt, norm_axes):
+    """Steps 5-6: clip the averaged pseudo gradient over the whole unit, then the optax outer step,
+    skipped (a rollback of the window) when every worker was flagged."""
+    sq = lambda tree: jax.lax.psum(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)), norm_axes)  # noqa: E731
+    avg_norm = jnp.sqrt(sq(avg))
+    clip = jnp.minimum(1.0, p.clip_threshold / (avg_norm + 1e-6)) if p.clip else jnp.ones_like(avg_norm)
+    avg = jax.tree.map(lambda d: d * clip, avg)
+    updates, (trace_st, *_) = opt.update(avg, trace_state(opt, trace))
+    new_outer = jax.tree.map(lambda o, u: jnp.where(any_ok, o + u, o), outer_params, updates)
+    new_trace = jax.tree.map(lambda old, t: jnp.where(any_ok, t, old), trace, trace_st.trace)
+    update_norm = jnp.sqrt(sq(jax.tree.map(lambda a, b: a - b, new_outer, outer_params)))
+    return new_outer, new_trace, clip, avg_norm, update_norm
+
+
+def _sync_unit_over_replica(local, outer_chunk, trace_chunk, det: Detector, p: Penalty, opt, dims) -> UnitSync:
+    """Algorithm 2 with θ̄ and the trace split over ``replica`` as well as ``shard``.
+
+    Device (r, s) holds chunk r (of N) of shard block s of θ̄. An all-to-all over ``replica``
+    gives it chunk r of every worker's block s, so it can form every worker's pseudo gradient on
+    its chunk, their weighted sum, and the outer step of its chunk without holding θ̄ whole; an
+    all-gather over ``replica`` then hands every worker the new θ̄ block. Bytes per device:
+    (N-1)/N + (N-1)/N of a block, the same as one all-reduce (EDIT.md), for N times less outer
+    memory. Norms are sums over all devices' chunks (psum over both axes).
+    """
+    n, r = jax.lax.axis_size(REPLICA), jax.lax.axis_index(REPLICA)
+
+    def exchange(x, d):  # [.., D, ..] -> [N, .., D/N, ..]: worker i's chunk r of this block
+        x = x.astype(jnp.float32)
+        parts = x.reshape(x.shape[:d] + (n, x.shape[d] // n) + x.shape[d + 1:])
+        return jax.lax.all_to_all(parts, REPLICA, split_axis=d, concat_axis=0)
+
+    workers = jax.tree.map(exchange, local, dims)
+    delta = jax.tree.map(lambda o, x: o[None] - x, outer_chunk, workers)  # [N, chunk]: every worker's Δ_i
+    per_worker_sq = sum(jnp.sum(jnp.square(x), axis=tuple(range(1, x.ndim))) for x in jax.tree.leaves(delta))
+    g_all = jnp.sqrt(jax.lax.psum(per_worker_sq, (SHARD, REPLICA)))  # [N] on every device
+    det, flagged = detector_step(det, g_all[r], p)  # this worker's detector, on its own norm
+    flags = replica_gather(flagged) > 0.5  # [N]
+    if p.weighting:
+        logit = jnp.where(flags, -jnp.inf, -g_all / p.temperature)
+        top = jnp.max(logit)
+        e = jnp.where(flags, 0.0, jnp.exp(logit - jnp.where(jnp.isfinite(top), top, 0.0)))
+    else:
+        e = (~flags).astype(jnp.float32)
+    total = jnp.sum(e)
+    w_all = jnp.where(total > 0, e / jnp.where(total > 0, total, 1.0), 0.0)
+    bcast = lambda v, x: v.reshape((n,) + (1,) * (x.ndim - 1))  # noqa: E731
+    avg = jax.tree.map(lambda d: jnp.sum(bcast(w_all, d) * jnp.where(bcast(flags, d), 0.0, d), axis=0), delta)
+    new_outer, new_trace, clip, avg_norm, update_norm = _outer_step(avg, outer_chunk, trace_chunk, total > 0, p, opt,
+                                                                    (SHARD, REPLICA))
+    new_local = jax.tree.map(lambda o, d: jax.lax.all_gather(o, REPLICA, axis=d, tiled=True), new_outer, dims)
+    metrics = {"pseudo_grad_norm": g_all, "weight": w_all, "flagged": flags, "avg_norm": avg_norm,
+               "clip_factor": clip, "update_norm": update_norm}
     return UnitSync(new_local, new_outer, new_trace, det, metrics)
 
 

@@ -133,11 +133,10 @@ def gather_unit(local: Any, dims: Any, dtype: Any = None) -> Any:
     return jax.tree.map(one, local, dims)
 
 
-def shard_sq_norm(tree: Any, over_replica: bool = False) -> jax.Array:
-    """Squared L2 norm over a whole pytree of FSDP-sharded local blocks (psum over ``shard``, and
-    over ``replica`` too for blocks that are split over both axes)."""
+def shard_sq_norm(tree: Any) -> jax.Array:
+    """Squared L2 norm over a whole pytree of FSDP-sharded local blocks (psum over ``shard``)."""
     local = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
-    return jax.lax.psum(local, (SHARD, REPLICA) if over_replica else SHARD)
+    return jax.lax.psum(local, SHARD)
 
 
 def replica_gather(x: jax.Array) -> jax.Array:

@@ -443,6 +443,29 @@ def test_sync_matches_numpy_reference(edit4):
     assert int(stepped.step) == 1
 
 
+@pytest.mark.parametrize("layout", ["sync.outer_sharding=replica_shard", "sync.cpu_offload=true"])
+def test_outer_state_layouts_match_numpy_reference(edit4, layout):
+    """θ̄ and the trace split over `replica` too (all-to-all, local weighted sum, all-gather) or
+    kept in host memory: the same Algorithm 2 results as the NumPy reference, on both sync paths."""
+    m0, init = edit4
+    cfg = _cfg(*BASE4, "sync.method=edit", "sync.anomaly_alpha=0.3", "sync.temperature=0.5",
+               "sync.clip_threshold=0.2", "sync.outer_lr=0.7", "sync.outer_momentum=0.8", layout)
+    m = Machinery(cfg, m0.mesh)
+    start = _crafted_state(m, init)
+    r = _ref_of(cfg)
+    synced, metrics = _host(m.sync_fn()(_put(m, start)))
+    _check_against_reference(synced, metrics, start, r, f"sync_fn [{layout}]")
+    stepped, metrics = _host(m.step_fn("sync_forward")(_put(m, start), m.put_batch(_batch(0, cfg))))
+    _check_against_reference(stepped, metrics, start, r, f"sync_forward [{layout}]")
+    state = m.step_fn("local")(_put(m, start), m.put_batch(_batch(1, cfg)))[0]
+    theta = state.outer.params["layers"]["mlp"]["w_up"]
+    if "replica_shard" in layout:  # each device holds 1/(S*N) of the FSDP dim
+        assert theta.sharding.spec[-1] == ("shard", "replica")
+        assert {s.data.shape[-1] for s in theta.addressable_shards} == {theta.shape[-1] // (N4 * S2)}
+    else:
+        assert theta.sharding.memory_kind == "pinned_host"
+
+
 def test_sync_forward_equals_sync_then_local_step(edit4, diverged):
     """The layer-wise sync inside step k's forward is the whole-model sync followed by a local step
     at the synced point (EDIT.md, Algorithm 1 step 4: the gradient of step k is taken at the synced
