@@ -234,9 +234,5 @@ def _sync_unit_over_replica(local, outer_chunk, trace_chunk, det: Detector, p: P
     return UnitSync(new_local, new_outer, new_trace, det, metrics)
 
 
-def replica_mean(x: Any) -> Any:
-    return jax.tree.map(lambda v: jax.lax.pmean(v, REPLICA), x)
-
-
 __all__ = ["Detector", "Penalty", "UnitSync", "sync_unit", "detector_step", "detector_test", "detector_feed",
            "worker_weights", "outer_optimizer", "trace_state"]

@@ -203,9 +203,8 @@ class Machinery:
     def _state_specs(self, abstract_params):
         rep = jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.n,) + x.shape, x.dtype), abstract_params)
         opt_abstract = jax.eval_shape(self.inner_opt.init, rep)
-        is_spec = lambda x: isinstance(x, P)  # noqa: E731
         opt_specs = optax.tree_map_params(self.inner_opt, lambda _, spec: spec, opt_abstract, self.param_specs,
-                                          transform_non_params=lambda _: P(), is_leaf=is_spec)
+                                          transform_non_params=lambda _: P(), is_leaf=_is_spec)
         outer = None
         if self.plan.uses_outer:
             det = Detector(P(REPLICA), P(REPLICA), P(REPLICA), P(REPLICA))

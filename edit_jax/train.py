@@ -11,6 +11,7 @@ records with ``val_loss``) and ``checkpoints/``. Re-running on the same run dir 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -117,15 +118,13 @@ def _elastic_state(machinery: Machinery, host: TrainState, old_n: int) -> TrainS
             return out
         return np.broadcast_to(x.mean(axis=0, keepdims=True).astype(x.dtype), (n,) + x.shape[1:])
 
-    is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)  # noqa: E731
     theta = host.outer.params if host.outer is not None else jax.tree.map(lambda x: np.asarray(x)[0], host.params)
     params = jax.tree.map(lambda t: np.broadcast_to(np.asarray(t), (n,) + np.shape(t)), theta)
     opt_state = jax.tree.map(lambda x, s: remap(x, s, "opt"), host.opt_state, specs.opt_state)
     outer = host.outer
     if outer is not None:
         outer = outer.replace(detector=jax.tree.map(lambda x, s: remap(x, s, "detector"), outer.detector,
-                                                    specs.outer.detector, is_leaf=None))
-    del is_spec
+                                                    specs.outer.detector))
     state = TrainState(host.step, params, opt_state, outer, host.rng)
     return jax.device_put(state, machinery.state_shardings)
 
@@ -139,11 +138,11 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
     """
     validate(cfg)
     mesh = make_mesh(cfg.mesh, devices)
+    machinery = Machinery(cfg, mesh)  # checks the layout against the mesh (no compilation yet)
     corpus = data_lib.load_corpus(cfg.data)
     data_lib.check_model_vocab(corpus, cfg.model.vocab_size)
     stream = data_lib.make_train_stream(corpus, cfg.data.seq_len, cfg.batch_size, cfg.mesh.replica, cfg.data.seed)
     val = data_lib.val_batches(corpus, cfg.data.seq_len, cfg.batch_size, cfg.eval_batches)
-    machinery = Machinery(cfg, mesh)
 
     ckpt, resumed_from, state = None, None, None
     if run_dir:
@@ -157,9 +156,7 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
             if old_n == cfg.mesh.replica:
                 state, data_state = ckpt.restore(latest, machinery.abstract_state())
             else:
-                old_cfg = Config.__new__(Config)
-                old_cfg.__dict__.update(cfg.__dict__)
-                old_cfg.mesh = type(cfg.mesh)(**{**cfg.mesh.__dict__, "replica": old_n})
+                old_cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, replica=old_n))
                 host, data_state = ckpt.restore_host(latest, state_shapes(old_cfg))
                 state = _elastic_state(machinery, host, old_n)
             stream.set_state(data_state)
