@@ -129,6 +129,21 @@ def _elastic_state(machinery: Machinery, host: TrainState, old_n: int) -> TrainS
     return jax.device_put(state, machinery.state_shardings)
 
 
+def _resume(ckpt: Checkpointer, step: int, cfg: Config, machinery: Machinery):
+    """Restores checkpoint ``step`` (checked against ``cfg`` first): (state, data state, step).
+    A different ``mesh.replica`` is an elastic restart (see ``_elastic_state``)."""
+    meta = ckpt.read_meta(step)
+    ckpt.check_compatible(meta, cfg, step)
+    old_n = meta["config"]["mesh"]["replica"]
+    if old_n == cfg.mesh.replica:
+        state, data_state = ckpt.restore(step, machinery.abstract_state())
+    else:
+        old_cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, replica=old_n))
+        host, data_state = ckpt.restore_host(step, state_shapes(old_cfg))
+        state = _elastic_state(machinery, host, old_n)
+    return state, data_state, step
+
+
 def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, devices: list | None = None,
           stop_after: int | None = None, verbose: bool | None = None) -> TrainResult:
     """Trains ``cfg`` to ``cfg.steps`` (resuming from ``run_dir``'s latest checkpoint if any).
@@ -144,23 +159,19 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
     stream = data_lib.make_train_stream(corpus, cfg.data.seq_len, cfg.batch_size, cfg.mesh.replica, cfg.data.seed)
     val = data_lib.val_batches(corpus, cfg.data.seq_len, cfg.batch_size, cfg.eval_batches)
 
-    ckpt, resumed_from, state = None, None, None
+    ckpt, resumed_from, state, data_state = None, None, None, None
     if run_dir:
         os.makedirs(run_dir, exist_ok=True)
         ckpt = Checkpointer(run_dir, cfg.keep_checkpoints)
         latest = ckpt.latest_step()
-        if latest is not None:
-            meta = ckpt.read_meta(latest)
-            ckpt.check_compatible(meta, cfg, latest)
-            old_n = meta["config"]["mesh"]["replica"]
-            if old_n == cfg.mesh.replica:
-                state, data_state = ckpt.restore(latest, machinery.abstract_state())
-            else:
-                old_cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, replica=old_n))
-                host, data_state = ckpt.restore_host(latest, state_shapes(old_cfg))
-                state = _elastic_state(machinery, host, old_n)
+        try:
+            state, data_state, resumed_from = _resume(ckpt, latest, cfg, machinery) if latest is not None \
+                else (None, None, None)
+        except CheckpointError:
+            ckpt.close()
+            raise
+        if data_state is not None:
             stream.set_state(data_state)
-            resumed_from = latest
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             f.write(dumps(cfg) + "\n")
     if state is None:
