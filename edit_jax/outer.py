@@ -115,19 +115,24 @@ def detector_step(det: Detector, g: jax.Array, p: Penalty) -> tuple[Detector, ja
 # ----------------------------------------------------------------------------- weights
 
 
-def worker_weights(g: jax.Array, flagged: jax.Array, p: Penalty) -> jax.Array:
-    """This worker's weight: softmax over ``replica`` of -g/T (flagged workers excluded), or the
-    plain mean over the non-flagged workers. Zero everywhere if every worker is flagged."""
-    ok = ~flagged
+def softmax_weights(g_all: jax.Array, flagged_all: jax.Array, p: Penalty) -> jax.Array:
+    """Every worker's weight from every worker's norm ``[N]``: softmax of -g/T over the
+    non-flagged workers, or their plain mean; all zero if every worker is flagged."""
+    ok = ~flagged_all
     if p.weighting:
-        logit = jnp.where(ok, -g / p.temperature, -jnp.inf)
-        top = jax.lax.pmax(logit, REPLICA)
-        top = jnp.where(jnp.isfinite(top), top, 0.0)
-        e = jnp.where(ok, jnp.exp(logit - top), 0.0)
+        logit = jnp.where(ok, -g_all / p.temperature, -jnp.inf)
+        top = jnp.max(logit)
+        e = jnp.where(ok, jnp.exp(logit - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
     else:
         e = ok.astype(jnp.float32)
-    total = jax.lax.psum(e, REPLICA)
+    total = jnp.sum(e)
     return jnp.where(total > 0, e / jnp.where(total > 0, total, 1.0), 0.0)
+
+
+def worker_weights(g: jax.Array, flagged: jax.Array, p: Penalty) -> jax.Array:
+    """This worker's weight (under ``shard_map``), from its own norm and flag."""
+    w_all = softmax_weights(replica_gather(g), replica_gather(flagged) > 0.5, p)
+    return w_all[jax.lax.axis_index(REPLICA)]
 
 
 # ----------------------------------------------------------------------------- one unit
@@ -161,16 +166,18 @@ def sync_unit(local: Any, outer_params: Any, trace: Any, det: Detector, p: Penal
     # 3. anomaly elimination (the norm is identical on all of the worker's shards, so are flags).
     det, flagged = detector_step(det, g, p)
     delta = jax.tree.map(lambda d: jnp.where(flagged, 0.0, d), delta)  # where: NaN * 0 is NaN
-    # 4. weighted average over workers.
-    w = worker_weights(g, flagged, p)
-    any_ok = jax.lax.psum(w, REPLICA) > 0
+    # 4. weighted average over workers (every worker's norm and flag: a few scalars over `replica`).
+    g_all, flags = replica_gather(g), replica_gather(flagged) > 0.5
+    w_all = softmax_weights(g_all, flags, p)
+    w = w_all[jax.lax.axis_index(REPLICA)]
     avg = jax.tree.map(lambda d: jax.lax.psum(w * d, REPLICA), delta)
     # 5.-6. clip, outer step.
-    new_outer, new_trace, clip, avg_norm, update_norm = _outer_step(avg, outer_params, trace, any_ok, p, opt, SHARD)
+    new_outer, new_trace, clip, avg_norm, update_norm = _outer_step(avg, outer_params, trace, jnp.sum(w_all) > 0,
+                                                                    p, opt, SHARD)
     metrics = {
-        "pseudo_grad_norm": replica_gather(g),  # [N]: every worker's norm of this unit
-        "weight": replica_gather(w),
-        "flagged": replica_gather(flagged) > 0.5,
+        "pseudo_grad_norm": g_all,  # [N]: every worker's norm of this unit
+        "weight": w_all,
+        "flagged": flags,
         "avg_norm": avg_norm,
         "clip_factor": clip,
         "update_norm": update_norm,
@@ -216,17 +223,10 @@ def _sync_unit_over_replica(local, outer_chunk, trace_chunk, det: Detector, p: P
     g_all = jnp.sqrt(jax.lax.psum(per_worker_sq, (SHARD, REPLICA)))  # [N] on every device
     det, flagged = detector_step(det, g_all[r], p)  # this worker's detector, on its own norm
     flags = replica_gather(flagged) > 0.5  # [N]
-    if p.weighting:
-        logit = jnp.where(flags, -jnp.inf, -g_all / p.temperature)
-        top = jnp.max(logit)
-        e = jnp.where(flags, 0.0, jnp.exp(logit - jnp.where(jnp.isfinite(top), top, 0.0)))
-    else:
-        e = (~flags).astype(jnp.float32)
-    total = jnp.sum(e)
-    w_all = jnp.where(total > 0, e / jnp.where(total > 0, total, 1.0), 0.0)
+    w_all = softmax_weights(g_all, flags, p)
     bcast = lambda v, x: v.reshape((n,) + (1,) * (x.ndim - 1))  # noqa: E731
     avg = jax.tree.map(lambda d: jnp.sum(bcast(w_all, d) * jnp.where(bcast(flags, d), 0.0, d), axis=0), delta)
-    new_outer, new_trace, clip, avg_norm, update_norm = _outer_step(avg, outer_chunk, trace_chunk, total > 0, p, opt,
+    new_outer, new_trace, clip, avg_norm, update_norm = _outer_step(avg, outer_chunk, trace_chunk, jnp.sum(w_all) > 0, p, opt,
                                                                     (SHARD, REPLICA))
     new_local = jax.tree.map(lambda o, d: jax.lax.all_gather(o, REPLICA, axis=d, tiled=True), new_outer, dims)
     metrics = {"pseudo_grad_norm": g_all, "weight": w_all, "flagged": flags, "avg_norm": avg_norm,
@@ -235,4 +235,4 @@ def _sync_unit_over_replica(local, outer_chunk, trace_chunk, det: Detector, p: P
 
 
 __all__ = ["Detector", "Penalty", "UnitSync", "sync_unit", "detector_step", "detector_test", "detector_feed",
-           "worker_weights", "outer_optimizer", "trace_state"]
+           "worker_weights", "softmax_weights", "outer_optimizer", "trace_state"]
