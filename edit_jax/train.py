@@ -196,7 +196,9 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
     history, last_loss, val_loss = [], float("nan"), None
     t_start, interrupted, done_here = time.perf_counter(), False, 0
     timed_kinds: set[str] = set()
+    kinds_since_record: set[str] = set()
     in_flight: list = []
+    last_record = [time.perf_counter(), start_step]  # (time, step) of the last training record
 
     def save(step):
         if ckpt is not None:
@@ -215,8 +217,8 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
             if init_outer_due(cfg, k):
                 state = machinery.init_outer_fn()(state)
             kind = step_kind(cfg, k)
+            kinds_since_record.add(kind)
             batch = machinery.put_batch(stream.next())
-            t0 = time.perf_counter()
             state, metrics = machinery.step_fn(kind)(state, batch)
             # At most MAX_IN_FLIGHT steps dispatched ahead of the host: XLA:CPU's collectives
             # deadlock (rendezvous timeout) when ~50 steps are queued, and a short queue costs
@@ -229,15 +231,19 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
             is_sync = "pseudo_grad_norm" in metrics
             if k % cfg.log_every == 0 or is_sync or k == cfg.steps:
                 metrics = jax.device_get(metrics)
-                dt = time.perf_counter() - t0
+                # Throughput over the steps since the last record (the metrics fetch waits for them all).
+                now = time.perf_counter()
+                dt = (now - last_record[0]) / max(k - last_record[1], 1)
+                last_record[:] = [now, k]
                 last_loss = float(np.mean(metrics["loss"]))  # per replica -> mean on the host
                 rec = {"step": k, "loss": last_loss, "grad_norm": float(np.mean(metrics["grad_norm"])),
                        "tokens_per_s": tokens_per_step / dt, "step_time": dt, "kind": kind}
                 if cfg.mesh.replica > 1:
                     rec["replica_loss"] = _to_json(metrics["loss"])
-                if kind not in timed_kinds:  # the first step of a kind also compiles it
+                if kinds_since_record - timed_kinds:  # a first step of a kind also compiled it
                     rec["includes_compile"] = True
-                timed_kinds.add(kind)
+                timed_kinds |= kinds_since_record
+                kinds_since_record = set()
                 log.write(rec)
                 history.append(rec)
                 if is_sync:
@@ -258,8 +264,10 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
                 break
             if cfg.eval_every and k % cfg.eval_every == 0 and k < cfg.steps:
                 val_loss = evaluate(k)
+                last_record[:] = [time.perf_counter(), k]  # evaluation time is not step time
             if cfg.checkpoint_every and k % cfg.checkpoint_every == 0 and k < cfg.steps:
                 save(k)
+                last_record[:] = [time.perf_counter(), k]
             if stop.signal is not None or (stop_after is not None and done_here >= stop_after and k < cfg.steps):
                 save(k)
                 interrupted = True
