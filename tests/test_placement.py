@@ -35,14 +35,7 @@ from edit_jax.placement.search import (
 )
 from edit_jax.placement.topology import load_topology, make_topology, scenario
 
-# PLACEMENT.md: (random mean, random best of 1000, one device per node/region, one node/region per group)
-TARGETS = {
-    "ondemand": (19.80, 19.80, 3.44, 16.98),
-    "spot": (49.50, 49.50, 31.63, 49.50),
-    "multi_dc": (54.71, 48.47, 16.09, 17.65),
-    "regional": (61.00, 59.25, 34.80, 39.24),
-    "world": (171.9, 145.9, 49.22, 59.44),
-}
+from edit_jax.placement.topology import PAPER_TARGETS as TARGETS
 
 
 def stripes(name):
