@@ -189,14 +189,13 @@ def sync_unit(local: Any, outer_params: Any, trace: Any, det: Detector, p: Penal
 def _outer_step(avg, outer_params, trace, any_ok, p: Penalty, opt, norm_axes):
     """Steps 5-6: clip the averaged pseudo gradient over the whole unit, then the optax outer step,
     skipped (a rollback of the window) when every worker was flagged."""
-    sq = lambda tree: jax.lax.psum(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)), norm_axes)  # noqa: E731
-    avg_norm = jnp.sqrt(sq(avg))
+    avg_norm = jnp.sqrt(shard_sq_norm(avg, norm_axes))
     clip = jnp.minimum(1.0, p.clip_threshold / (avg_norm + 1e-6)) if p.clip else jnp.ones_like(avg_norm)
     avg = jax.tree.map(lambda d: d * clip, avg)
     updates, (trace_st, *_) = opt.update(avg, trace_state(opt, trace))
     new_outer = jax.tree.map(lambda o, u: jnp.where(any_ok, o + u, o), outer_params, updates)
     new_trace = jax.tree.map(lambda old, t: jnp.where(any_ok, t, old), trace, trace_st.trace)
-    update_norm = jnp.sqrt(sq(jax.tree.map(lambda a, b: a - b, new_outer, outer_params)))
+    update_norm = jnp.sqrt(shard_sq_norm(jax.tree.map(lambda a, b: a - b, new_outer, outer_params), norm_axes))
     return new_outer, new_trace, clip, avg_norm, update_norm
 
 

@@ -133,10 +133,11 @@ def gather_unit(local: Any, dims: Any, dtype: Any = None) -> Any:
     return jax.tree.map(one, local, dims)
 
 
-def shard_sq_norm(tree: Any) -> jax.Array:
-    """Squared L2 norm over a whole pytree of FSDP-sharded local blocks (psum over ``shard``)."""
+def shard_sq_norm(tree: Any, axes: Any = SHARD) -> jax.Array:
+    """Squared L2 norm over a whole pytree of sharded local blocks: a psum over ``axes`` (default
+    ``shard``: FSDP blocks; ``(shard, replica)`` for blocks split over both axes)."""
     local = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
-    return jax.lax.psum(local, SHARD)
+    return jax.lax.psum(local, axes)
 
 
 def replica_gather(x: jax.Array) -> jax.Array:

@@ -167,6 +167,9 @@ class Machinery:
         self.outer_opt = outer_optimizer(self.plan.outer_lr, self.plan.outer_momentum, self.plan.nesterov)
         abstract = jax.eval_shape(partial(model_lib.init_params, cfg.model), jax.random.key(0))
         self.shard_dims = param_shard_dims(abstract, self.s)
+        # FSDP dims as the hook sees each unit (a layer's params without their stacked axis).
+        self.unit_dims = {"root": unit_dims(self.shard_dims["root"], False),
+                          "layer": unit_dims(self.shard_dims["layers"], True)}
         self.param_specs = replica_specs(abstract, self.shard_dims)
         self.outer_over_replica = self.plan.uses_outer and cfg.sync.outer_sharding == "replica_shard"
         if self.outer_over_replica:
@@ -282,8 +285,7 @@ class Machinery:
         cfg, plan = self.cfg, self.plan
         inputs, targets = batch[:, :-1], batch[:, 1:]
         dtype = jnp.dtype(cfg.model.compute_dtype)
-        root_dims, layer_dims = unit_dims(self.shard_dims["root"], False), unit_dims(self.shard_dims["layers"], True)
-        dims_of = {"root": root_dims, "layer": layer_dims}
+        dims_of = self.unit_dims
         sync_in_forward = kind == "sync_forward"
 
         def hook(unit, xs, which):
@@ -362,8 +364,8 @@ class Machinery:
         local = jax.tree.map(lambda x: x[0], params)
         det = jax.tree.map(lambda x: x[0], outer.detector)
         over = self.outer_over_replica
-        root_dims = unit_dims(self.shard_dims["root"], False) if over else None
-        layer_dims = unit_dims(self.shard_dims["layers"], True) if over else None
+        root_dims = self.unit_dims["root"] if over else None
+        layer_dims = self.unit_dims["layer"] if over else None
         one = partial(sync_unit, p=self.plan.penalty, opt=self.outer_opt)
         root = one(local["root"], outer.params["root"], outer.trace["root"], jax.tree.map(lambda x: x[0], det),
                    replica_dims=root_dims)
@@ -414,7 +416,7 @@ class Machinery:
         if key not in self._compiled:
             cfg = self.cfg
             dtype = jnp.dtype(cfg.model.compute_dtype)
-            dims = {"root": unit_dims(self.shard_dims["root"], False), "layer": unit_dims(self.shard_dims["layers"], True)}
+            dims = self.unit_dims
 
             def body(params, batch):
                 local = params if over_outer else jax.tree.map(lambda x: x[0], params)
