@@ -1,7 +1,7 @@
 """Checkpoints with orbax: the whole train state, the data iterator position and a metadata record.
 
 Layout: ``RUN_DIR/checkpoints/<step>/{state,data,meta}``. ``meta`` holds the config that wrote the
-checkpoint, so that a resume with an incompatible config (other model shape, shard count or
+checkpoint and the state's format (``state.STATE_FORMAT``; absent: format 1), so that a resume with an incompatible config (other model shape, shard count or
 method) is refused with a message naming the keys, instead of failing deep inside orbax.
 A checkpoint that cannot be read is reported and left in place: nothing is written over it.
 """
@@ -16,6 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from edit_jax.config import Config, to_dict
+from edit_jax.state import STATE_FORMAT
 
 # Keys whose change makes a checkpoint's arrays unusable (their shapes or structure depend on them).
 # mesh.replica is absent on purpose: the number of workers may change across a restart (elastic).
@@ -45,7 +46,7 @@ class Checkpointer:
     def save(self, step: int, state: Any, data_state: dict, cfg: Config) -> None:
         if int(step) in self.manager.all_steps():  # e.g. a signal right after a periodic save
             return
-        meta = {"config": to_dict(cfg), "step": int(step)}
+        meta = {"config": to_dict(cfg), "step": int(step), "state_format": STATE_FORMAT}
         self.manager.save(int(step), args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
         self.manager.wait_until_finished()

@@ -23,6 +23,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
+    family: str = "llama"  # a name in edit_jax.family.FAMILIES (the model's module)
     vocab_size: int = 320  # byte tokenizer (256 bytes + EOS) padded to a multiple of 64
     d_model: int = 128
     n_layers: int = 4
@@ -77,14 +78,17 @@ class OptimConfig:
 
 @dataclass
 class SyncConfig:
-    """How replicas meet. ``method`` picks a preset behaviour of one machinery (EDIT.md)."""
+    """How replicas meet. ``method`` picks a row of the method table (``methods.py``), which may
+    fix some of these fields; the run's ``config.json`` records them as they took effect."""
 
-    method: str = "baseline"  # baseline | post_local_sgd | diloco | edit
+    method: str = "baseline"  # a name in edit_jax.methods.METHODS: baseline | post_local_sgd | diloco | edit
     warmup_steps: int = 0  # W: synchronous (HSDP) steps before local training starts
     tau: int = 16  # sync interval in inner steps
+    outer_optimizer: str = "nesterov"  # "nesterov" (SGD + momentum) | "adam"
     outer_lr: float = 0.8
-    outer_momentum: float = 0.85
-    nesterov: bool = True
+    outer_momentum: float = 0.85  # SGD momentum, or Adam's b1
+    nesterov: bool = True  # with outer_optimizer=nesterov: false gives heavy-ball momentum
+    outer_b2: float = 0.95  # Adam's b2 (outer_optimizer=adam)
     layerwise: bool = True  # sync unit by unit inside the forward (EDiT) vs whole model after the step
     anomaly: bool = True  # anomaly elimination (EWMA z-test per worker and unit)
     anomaly_alpha: float = 0.02
@@ -120,7 +124,6 @@ class Config:
         return self.sync.method
 
 
-METHODS = ("baseline", "post_local_sgd", "diloco", "edit")
 # `method=NAME` is accepted as shorthand for `sync.method=NAME`.
 ALIASES = {"method": "sync.method"}
 
@@ -306,7 +309,14 @@ def validate(cfg: Config) -> None:
     _require(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
     _require(0.0 <= o.b1 < 1.0, "optim.b1", f"must be in [0, 1), got {o.b1}")
     _require(0.0 <= o.b2 < 1.0, "optim.b2", f"must be in [0, 1), got {o.b2}")
+    from edit_jax.family import FAMILIES  # noqa: PLC0415 - both import this module (and not JAX)
+    from edit_jax.methods import METHODS, OUTER_OPTIMIZERS  # noqa: PLC0415
+
+    _require(m.family in FAMILIES, "model.family", f"expected one of {', '.join(FAMILIES)}; got {m.family!r}")
     _require(s.method in METHODS, "sync.method", f"expected one of {', '.join(METHODS)}; got {s.method!r}")
+    _require(s.outer_optimizer in OUTER_OPTIMIZERS, "sync.outer_optimizer",
+             f"expected one of {', '.join(OUTER_OPTIMIZERS)}; got {s.outer_optimizer!r}")
+    _require(0.0 <= s.outer_b2 < 1.0, "sync.outer_b2", f"must be in [0, 1), got {s.outer_b2}")
     _require(s.outer_lr > 0, "sync.outer_lr", f"must be positive, got {s.outer_lr}")
     _require(0.0 <= s.outer_momentum < 1.0, "sync.outer_momentum", f"must be in [0, 1), got {s.outer_momentum}")
     _require(0.0 < s.anomaly_alpha <= 1.0, "sync.anomaly_alpha", f"must be in (0, 1], got {s.anomaly_alpha}")
@@ -329,5 +339,5 @@ def replace(cfg, **kw):
 
 
 __all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "ConfigError",
-           "load_config", "apply_overrides", "validate", "to_dict", "from_dict", "dumps", "METHODS"]
+           "load_config", "apply_overrides", "validate", "to_dict", "from_dict", "dumps"]
 

@@ -70,10 +70,24 @@ def outer_optimizer(lr: float, momentum: float, nesterov: bool = True) -> optax.
     return optax.sgd(lr, momentum=momentum, nesterov=nesterov)
 
 
-def trace_state(opt: optax.GradientTransformation, trace: Any) -> Any:
-    """optax.sgd's state with ``trace`` as its momentum buffer (we store only the trace)."""
-    state = opt.init(trace)
-    return (state[0]._replace(trace=trace),) + tuple(state[1:])
+def make_outer_optimizer(spec) -> optax.GradientTransformation:
+    """The outer transformation of an ``methods.OuterSpec``. Any optax transformation works here:
+    the pseudo gradient plays the gradient, and its state is kept per unit (``state.py``)."""
+    if spec.name == "nesterov":
+        return outer_optimizer(spec.lr, spec.momentum, spec.nesterov)
+    if spec.name == "adam":
+        return optax.adam(spec.lr, b1=spec.momentum, b2=spec.b2, eps=1e-8)
+    raise ValueError(f"unknown outer optimizer {spec.name!r}")
+
+
+def sgd_trace(opt_state: Any) -> Any:
+    """The momentum buffer of an SGD outer state (``optax.sgd``'s TraceState.trace)."""
+    return optax.tree_utils.tree_get(opt_state, "trace")
+
+
+def with_sgd_trace(opt_state: Any, trace: Any) -> Any:
+    """``opt_state`` with its SGD momentum buffer replaced by ``trace``."""
+    return optax.tree_utils.tree_set(opt_state, trace=trace)
 
 
 # ----------------------------------------------------------------------------- the detector
@@ -144,21 +158,22 @@ class UnitSync:
 
     params: Any  # θ̄ after the outer step: the worker's new local params (its block)
     outer_params: Any
-    trace: Any
+    opt_state: Any  # the unit's outer optimizer state after the step
     detector: Detector
     metrics: dict
 
 
-def sync_unit(local: Any, outer_params: Any, trace: Any, det: Detector, p: Penalty,
+def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: Penalty,
               opt: optax.GradientTransformation, replica_dims: Any = None) -> UnitSync:
-    """Algorithm 2 for one unit. ``local``, ``outer_params`` and ``trace`` are this device's FSDP
-    blocks of the unit; ``det`` is this worker's detector for the unit (scalars).
+    """Algorithm 2 for one unit. ``local`` and ``outer_params`` are this device's FSDP blocks of
+    the unit, ``opt_state`` the unit's outer optimizer state (param-shaped leaves as blocks too);
+    ``det`` is this worker's detector for the unit (scalars).
 
-    With ``replica_dims`` (the FSDP dim of each leaf), θ̄ and the trace are sharded over
+    With ``replica_dims`` (the FSDP dim of each leaf), θ̄ and the outer state are sharded over
     ``replica`` too (each device holds 1/N of its shard block): see ``_sync_unit_over_replica``.
     """
     if replica_dims is not None:
-        return _sync_unit_over_replica(local, outer_params, trace, det, p, opt, replica_dims)
+        return _sync_unit_over_replica(local, outer_params, opt_state, det, p, opt, replica_dims)
     local = jax.tree.map(lambda x: x.astype(jnp.float32), local)
     # 1. pseudo gradient (old minus new) and 2. the norm of this worker's whole unit.
     delta = jax.tree.map(lambda o, x: o - x, outer_params, local)
@@ -172,8 +187,8 @@ def sync_unit(local: Any, outer_params: Any, trace: Any, det: Detector, p: Penal
     w = w_all[jax.lax.axis_index(REPLICA)]
     avg = jax.tree.map(lambda d: jax.lax.psum(w * d, REPLICA), delta)
     # 5.-6. clip, outer step.
-    new_outer, new_trace, clip, avg_norm, update_norm = _outer_step(avg, outer_params, trace, jnp.sum(w_all) > 0,
-                                                                    p, opt, SHARD)
+    new_outer, new_opt_state, clip, avg_norm, update_norm = _outer_step(avg, outer_params, opt_state,
+                                                                        jnp.sum(w_all) > 0, p, opt, SHARD)
     metrics = {
         "pseudo_grad_norm": g_all,  # [N]: every worker's norm of this unit
         "weight": w_all,
@@ -183,26 +198,28 @@ def sync_unit(local: Any, outer_params: Any, trace: Any, det: Detector, p: Penal
         "update_norm": update_norm,
     }
     # 7. every worker restarts from θ̄ (a flagged worker loses its local progress).
-    return UnitSync(new_outer, new_outer, new_trace, det, metrics)
+    return UnitSync(new_outer, new_outer, new_opt_state, det, metrics)
 
 
-def _outer_step(avg, outer_params, trace, any_ok, p: Penalty, opt, norm_axes):
+def _outer_step(avg, outer_params, opt_state, any_ok, p: Penalty, opt, norm_axes):
     """Steps 5-6: clip the averaged pseudo gradient over the whole unit, then the optax outer step,
-    skipped (a rollback of the window) when every worker was flagged."""
+    skipped (a rollback of the window: θ̄ and the optimizer state kept) when every worker was
+    flagged."""
     avg_norm = jnp.sqrt(shard_sq_norm(avg, norm_axes))
     clip = jnp.minimum(1.0, p.clip_threshold / (avg_norm + 1e-6)) if p.clip else jnp.ones_like(avg_norm)
     avg = jax.tree.map(lambda d: d * clip, avg)
-    updates, (trace_st, *_) = opt.update(avg, trace_state(opt, trace))
+    updates, stepped = opt.update(avg, opt_state, outer_params)
     new_outer = jax.tree.map(lambda o, u: jnp.where(any_ok, o + u, o), outer_params, updates)
-    new_trace = jax.tree.map(lambda old, t: jnp.where(any_ok, t, old), trace, trace_st.trace)
+    new_opt_state = jax.tree.map(lambda old, new: jnp.where(any_ok, new, old), opt_state, stepped)
     update_norm = jnp.sqrt(shard_sq_norm(jax.tree.map(lambda a, b: a - b, new_outer, outer_params), norm_axes))
-    return new_outer, new_trace, clip, avg_norm, update_norm
+    return new_outer, new_opt_state, clip, avg_norm, update_norm
 
 
-def _sync_unit_over_replica(local, outer_chunk, trace_chunk, det: Detector, p: Penalty, opt, dims) -> UnitSync:
+def _sync_unit_over_replica(local, outer_chunk, opt_chunk, det: Detector, p: Penalty, opt, dims) -> UnitSync:
     """Algorithm 2 with θ̄ and the trace split over ``replica`` as well as ``shard``.
 
-    Device (r, s) holds chunk r (of N) of shard block s of θ̄. An all-to-all over ``replica``
+    Device (r, s) holds chunk r (of N) of shard block s of θ̄ (and of the outer state's
+    param-shaped leaves). An all-to-all over ``replica``
     gives it chunk r of every worker's block s, so it can form every worker's pseudo gradient on
     its chunk, their weighted sum, and the outer step of its chunk without holding θ̄ whole; an
     all-gather over ``replica`` then hands every worker the new θ̄ block. Bytes per device:
@@ -225,13 +242,14 @@ def _sync_unit_over_replica(local, outer_chunk, trace_chunk, det: Detector, p: P
     w_all = softmax_weights(g_all, flags, p)
     bcast = lambda v, x: v.reshape((n,) + (1,) * (x.ndim - 1))  # noqa: E731
     avg = jax.tree.map(lambda d: jnp.sum(bcast(w_all, d) * jnp.where(bcast(flags, d), 0.0, d), axis=0), delta)
-    new_outer, new_trace, clip, avg_norm, update_norm = _outer_step(avg, outer_chunk, trace_chunk, jnp.sum(w_all) > 0, p, opt,
-                                                                    (SHARD, REPLICA))
+    new_outer, new_opt_state, clip, avg_norm, update_norm = _outer_step(avg, outer_chunk, opt_chunk,
+                                                                        jnp.sum(w_all) > 0, p, opt, (SHARD, REPLICA))
     new_local = jax.tree.map(lambda o, d: jax.lax.all_gather(o, REPLICA, axis=d, tiled=True), new_outer, dims)
     metrics = {"pseudo_grad_norm": g_all, "weight": w_all, "flagged": flags, "avg_norm": avg_norm,
                "clip_factor": clip, "update_norm": update_norm}
-    return UnitSync(new_local, new_outer, new_trace, det, metrics)
+    return UnitSync(new_local, new_outer, new_opt_state, det, metrics)
 
 
 __all__ = ["Detector", "Penalty", "UnitSync", "sync_unit", "detector_step", "detector_test", "detector_feed",
-           "worker_weights", "softmax_weights", "outer_optimizer", "trace_state"]
+           "worker_weights", "softmax_weights", "outer_optimizer", "make_outer_optimizer", "sgd_trace",
+           "with_sgd_trace"]

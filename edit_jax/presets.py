@@ -10,19 +10,15 @@ rematerialised layers for GPU memory.
 from __future__ import annotations
 
 from edit_jax.config import Config, DataConfig, MeshConfig, OptimConfig, SyncConfig
+from edit_jax.methods import sync_fields_for
 from edit_jax.model import preset
 
 PAPER_SIZES = ("350m", "1b", "3b", "7b")
 
 
 def sync_for(method: str, **kw) -> SyncConfig:
-    """The sync settings of a method (the same machinery, EDIT.md's table)."""
-    base = dict(method=method)
-    if method == "post_local_sgd":
-        base.update(outer_lr=1.0, outer_momentum=0.0, nesterov=False, anomaly=False, weighting=False, clip=False)
-    elif method == "diloco":
-        base.update(anomaly=False, weighting=False, clip=False, layerwise=False)
-    return SyncConfig(**{**base, **kw})
+    """The sync settings of a method: ``kw``, then what the method table fixes (methods.py)."""
+    return SyncConfig(**{**kw, "method": method, **sync_fields_for(method)})
 
 
 def paper(size: str, method: str = "edit") -> Config:
@@ -36,8 +32,8 @@ def paper(size: str, method: str = "edit") -> Config:
                         seq_len=4096),
         optim=OptimConfig(lr=3e-4 if method == "baseline" else 1.5e-4, warmup_steps=2000, min_lr_ratio=0.1,
                           weight_decay=0.1, grad_clip=1.0),
-        sync=sync_for(method, warmup_steps=2000, tau=128, outer_lr=0.8 if method != "post_local_sgd" else 1.0,
-                      outer_momentum=0.85 if method != "post_local_sgd" else 0.0, clip_threshold=10.0,
+        sync=sync_for(method, warmup_steps=2000, tau=128, outer_lr=0.8, outer_momentum=0.85,
+                      clip_threshold=10.0,
                       anomaly_alpha=0.02, anomaly_warmup=120, anomaly_threshold=3.0, temperature=1.0),
         steps=steps, batch_size=1024, seed=0, log_every=10, eval_every=1000, eval_batches=16,
         checkpoint_every=1000, keep_checkpoints=3,
@@ -51,8 +47,7 @@ def cpu(method: str = "edit", steps: int = 300) -> Config:
         mesh=MeshConfig(replica=2, shard=4),
         data=DataConfig(seq_len=128),
         optim=OptimConfig(lr=3e-3, warmup_steps=20),
-        sync=sync_for(method, warmup_steps=20, tau=10, outer_lr=0.8 if method != "post_local_sgd" else 1.0,
-                      outer_momentum=0.85 if method != "post_local_sgd" else 0.0, anomaly_warmup=3,
+        sync=sync_for(method, warmup_steps=20, tau=10, outer_lr=0.8, outer_momentum=0.85, anomaly_warmup=3,
                       clip_threshold=10.0),
         steps=steps, batch_size=16, log_every=10, eval_every=50, eval_batches=8, checkpoint_every=100,
     )

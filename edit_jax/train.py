@@ -2,8 +2,10 @@
 
     result = train(cfg, run_dir="runs/demo")
 
-Order of work: validate the config, build the mesh, load the data, restore or create the state,
-then step. Everything that can reject the input does so before the first step. The run dir holds
+Order of work: validate the config, normalise it through the method table (``methods.plan_for``:
+what runs is what ``config.json`` says), build the mesh and the compiled-step machinery, load the
+data, restore or create the state, then step as the method's schedule says. Everything that can
+reject the input does so before the first step. The run dir holds
 ``config.json`` (resolved config), ``metrics.jsonl`` (one JSON object per record: training
 records with ``step``/``loss``/``tokens_per_s``, sync records with ``"sync": true``, evaluation
 records with ``val_loss``) and ``checkpoints/``. Re-running on the same run dir resumes.
@@ -25,9 +27,12 @@ import numpy as np
 
 from edit_jax import data as data_lib
 from edit_jax.checkpoint import Checkpointer, CheckpointError
-from edit_jax.config import Config, dumps, validate
-from edit_jax.sharding import REPLICA, make_mesh
-from edit_jax.step import Machinery, TrainState, init_outer_due, state_shapes, step_kind
+from edit_jax.config import Config, ConfigError, dumps, validate
+from edit_jax.evaluate import Evaluator
+from edit_jax.methods import plan_for
+from edit_jax.sharding import make_mesh
+from edit_jax.state import STATE_FORMAT, legacy_state_shapes, state_shapes
+from edit_jax.step import Machinery
 
 
 MAX_IN_FLIGHT = 2  # steps the loop may run ahead of the device (see the loop)
@@ -101,46 +106,26 @@ def _to_json(x):
     return a.item() if a.ndim == 0 else a.tolist()
 
 
-def _elastic_state(machinery: Machinery, host: TrainState, old_n: int) -> TrainState:
-    """Maps a state saved with ``old_n`` replicas onto this run's N (same S): every replica restarts
-    from θ̄ (EDIT.md, elasticity), AdamW moments become the mean of the old replicas', detectors of
-    surviving workers are kept and new workers start fresh."""
-    n = machinery.n
-    specs = machinery.state_specs
-
-    def remap(x, spec, kind):
-        if not spec or spec[0] != REPLICA:
-            return x
-        x = np.asarray(x)
-        if kind == "detector":
-            out = np.zeros((n,) + x.shape[1:], x.dtype)
-            out[: min(n, old_n)] = x[: min(n, old_n)]
-            return out
-        return np.broadcast_to(x.mean(axis=0, keepdims=True).astype(x.dtype), (n,) + x.shape[1:])
-
-    theta = host.outer.params if host.outer is not None else jax.tree.map(lambda x: np.asarray(x)[0], host.params)
-    params = jax.tree.map(lambda t: np.broadcast_to(np.asarray(t), (n,) + np.shape(t)), theta)
-    opt_state = jax.tree.map(lambda x, s: remap(x, s, "opt"), host.opt_state, specs.opt_state)
-    outer = host.outer
-    if outer is not None:
-        outer = outer.replace(detector=jax.tree.map(lambda x, s: remap(x, s, "detector"), outer.detector,
-                                                    specs.outer.detector))
-    state = TrainState(host.step, params, opt_state, outer, host.rng)
-    return jax.device_put(state, machinery.state_shardings)
-
-
 def _resume(ckpt: Checkpointer, step: int, cfg: Config, machinery: Machinery):
     """Restores checkpoint ``step`` (checked against ``cfg`` first): (state, data state, step).
-    A different ``mesh.replica`` is an elastic restart (see ``_elastic_state``)."""
+    A different ``mesh.replica`` is an elastic restart (``StateLayout.elastic_state``); a
+    checkpoint of the first state format (before outer optimizers were configurable) is upgraded."""
     meta = ckpt.read_meta(step)
     ckpt.check_compatible(meta, cfg, step)
+    layout = machinery.layout
+    legacy = meta.get("state_format", 1) < STATE_FORMAT
     old_n = meta["config"]["mesh"]["replica"]
-    if old_n == cfg.mesh.replica:
-        state, data_state = ckpt.restore(step, machinery.abstract_state())
-    else:
-        old_cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, replica=old_n))
-        host, data_state = ckpt.restore_host(step, state_shapes(old_cfg))
-        state = _elastic_state(machinery, host, old_n)
+    try:
+        if old_n == cfg.mesh.replica:
+            target = layout.legacy_abstract_state() if legacy else layout.abstract_state()
+            state, data_state = ckpt.restore(step, target)
+            state = jax.device_put(layout.upgrade_legacy(state), layout.state_shardings)
+        else:
+            old_cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, replica=old_n))
+            host, data_state = ckpt.restore_host(step, legacy_state_shapes(old_cfg) if legacy else state_shapes(old_cfg))
+            state = layout.elastic_state(layout.upgrade_legacy(host), old_n)
+    except ConfigError as e:
+        raise CheckpointError(f"checkpoint {os.path.join(ckpt.directory, str(step))}: {e}") from e
     return state, data_state, step
 
 
@@ -152,6 +137,8 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
     would: for tests and for splitting a run into chunks.
     """
     validate(cfg)
+    method_plan = plan_for(cfg)
+    cfg, schedule = method_plan.cfg, method_plan.schedule  # normalised: config.json says what runs
     mesh = make_mesh(cfg.mesh, devices)
     machinery = Machinery(cfg, mesh)  # checks the layout against the mesh (no compilation yet)
     corpus = data_lib.load_corpus(cfg.data)
@@ -184,6 +171,9 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if verbose else (lambda msg: None)
     say(f"edit-jax: {cfg.sync.method} on mesh replica={cfg.mesh.replica} x shard={cfg.mesh.shard} "
         f"({jax.devices()[0].platform}); data {corpus.description}")
+    if method_plan.changed:
+        say(f"edit-jax: method {cfg.sync.method} fixes " + ", ".join(
+            f"{k}={v} (config had {old})" for k, old, v in method_plan.changed))
     if resumed_from is not None:
         say(f"edit-jax: resumed from {os.path.join(run_dir, 'checkpoints', str(resumed_from))}")
 
@@ -200,12 +190,14 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
     in_flight: list = []
     last_record = [time.perf_counter(), start_step]  # (time, step) of the last training record
 
+    evaluator = Evaluator(machinery)
+
     def save(step):
         if ckpt is not None:
             ckpt.save(step, state, stream.get_state(), cfg)
 
     def evaluate(step):
-        loss = machinery.evaluate(state, val)
+        loss = evaluator(state, val)
         rec = {"step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
         log.write(rec)
         say(f"edit-jax: step {step} val_loss {loss:.4f} (ppl {rec['val_ppl']:.2f})")
@@ -214,9 +206,9 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
     with _StopFlag() as stop:
         k = start_step
         while k < cfg.steps:
-            if init_outer_due(cfg, k):
+            if schedule.init_outer_due(k):
                 state = machinery.init_outer_fn()(state)
-            kind = step_kind(cfg, k)
+            kind = schedule.kind(k)
             kinds_since_record.add(kind)
             batch = machinery.put_batch(stream.next())
             state, metrics = machinery.step_fn(kind)(state, batch)

@@ -39,6 +39,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_common as common  # noqa: E402
+from edit_jax import hlo  # noqa: E402  (no jax import: safe before the device count is set)
 
 SECTIONS = ("a", "b", "c", "d")
 
@@ -190,7 +191,7 @@ def verify_group_ids(n_rep, n_shard, devices) -> dict:
         mesh = make_mesh(cfg.mesh, devices, dev_order)
         m = Machinery(cfg, mesh)
         batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.data.seq_len + 1), jnp.int32, sharding=named(mesh, BATCH_SPEC))
-        parsed = common.hlo_collectives(m.lowered("hsdp", m.abstract_state(), batch).compile().as_text(),
+        parsed = hlo.hlo_collectives(m.lowered("hsdp", m.abstract_state(), batch).compile().as_text(),
                                         (n_rep, n_shard), cfg.model.n_layers)
         seen = {tuple(sorted(tuple(sorted(g)) for g in r["groups"])) for r in parsed["collectives"]}
         out[label] = {"mesh_device_ids": [d.id for d in mesh.devices.flat], "group_sets": sorted(seen)}
@@ -208,7 +209,6 @@ def verify_group_ids(n_rep, n_shard, devices) -> dict:
 def section_a(ctx: Ctx) -> dict:
     cfg, args = ctx.cfg, ctx.args
     n_rep, n_shard, tau = cfg.mesh.replica, cfg.mesh.shard, cfg.sync.tau
-    common.self_test_parser()
     ver = verify_group_ids(n_rep, n_shard, ctx.devices)
     n_params, per_dev = param_counts(cfg)
     tokens = cfg.batch_size * cfg.data.seq_len
@@ -218,8 +218,8 @@ def section_a(ctx: Ctx) -> dict:
     for name in ("Baseline", "DiLoCo", "EDiT", "EDiT replica_shard"):
         for kind in variants(args)[name][1]:
             text = ctx.compiled(name, kind).as_text()
-            parsed = common.hlo_collectives(text, (n_rep, n_shard), default_trip=cfg.model.n_layers)
-            cross, within = common.collective_totals(parsed, True), common.collective_totals(parsed, False)
+            parsed = hlo.hlo_collectives(text, (n_rep, n_shard), default_trip=cfg.model.n_layers)
+            cross, within = hlo.collective_totals(parsed, True), hlo.collective_totals(parsed, False)
             programs[f"{name}/{kind}"] = {"cross_replica": cross, "within_replica": within, "loops": parsed["loops"],
                                           "collectives": parsed["collectives"]}
             groups = {}  # collectives crossing replica, grouped by (op, runs/step, group size, payload kind)
@@ -266,7 +266,7 @@ def section_a(ctx: Ctx) -> dict:
             f"{tokens:,} tokens/step. 'local step' = bytes crossing replica in one local step (tensor / small "
             f"operands: small = rank-0 or <= N elements: metrics, norms, weights). 'sync' = sync-step program minus "
             f"local-step program. Per inner step = local + sync/tau. Ring formulas: "
-            + "; ".join(f"{k}: {v}" for k, v in common.RING_FORMULAS.items() if k != "all-to-all")
+            + "; ".join(f"{k}: {v}" for k, v in hlo.RING_FORMULAS.items() if k != "all-to-all")
             + f". replica_groups ids = positions in mesh.devices.flat: "
             f"{'verified' if ver['positions_verified'] else 'NOT verified'} (interleaved device order).")
     common.print_table("a. Bytes crossing `replica` per device (from compiled HLO)",
@@ -288,7 +288,7 @@ def section_a(ctx: Ctx) -> dict:
                        "Collectives inside a while body count trip-count times; n_layers = "
                        f"{cfg.model.n_layers}.")
     return {"params": n_params, "params_per_device": per_dev, "tau": tau, "tokens_per_step": tokens,
-            "expected_sync_ring_bytes": expected_sync, "ring_formulas": common.RING_FORMULAS,
+            "expected_sync_ring_bytes": expected_sync, "ring_formulas": hlo.RING_FORMULAS,
             "group_id_check": ver, "methods": methods,
             "programs": {k: {kk: vv for kk, vv in v.items()} for k, v in programs.items()}}
 
@@ -324,9 +324,9 @@ def section_b(ctx: Ctx) -> dict:
     for name in ("DiLoCo", "EDiT", "EDiT replica_shard", "EDiT cpu_offload"):
         m = ctx.machinery(name)
         state = m.init_state(0)
-        dev, host, kinds = _per_device_bytes((state.outer.params, state.outer.trace))
+        dev, host, kinds = _per_device_bytes((state.outer.params, state.outer.opt_state))
         first = state.outer.params["root"]["embed"]
-        shard0 = sum(s.addressable_shards[0].data.nbytes for s in jax.tree.leaves((state.outer.params, state.outer.trace)))
+        shard0 = sum(s.addressable_shards[0].data.nbytes for s in jax.tree.leaves((state.outer.params, state.outer.opt_state)))
         mems = {}
         for kind in variants(args)[name][1]:
             ma = ctx.compiled(name, kind).memory_analysis()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
 
 import jax
@@ -32,9 +31,12 @@ from jax.sharding import PartitionSpec as P
 
 from edit_jax.config import MeshConfig, load_config
 from edit_jax.optim import lr_schedule
-from edit_jax.outer import Detector, Penalty, detector_step, detector_test, outer_optimizer, sync_unit, worker_weights
+from edit_jax.outer import (Detector, Penalty, detector_step, detector_test, outer_optimizer, sgd_trace, sync_unit,
+                             with_sgd_trace, worker_weights)
 from edit_jax.sharding import REPLICA, make_mesh
-from edit_jax.step import Machinery, init_outer_due, step_kind
+from edit_jax import hlo
+from edit_jax.methods import plan_for
+from edit_jax.step import Machinery
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "tiny.py")
@@ -297,8 +299,11 @@ def test_first_outer_step_worked_numbers(mesh_2x1):
     pen = Penalty(alpha=0.5, warmup=3, clip=True, clip_threshold=10.0)
 
     def body(local, theta, trace, det):
-        res = sync_unit(jax.tree.map(lambda x: x[0], local), theta, trace, jax.tree.map(lambda x: x[0], det), pen, opt)
-        return res.outer_params, res.trace, jax.tree.map(lambda x: x[None], res.params), res.metrics["weight"]
+        opt_state = with_sgd_trace(opt.init(theta), trace)
+        res = sync_unit(jax.tree.map(lambda x: x[0], local), theta, opt_state, jax.tree.map(lambda x: x[0], det),
+                        pen, opt)
+        return res.outer_params, sgd_trace(res.opt_state), jax.tree.map(lambda x: x[None], res.params), \
+            res.metrics["weight"]
 
     rep, none = P(REPLICA), P()
     f = jax.jit(jax.shard_map(body, mesh=mesh_2x1, in_specs=(rep, none, none, rep), out_specs=(none, none, rep, none)))
@@ -386,7 +391,7 @@ def _crafted_state(m: Machinery, init):
     count[:, 3], mean[:, 3], m2[:, 3] = 4, 0.9 * g[:, 3], (0.2 * g[:, 3]) ** 2
     window[:, 3] = rng.uniform(-0.5, 0.5, (n, K))
     trace = jax.tree.map(lambda x: (0.01 * rng.standard_normal(x.shape)).astype(np.float32), theta)
-    outer = init.outer.replace(trace=trace, detector=Detector(mean, m2, count, window))
+    outer = init.outer.with_trace(trace).replace(detector=Detector(mean, m2, count, window))
     return init.replace(params=params, outer=outer)
 
 
@@ -613,7 +618,7 @@ def test_diloco_sync_equals_edit_layerwise_without_penalty(edit4, diverged):
     edit_off = Machinery(_cfg(*BASE4, "sync.method=edit", *outer, "sync.anomaly=false", "sync.weighting=false",
                               "sync.clip=false"), m.mesh)
     rng = np.random.default_rng(3)
-    start = diverged.replace(outer=diverged.outer.replace(trace=jax.tree.map(
+    start = diverged.replace(outer=diverged.outer.with_trace(jax.tree.map(
         lambda x: (0.003 * rng.standard_normal(x.shape)).astype(np.float32), diverged.outer.params)))
     a, _ = _host(diloco.sync_fn()(_put(diloco, start)))
     b, metrics = _host(edit_off.step_fn("sync_forward")(_put(edit_off, start), edit_off.put_batch(_batch(5, m.cfg))))
@@ -630,69 +635,15 @@ def test_diloco_sync_equals_edit_layerwise_without_penalty(edit4, diverged):
 
 # ============================================================================= HLO: where traffic goes
 
-_COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(")
-
-
-def parse_groups(line: str):
-    """The device groups of one HLO collective: a list of lists of ids, or None for "all devices".
-    Handles explicit ``{{0,1},{2,3}}`` lists, the iota form ``[G,S]<=[dims]`` (optionally with a
-    transpose ``T(perm)``) and collective-permute's ``source_target_pairs``."""
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if m:
-        n_groups, size = int(m.group(1)), int(m.group(2))
-        dims = [int(v) for v in m.group(3).split(",")]
-        ids = np.arange(int(np.prod(dims))).reshape(dims)
-        if m.group(4):
-            ids = ids.transpose([int(v) for v in m.group(4).split(",")])
-        return ids.reshape(n_groups, size).tolist()
-    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
-    if m:
-        groups = [[int(v) for v in g.split(",") if v] for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
-        return groups or None
-    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
-    if m:
-        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
-    return None
-
-
-def _elements(line: str) -> int:
-    """Elements in a collective's result (summed over a tuple)."""
-    shape = line.split(" = ", 1)[1] if " = " in line else line
-    shape = shape[: _COLLECTIVE.search(shape).start()]
-    return sum(int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-               for dims in re.findall(r"[a-z]+\d*\[([\d,]*)\]", shape))
-
-
-def collectives(hlo: str):
-    out = []
-    for line in hlo.splitlines():
-        m = _COLLECTIVE.search(line)
-        if m and " = " in line:
-            out.append((m.group(1), parse_groups(line), _elements(line), line.strip()))
-    return out
+def collectives(text: str):
+    """(op, groups, operand elements, record) of every collective in a compiled program (the parser
+    in edit_jax.hlo reads every replica-group form jax 0.10 to 0.12 prints)."""
+    return [(r["op"], r["groups"], hlo.operand_elements(r), r)
+            for r in hlo.hlo_collectives(text, (N4, S2), default_trip=4)["collectives"]]
 
 
 def _crosses(groups, n: int, s: int) -> bool:
-    """Whether a group holds partitions of two replicas. Ids are positions in mesh.devices.flat
-    (row-major (N, S)), so position p belongs to replica p // S."""
-    if groups is None:
-        return n > 1
-    return any(len({p // s for p in g}) > 1 for g in groups)
-
-
-def test_parse_groups_forms():
-    assert parse_groups("x = f32[] all-reduce(y), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=a") == \
-        [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert parse_groups("x = f32[] all-reduce(y), replica_groups=[2,4]<=[8], to_apply=a") == \
-        [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert parse_groups("x = f32[] all-reduce(y), replica_groups=[4,2]<=[2,4]T(1,0), to_apply=a") == \
-        [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert parse_groups("x = f32[] all-reduce(y), replica_groups={}, to_apply=a") is None
-    assert parse_groups("x = f32[2] collective-permute(y), source_target_pairs={{0,1},{1,0}}") == [[0, 1], [1, 0]]
-    assert _crosses([[0, 1], [2, 3]], 2, 2) is False and _crosses([[0, 2], [1, 3]], 2, 2) is True
-    assert _crosses(None, 2, 2) is True
-    line = "%ar = (f32[], f32[3,2]{1,0}) all-reduce-start(%a, %b), replica_groups=[2,2]<=[4]"
-    assert collectives(line)[0][:3] == ("all-reduce", [[0, 1], [2, 3]], 7)
+    return hlo.crosses_replica(groups, s)
 
 
 def _hlo(m: Machinery, state_host, kind: str) -> str:
@@ -742,6 +693,14 @@ def test_hlo_local_step_has_no_cross_replica_collective(edit4):
 
 
 # ============================================================================= the schedule
+
+
+def step_kind(cfg, k):
+    return plan_for(cfg).schedule.kind(k)
+
+
+def init_outer_due(cfg, k):
+    return plan_for(cfg).schedule.init_outer_due(k)
 
 
 def test_step_kind_schedule():

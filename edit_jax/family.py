@@ -1,0 +1,34 @@
+"""Model families: the seam between the training machinery and a model's maths.
+
+``model.family`` in the config names a module that provides the forward-with-hook contract, and
+the step code reaches the model only through it:
+
+- ``init_params(cfg: ModelConfig, key) -> params``: full fp32 params laid out as
+  ``{"root": {...}, "layers": {... stacked along a leading layer axis ...}}``;
+- ``forward(cfg, params, tokens, hook, hook_xs=None) -> (logits, ys)``: every unit's params (the
+  root first, then each layer inside a scan) pass through ``hook(unit, unit_xs, which)`` on their
+  way into compute (``which`` is "root" or "layer"); ``hook_xs``/``ys`` are per-unit inputs and
+  outputs laid out like the params (``{"root": ..., "layers": ...}``);
+- ``token_loss_sum(logits, targets) -> scalar``.
+
+The hook is where FSDP gathers a unit and where EDiT syncs it, so any model with this contract
+trains with every method. To add a family: a module with those three functions and one line in
+``FAMILIES``. This module does not import JAX (configs are validated before JAX starts).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+FAMILIES = {"llama": "edit_jax.model"}
+
+
+def model_family(name: str) -> ModuleType:
+    """The module of family ``name`` (validated by ``config.validate``)."""
+    if name not in FAMILIES:
+        raise KeyError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
+    return importlib.import_module(FAMILIES[name])
+
+
+__all__ = ["FAMILIES", "model_family"]

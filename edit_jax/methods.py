@@ -1,0 +1,164 @@
+"""The one method table: what each method is, what it fixes in the config, and when it syncs.
+
+Every method is a configuration of one machinery (EDIT.md, "The methods the paper compares"):
+
+| method           | outer state | sync                                        | penalty |
+|------------------|-------------|---------------------------------------------|---------|
+| `baseline`       | no          | gradients over `replica` every step (HSDP)  | -       |
+| `post_local_sgd` | θ̄ = mean    | whole model after the step, every τ         | -       |
+| `diloco`         | θ̄ + outer   | whole model after the step, every τ         | -       |
+| `edit`           | θ̄ + outer   | layer by layer inside the forward, every τ  | yes     |
+
+``plan_for(cfg)`` is the only place a method's meaning is decided. It returns a ``MethodPlan``:
+the static ``Plan`` the compiled steps need, the *normalised* config (the sync fields a method
+fixes are written as they take effect, so ``config.json`` says what ran), the list of fields it
+changed (announced by ``train``), and the ``Schedule`` the training loop queries each step.
+
+To add a method: one ``Method`` row in ``METHODS`` (and, if it needs a new kind of step, the step
+body in ``step.py`` and a ``Schedule`` that returns it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from edit_jax.config import Config
+
+# No JAX import here: config.validate asks this table before JAX starts (outer.py is loaded lazily).
+if TYPE_CHECKING:
+    from edit_jax.outer import Penalty
+
+# Kinds of compiled step (step.py). A schedule maps each inner step k to one of them.
+STEP_KINDS = ("hsdp", "local", "sync_forward", "local_then_sync")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    summary: str
+    uses_outer: bool  # keeps θ̄, an outer optimizer state and anomaly detectors
+    fixed: dict = field(default_factory=dict)  # sync fields this method sets whatever the config says
+    penalty: bool = False  # EDiT's penalty (anomaly elimination, weighting, clipping) is configurable
+
+
+_NO_PENALTY = dict(anomaly=False, weighting=False, clip=False)
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("baseline", "synchronous HSDP: gradients averaged over replica every step", uses_outer=False,
+           fixed=dict(layerwise=False, **_NO_PENALTY)),
+    # θ̄ = the plain mean of the workers: SGD with lr 1 and no momentum on the pseudo gradient.
+    Method("post_local_sgd", "W synchronous steps, then params averaged every tau steps", uses_outer=True,
+           fixed=dict(layerwise=False, outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0,
+                      nesterov=False, **_NO_PENALTY)),
+    Method("diloco", "pseudo gradients of the whole model after the step, outer optimizer, every tau",
+           uses_outer=True, fixed=dict(layerwise=False, **_NO_PENALTY)),
+    Method("edit", "pseudo gradients layer by layer in the forward, penalised, outer optimizer, every tau",
+           uses_outer=True, penalty=True),
+)}
+
+OUTER_OPTIMIZERS = ("nesterov", "adam")
+
+
+@dataclass(frozen=True)
+class OuterSpec:
+    """The outer optimizer (outer.make_outer_optimizer builds it)."""
+
+    name: str = "nesterov"  # "nesterov": SGD with momentum (Nesterov iff `nesterov`); "adam"
+    lr: float = 0.8
+    momentum: float = 0.85  # SGD momentum, or Adam's b1
+    nesterov: bool = True
+    b2: float = 0.95  # Adam only
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The static facts the compiled steps need, derived once from the (normalised) config."""
+
+    method: str
+    uses_outer: bool
+    layerwise: bool
+    penalty: Penalty
+    outer: OuterSpec
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    """Which step inner step k (0-based) is, by step count (EDIT.md, Algorithm 1).
+
+    The loop asks ``kind(k)`` before step k and ``init_outer_due(k)``; ``outer_is_live(k)`` says
+    whether θ̄ (rather than the replicas' identical params) is the model after k steps. A
+    time-based schedule (A-EDiT) or a stale one (CO2) answers the same three questions.
+    """
+
+    uses_outer: bool
+    layerwise: bool
+    warmup: int  # W: synchronous (HSDP) steps first
+    tau: int
+
+    def kind(self, k: int) -> str:
+        w, tau = self.warmup, self.tau
+        if not self.uses_outer or k < w:
+            return "hsdp"
+        if self.layerwise:  # the sync of the window [k - tau, k) runs inside step k's forward
+            return "sync_forward" if k > w and (k - w) % tau == 0 else "local"
+        return "local_then_sync" if (k + 1 - w) % tau == 0 else "local"  # same window, synced after step k - 1
+
+    def init_outer_due(self, k: int) -> bool:
+        """The first sync (k == W > 0) only sets θ̄ to the (identical) replicas' params."""
+        return self.uses_outer and self.warmup > 0 and k == self.warmup
+
+    def outer_is_live(self, k: int) -> bool:
+        return self.uses_outer and k > self.warmup
+
+
+Schedule = StepSchedule  # the protocol every schedule follows (one implementation so far)
+
+
+@dataclass(frozen=True)
+class MethodPlan:
+    plan: Plan
+    cfg: Config  # normalised: what runs is what it says
+    changed: tuple[tuple[str, Any, Any], ...]  # (key, configured value, value that took effect)
+    schedule: Schedule
+
+
+def method(name: str) -> Method:
+    if name not in METHODS:
+        raise KeyError(f"unknown method {name!r}; known: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def normalise(cfg: Config) -> tuple[Config, tuple[tuple[str, Any, Any], ...]]:
+    """``cfg`` with the sync fields its method fixes set as they take effect, and what changed."""
+    m = method(cfg.sync.method)
+    changed = tuple((f"sync.{k}", getattr(cfg.sync, k), v) for k, v in m.fixed.items() if getattr(cfg.sync, k) != v)
+    if not changed:
+        return cfg, ()
+    return dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, **m.fixed)), changed
+
+
+def plan_for(cfg: Config) -> MethodPlan:
+    """The plan, normalised config and schedule of ``cfg`` (validated already)."""
+    from edit_jax.outer import Penalty  # noqa: PLC0415 - see the import note above
+
+    cfg, changed = normalise(cfg)
+    m, s = method(cfg.sync.method), cfg.sync
+    penalty = Penalty.from_config(s) if m.penalty else Penalty.off()
+    outer = OuterSpec(s.outer_optimizer, s.outer_lr, s.outer_momentum, s.nesterov, s.outer_b2)
+    plan = Plan(m.name, m.uses_outer, s.layerwise and m.uses_outer, penalty, outer)
+    schedule = StepSchedule(m.uses_outer, plan.layerwise, s.warmup_steps, s.tau)
+    return MethodPlan(plan, cfg, changed, schedule)
+
+
+def sync_fields_for(name: str) -> dict:
+    """The sync fields method ``name`` fixes (for presets)."""
+    return dict(method(name).fixed)
+
+
+__all__ = ["METHODS", "Method", "Plan", "OuterSpec", "MethodPlan", "StepSchedule", "Schedule", "STEP_KINDS",
+           "OUTER_OPTIMIZERS", "plan_for", "normalise", "method", "sync_fields_for"]
