@@ -34,11 +34,9 @@ import argparse
 import dataclasses
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _bench_common as common  # noqa: E402
+import _bench_common as common
 
 SECTIONS = ("a", "b", "c", "d")
 
