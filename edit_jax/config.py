@@ -299,9 +299,11 @@ def validate(cfg: Config) -> None:
     # Every parameter is FSDP-sharded over `shard` along one of its dims (see sharding.py).
     for key, dim in [("model.d_model", m.d_model), ("model.ffn_dim", m.ffn_dim), ("model.vocab_size", m.vocab_size)]:
         _require(dim % mesh.shard == 0, key, f"must be divisible by mesh.shard={mesh.shard} (FSDP shards it), got {dim}")
-    _require(d.source in ("stdlib", "text", "tokens", "parquet"), "data.source",
-             f"expected one of stdlib, text, tokens, parquet; got {d.source!r}")
-    _require(d.source == "stdlib" or len(d.paths) > 0, "data.paths", f"data.source={d.source!r} needs at least one path or glob")
+    from edit_jax.data.sources import SOURCES  # noqa: PLC0415 - the data package imports this module
+
+    _require(d.source in SOURCES, "data.source", f"expected one of {', '.join(SOURCES)}; got {d.source!r}")
+    _require(not SOURCES[d.source].needs_paths or len(d.paths) > 0, "data.paths",
+             f"data.source={d.source!r} needs at least one path or glob")
     _require(0.0 < d.val_fraction < 1.0, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
     _require(d.token_dtype in ("uint16", "uint32", "int32"), "data.token_dtype",
              f"expected uint16, uint32 or int32, got {d.token_dtype!r}")

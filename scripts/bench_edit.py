@@ -34,12 +34,10 @@ import argparse
 import dataclasses
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _bench_common as common  # noqa: E402
-from edit_jax import hlo  # noqa: E402  (no jax import: safe before the device count is set)
+import _bench_common as common
+from edit_jax import hlo  # no jax import: safe before the device count is set
 
 SECTIONS = ("a", "b", "c", "d")
 

@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _bench_common as common  # noqa: E402
+import _bench_common as common
 
 STEP_KINDS = ("hsdp", "local", "sync_forward", "local_then_sync")
 

@@ -4,9 +4,7 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 

@@ -4,7 +4,8 @@
 * ``cost``: DT-FM's cost model (DP cost, bottleneck matchings, open-loop TSP; total = DP + 2 PP).
 * ``edit_cost``: the (replica, shard) mesh objective for EDiT / A-EDiT.
 * ``search``: the hybrid genetic algorithm, the Kernighan-Lin baseline and random baselines.
-* ``cli``: ``edit-jax placement ...``.
+* ``report``: running the searches against the baselines, the report, the convergence plot.
+* ``cli``: ``edit-jax placement ...`` (arguments only; the work is in ``report``).
 
 The training side only needs ``load_device_order``: it reads the ``--json`` file written by
 ``edit-jax placement`` and returns the device order for ``Mesh(devices[order].reshape(shape))``.

@@ -222,16 +222,6 @@ def world() -> Topology:
 
 SCENARIOS = {"ondemand": ondemand, "spot": spot, "multi_dc": multi_dc, "regional": regional, "world": world}
 
-# PLACEMENT.md's reproduction targets per scenario (seconds, cost model total = DP + 2 PP):
-# (random layout mean, random best of 1000, "each DP group takes one device per node / region",
-#  "each DP group = one node / region"). Reference values, not computed here.
-PAPER_TARGETS = {
-    "ondemand": (19.80, 19.80, 3.44, 16.98),
-    "spot": (49.50, 49.50, 31.63, 49.50),
-    "multi_dc": (54.71, 48.47, 16.09, 17.65),
-    "regional": (61.00, 59.25, 34.80, 39.24),
-    "world": (171.9, 145.9, 49.22, 59.44),
-}
 SCENARIO_ALIASES = {"1": "ondemand", "2": "spot", "3": "multi_dc", "4": "regional", "5": "world"}
 
 

@@ -1,0 +1,71 @@
+"""What every data source shares: its result type (``SourceResult``), its registry entry
+(``Source``) and the helpers for a stable train/validation split, packing and reading files."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+
+from edit_jax.data.errors import DataError
+
+if TYPE_CHECKING:
+    from edit_jax.config import DataConfig
+
+
+@dataclass
+class SourceResult:
+    """One source's packed splits and what ``load_corpus`` reports about them."""
+
+    train: np.ndarray  # packed 1-D token stream of the training split
+    val: np.ndarray  # packed 1-D token stream of the validation split
+    what: str  # the corpus in a few words, for the description and errors ("3 files")
+    split: str  # how it was split ("file-level (sha256 of path)"); the part before " (" is shown
+    files: int  # input files read
+    bytes: int  # bytes of text read (or of token arrays)
+    info: dict = field(default_factory=dict)  # source-specific numbers for logs (per-split counts, ...)
+
+
+@dataclass(frozen=True)
+class Source:
+    """A registry entry: ``load(tokenizer, files, data_config) -> SourceResult``, where ``files``
+    are ``data.paths`` expanded to existing files (empty when ``needs_paths`` is False)."""
+
+    load: Callable[[object, list, "DataConfig"], SourceResult]
+    needs_paths: bool = True
+
+
+def _is_val(key: bytes, val_fraction: float) -> bool:
+    # sha256 of a stable key (not Python's salted hash()) so the split is identical on every machine,
+    # in every process and regardless of the order files are listed in.
+    h = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
+    return h < val_fraction * 2.0**64
+
+
+def _pack(docs: Sequence[np.ndarray], eos_id: int, dtype) -> np.ndarray:
+    """Concatenates documents with ``eos_id`` after each one into one preallocated array."""
+    out = np.empty(sum(d.size for d in docs) + len(docs), dtype=dtype)
+    pos = 0
+    for d in docs:
+        out[pos:pos + d.size] = d
+        pos += d.size
+        out[pos] = eos_id
+        pos += 1
+    return out
+
+
+def _token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+def _read_bytes(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise DataError(f"cannot read {what} file {path!r}: {e.strerror or e}") from e
+    if not raw:
+        raise DataError(f"{what} file {path!r} is empty; expected at least one byte of text")
+    return raw

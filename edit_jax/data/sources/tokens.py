@@ -1,0 +1,69 @@
+"""Source ``tokens``: pre-tokenized ``.npy`` arrays (any integer dtype, flattened) or raw ``.bin``
+memmaps of ``data.token_dtype``. Arrays are used as they are (no EOS is added: they are expected to
+carry their own separators). Split at ARRAY level: the last ``val_fraction`` of each array's tokens
+is validation. Every id must be < the tokenizer's vocab size."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from edit_jax.data.errors import DataError
+from edit_jax.data.sources.base import SourceResult
+
+
+def _load_token_file(path: str, token_dtype: str) -> np.ndarray:
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".npy":
+        try:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise DataError(f"tokens file {path!r}: not a readable .npy array ({e})") from e
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise DataError(f"tokens file {path!r}: expected an integer token array, got dtype {arr.dtype}")
+        arr = arr.reshape(-1)
+    elif ext == ".bin":
+        dtype = np.dtype(token_dtype)
+        try:
+            size = os.path.getsize(path)
+        except OSError as e:
+            raise DataError(f"cannot read tokens file {path!r}: {e.strerror or e}") from e
+        if size % dtype.itemsize:
+            raise DataError(f"tokens file {path!r}: size {size} bytes is not a multiple of {dtype.itemsize} "
+                            f"(data.token_dtype={token_dtype}); wrong dtype or truncated file?")
+        if size == 0:
+            raise DataError(f"tokens file {path!r} is empty; expected raw {token_dtype} token ids")
+        try:
+            arr = np.memmap(path, dtype=dtype, mode="r")
+        except OSError as e:
+            raise DataError(f"cannot read tokens file {path!r}: {e.strerror or e}") from e
+    else:
+        raise DataError(f"tokens file {path!r}: expected a .npy array or a raw .bin file of data.token_dtype")
+    if arr.size == 0:
+        raise DataError(f"tokens file {path!r} is empty; expected at least one token id")
+    return arr
+
+
+def load(tok, files: list[str], cfg) -> SourceResult:
+    token_dtype, val_fraction = cfg.token_dtype, cfg.val_fraction
+    trains, vals, nbytes = [], [], 0
+    for p in files:
+        arr = _load_token_file(p, token_dtype)
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= tok.vocab_size:
+            hint = (" ; set data.tokenizer to the tokenizer.json that produced these tokens"
+                    if tok.name == "byte" else "")
+            raise DataError(f"tokens file {p!r}: ids must be in [0, {tok.vocab_size}) for tokenizer {tok.name!r}, "
+                            f"found min {lo}, max {hi}{hint}")
+        cut = arr.size - max(1, int(round(arr.size * val_fraction)))  # the tail of each array is validation
+        trains.append(arr[:cut])
+        vals.append(arr[cut:])
+        nbytes += arr.nbytes
+    if len(files) == 1:
+        train, val = trains[0], vals[0]  # views of the memmap: no copy of a possibly huge file
+    else:
+        dtype = np.result_type(*trains)
+        train, val = np.concatenate(trains).astype(dtype, copy=False), np.concatenate(vals).astype(dtype, copy=False)
+    return SourceResult(train, val, what=f"{len(files)} token file{'s' if len(files) != 1 else ''}",
+                        split="array-level (last val_fraction of each array)", files=len(files), bytes=nbytes)

@@ -1,0 +1,171 @@
+"""Windows and batches over a ``Corpus``: a split's packed stream cut into windows of
+``seq_len + 1`` tokens, the per-replica grain datasets, the resumable ``TrainStream`` of global
+batches and the fixed validation batches."""
+
+from __future__ import annotations
+
+import zlib
+
+import grain
+import numpy as np
+
+from edit_jax.data.corpus import Corpus
+from edit_jax.data.errors import DataError
+
+
+def num_windows(tokens: np.ndarray, seq_len: int) -> int:
+    return tokens.size // (seq_len + 1)
+
+
+def window(tokens: np.ndarray, index: int, seq_len: int) -> np.ndarray:
+    """Window ``index`` of a packed stream: tokens ``[i*(L+1), (i+1)*(L+1))`` as int32."""
+    start = index * (seq_len + 1)
+    return np.asarray(tokens[start:start + seq_len + 1], dtype=np.int32)
+
+
+def fingerprint(tokens: np.ndarray) -> int:
+    """Cheap identity of a token stream (crc32 of its length and <= ~1M evenly spaced tokens), so a
+    restored stream can tell that the corpus changed under it."""
+    stride = max(1, tokens.size // (1 << 20))
+    sample = np.ascontiguousarray(tokens[::stride]).astype(np.uint32)
+    return zlib.crc32(sample.tobytes(), zlib.crc32(str(tokens.size).encode()))
+
+
+def _shuffle_seed(seed: int) -> int:
+    # grain's shuffle uses seed + epoch for epoch e, so raw seeds s and s+1 would share permutations
+    # one epoch apart; mixing the user seed first avoids that and maps any int into [0, 2**32).
+    return int(np.random.SeedSequence([abs(int(seed)), int(seed < 0), 0xED17]).generate_state(1, np.uint32)[0])
+
+
+class _Window:
+    """Picklable index -> window map (a lambda would not survive grain's multiprocessing paths)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens, self.seq_len = tokens, seq_len
+
+    def __call__(self, index: int) -> np.ndarray:
+        return window(self.tokens, int(index), self.seq_len)
+
+
+def replica_dataset(tokens: np.ndarray, seq_len: int, batch_size: int, num_replicas: int, seed: int,
+                    replica: int) -> grain.MapDataset:
+    """Replica ``replica``'s infinite grain MapDataset of ``[batch_size/num_replicas, seq_len+1]`` batches.
+
+    Pipeline: window ids -> shuffle (new permutation each epoch) -> keep the first
+    ``steps_per_epoch * batch_size`` (every step is a full global batch) -> windows -> chunks of
+    ``B/N`` -> chunk ``r::N`` -> repeat. Chunk ``k*N + r`` is rows ``[r*B/N, (r+1)*B/N)`` of global
+    step ``k``, so the N replicas' element ``k`` stacked in order is the same global batch whatever
+    ``N`` is, and within an epoch every window is used at most once (replicas are disjoint).
+    """
+    per = batch_size // num_replicas
+    steps = num_windows(tokens, seq_len) // batch_size
+    return (grain.MapDataset.range(num_windows(tokens, seq_len))
+            .shuffle(seed=_shuffle_seed(seed))
+            .slice(slice(0, steps * batch_size))
+            .map(_Window(tokens, seq_len))
+            .batch(per, drop_remainder=True)
+            .slice(slice(replica, None, num_replicas))
+            .repeat(None))
+
+
+class TrainStream:
+    """Infinite, deterministic, resumable stream of global training batches.
+
+    ``next()`` returns int32 ``[batch_size, seq_len + 1]``; rows ``[r*B/N, (r+1)*B/N)`` are replica
+    ``r``'s. The state is just the global step (plus identity fields checked on restore), because a
+    grain MapDataset is random access: batch ``k`` is recomputed, not replayed.
+    """
+
+    STATE_VERSION = 1
+
+    def __init__(self, corpus: Corpus, seq_len: int, batch_size: int, num_replicas: int, seed: int):
+        if seq_len <= 0 or batch_size <= 0 or num_replicas <= 0:
+            raise DataError(f"train stream: seq_len, batch_size and num_replicas must be positive, got "
+                            f"{seq_len}, {batch_size}, {num_replicas}")
+        if batch_size % num_replicas:
+            raise DataError(f"train stream: batch_size {batch_size} must be divisible by num_replicas {num_replicas}")
+        n = num_windows(corpus.train_tokens, seq_len)
+        if n < batch_size:
+            raise DataError(f"train split of corpus ({corpus.description}) has {corpus.train_tokens.size} tokens = "
+                            f"{n} windows of seq_len+1 = {seq_len + 1}; one batch needs batch_size = {batch_size} "
+                            f"windows. Add data or lower batch_size / data.seq_len")
+        self.seq_len, self.batch_size, self.num_replicas, self.seed = seq_len, batch_size, num_replicas, int(seed)
+        self.num_windows = n
+        self.steps_per_epoch = n // batch_size
+        self.fingerprint = fingerprint(corpus.train_tokens)
+        self._datasets = [replica_dataset(corpus.train_tokens, seq_len, batch_size, num_replicas, seed, r)
+                          for r in range(num_replicas)]
+        self.step = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.step // self.steps_per_epoch
+
+    def replica_batch(self, replica: int, step: int | None = None) -> np.ndarray:
+        """Replica ``replica``'s rows of global step ``step`` (default: the next one), without advancing."""
+        return np.asarray(self._datasets[replica][self.step if step is None else step], dtype=np.int32)
+
+    def peek(self) -> np.ndarray:
+        """The batch ``next()`` would return, without advancing."""
+        return np.concatenate([self.replica_batch(r) for r in range(self.num_replicas)], axis=0)
+
+    def next(self) -> np.ndarray:
+        batch = self.peek()
+        self.step += 1
+        return batch
+
+    __next__ = next
+
+    def __iter__(self):
+        return self
+
+    def get_state(self) -> dict:
+        return {"version": self.STATE_VERSION, "step": self.step, "epoch": self.epoch, "seed": self.seed,
+                "batch_size": self.batch_size, "seq_len": self.seq_len, "num_replicas": self.num_replicas,
+                "num_windows": self.num_windows, "fingerprint": self.fingerprint}
+
+    def set_state(self, state: dict) -> None:
+        """Resumes at ``state["step"]``. The seed, batch size, seq_len and corpus (window count and
+        fingerprint) must match, else DataError names the mismatch. ``num_replicas`` may differ
+        (elastic restart): the global batches are the same for any N, so the stream continues at the
+        same global position with the same batches; only the row -> replica assignment changes."""
+        if not isinstance(state, dict) or "step" not in state:
+            raise DataError(f"train stream state: expected a dict from get_state() with a 'step', got {state!r}")
+        if state.get("version", self.STATE_VERSION) != self.STATE_VERSION:
+            raise DataError(f"train stream state: version {state.get('version')} is not {self.STATE_VERSION}")
+        for key in ("seed", "batch_size", "seq_len", "num_windows", "fingerprint"):
+            if key in state and state[key] != getattr(self, key):
+                what = "the corpus changed" if key in ("num_windows", "fingerprint") else "the config changed"
+                raise DataError(f"train stream state: saved {key}={state[key]} but this stream has "
+                                f"{key}={getattr(self, key)} ({what}); cannot resume at the same position")
+        step = state["step"]
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise DataError(f"train stream state: 'step' must be a non-negative int, got {step!r}")
+        self.step = step
+
+
+def make_train_stream(corpus: Corpus, seq_len: int, batch_size: int, num_replicas: int, seed: int) -> TrainStream:
+    """See TrainStream. ``batch_size`` is global and must be divisible by ``num_replicas``."""
+    return TrainStream(corpus, seq_len, batch_size, num_replicas, seed)
+
+
+def val_batches(corpus: Corpus, seq_len: int, batch_size: int, max_batches: int | None = None) -> list[np.ndarray]:
+    """Validation windows in stream order, ``min(max_batches, available)`` full batches of int32
+    ``[batch_size, seq_len + 1]``; the same list every call (no shuffle, no overlap)."""
+    if seq_len <= 0 or batch_size <= 0:
+        raise DataError(f"val batches: seq_len and batch_size must be positive, got {seq_len}, {batch_size}")
+    n = num_windows(corpus.val_tokens, seq_len)
+    avail = n // batch_size
+    if avail == 0:
+        raise DataError(f"validation split of corpus ({corpus.description}) has {corpus.val_tokens.size} tokens = "
+                        f"{n} windows of seq_len+1 = {seq_len + 1}; one batch needs batch_size = {batch_size} "
+                        f"windows. Raise data.val_fraction, add data or lower the batch size / data.seq_len")
+    count = avail if max_batches is None else max(0, min(int(max_batches), avail))
+    w = seq_len + 1
+    flat = np.asarray(corpus.val_tokens[:count * batch_size * w], dtype=np.int32)
+    return [b for b in flat.reshape(count, batch_size, w)]
+
+
+def inputs_targets(batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``[B, L+1]`` windows -> (inputs ``[B, L]``, targets ``[B, L]``), targets shifted by one."""
+    return batch[:, :-1], batch[:, 1:]
