@@ -19,6 +19,9 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--run-dir", default=None, help="output dir: config.json, metrics.jsonl, checkpoints/ "
                         "(re-running on it resumes); default runs/<config name>")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--distributed", action="store_true",
+                        help="this process is one of mesh.processes started by a cluster launcher (e.g. srun): "
+                             "join the others with jax.distributed.initialize() from the environment")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=100 mesh.replica=4")
     args = parser.parse_args(argv)
 
@@ -29,10 +32,20 @@ def _train(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"edit-jax: bad config: {e}", file=sys.stderr)
         return 2
+    import os
+
+    from edit_jax import multihost
     from edit_jax.sharding import set_cpu_device_count
 
-    set_cpu_device_count(cfg.mesh.replica * cfg.mesh.shard)
-    import os
+    if cfg.mesh.processes > 1 and multihost.launched_worker() is None and not args.distributed:
+        from edit_jax.launch import launch  # one process per worker on this machine, watched from here
+
+        return launch(argv, cfg.mesh.processes, cfg.mesh.shard)
+    if cfg.mesh.processes > 1:  # a worker: its own devices, then meet the others
+        set_cpu_device_count(cfg.mesh.shard)
+        multihost.initialize(cfg.mesh.heartbeat_seconds, from_cluster_env=args.distributed)
+    else:
+        set_cpu_device_count(cfg.mesh.replica * cfg.mesh.shard)
 
     run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
     from edit_jax.checkpoint import CheckpointError
@@ -48,6 +61,8 @@ def _train(argv: list[str]) -> int:
                 PlacementError: "placement"}
         print(f"edit-jax: {kind.get(type(e), type(e).__name__)} error: {e}", file=sys.stderr)
         return 2
+    if cfg.mesh.processes > 1 and multihost.launched_worker() not in (None, 0):
+        return 130 if result.interrupted else 0  # the summary is process 0's to print
     ppl = f" (ppl {result.final_val_ppl:.2f})" if result.final_val_ppl else ""
     val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
     print(f"edit-jax: {'stopped' if result.interrupted else 'done'} at step {result.steps}: "

@@ -47,6 +47,10 @@ class MeshConfig:
     replica: int = 2  # N workers (replicas); sync groups span this axis
     shard: int = 4  # S devices per worker; FSDP shards span this axis
     placement: str = ""  # optional JSON file with a "device_order" list (from `edit-jax placement`)
+    # Controller processes. 1: one SPMD program drives every replica. mesh.replica: one process
+    # per worker (multi-controller JAX), each owning its replica's `shard` devices (multihost.py).
+    processes: int = 1
+    heartbeat_seconds: int = 10  # a lost process ends the others after about this long
 
 
 @dataclass
@@ -101,6 +105,20 @@ class SyncConfig:
     outer_sharding: str = "shard"  # "shard" | "replica_shard" (also shard outer state over replica)
     cpu_offload: bool = False  # keep outer state in host memory
     per_unit_metrics: bool = False  # log per-unit pseudo-gradient norms at each sync
+    # A-EDiT (method=a_edit, one process per worker): a sync is due when this much wall time has
+    # passed since the last one; skipped when the workers took fewer steps than min_total_steps.
+    tau_time: float = 600.0
+    min_total_steps: int = 1
+    step_weight_ratio: float = 0.5  # rho: w <- (1 - rho) w + rho * (worker's share of the steps)
+
+
+@dataclass
+class DebugConfig:
+    """Testing knobs; never for real runs."""
+
+    # "WORKER:FACTOR[,WORKER:FACTOR]": that worker's steps take FACTOR x as long (it sleeps
+    # (FACTOR - 1) x its measured step time after each step). Multi-process runs only.
+    slowdown: str = ""
 
 
 @dataclass
@@ -110,6 +128,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     steps: int = 200
     batch_size: int = 16  # global batch in sequences, split over replica x shard
     seed: int = 0
@@ -330,6 +349,49 @@ def validate(cfg: Config) -> None:
              f"expected 'shard' or 'replica_shard', got {s.outer_sharding!r}")
     if mesh.placement:
         _require(os.path.isfile(mesh.placement), "mesh.placement", f"file {mesh.placement!r} not found")
+    _validate_processes(cfg)
+
+
+def parse_slowdown(text: str) -> dict[int, float]:
+    """``"1:2.0,3:1.5"`` -> {1: 2.0, 3: 1.5}; raises ValueError on a malformed entry."""
+    out: dict[int, float] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        worker, factor = item.split(":")
+        out[int(worker)] = float(factor)
+        if out[int(worker)] < 1.0 or int(worker) < 0:
+            raise ValueError(item)
+    return out
+
+
+def _validate_processes(cfg: Config) -> None:
+    mesh, s = cfg.mesh, cfg.sync
+    _require(mesh.processes in (1, mesh.replica), "mesh.processes",
+             f"must be 1 (one program drives every replica) or mesh.replica={mesh.replica} (one process per "
+             f"worker), got {mesh.processes}")
+    _require(mesh.heartbeat_seconds >= 1, "mesh.heartbeat_seconds", f"must be >= 1, got {mesh.heartbeat_seconds}")
+    _require(s.tau_time > 0, "sync.tau_time", f"must be positive, got {s.tau_time}")
+    _require(s.min_total_steps >= 1, "sync.min_total_steps", f"must be >= 1, got {s.min_total_steps}")
+    _require(0.0 <= s.step_weight_ratio <= 1.0, "sync.step_weight_ratio", f"must be in [0, 1], got {s.step_weight_ratio}")
+    if s.method == "a_edit":
+        _require(mesh.processes == mesh.replica and mesh.replica > 1, "mesh.processes",
+                 f"method a_edit runs one process per worker: set mesh.processes=mesh.replica={mesh.replica} "
+                 f"(with mesh.replica >= 2), got {mesh.processes}")
+    if mesh.processes > 1:
+        _require(s.outer_sharding == "shard", "sync.outer_sharding",
+                 "multi-process runs keep the outer state sharded over `shard` only; 'replica_shard' needs "
+                 "mesh.processes=1")
+        _require(not s.cpu_offload, "sync.cpu_offload", "not supported with mesh.processes > 1 yet")
+        _require(not mesh.placement, "mesh.placement", "a device order applies to one program's devices; "
+                 "with mesh.processes > 1 each process owns its replica's devices")
+    try:
+        slow = parse_slowdown(cfg.debug.slowdown)
+    except ValueError:
+        raise ConfigError(f"config key 'debug.slowdown': expected WORKER:FACTOR[,WORKER:FACTOR] with FACTOR >= 1, "
+                          f"got {cfg.debug.slowdown!r}") from None
+    if slow:
+        _require(mesh.processes > 1, "debug.slowdown", "slows a worker process: needs mesh.processes > 1")
+        _require(max(slow) < mesh.replica, "debug.slowdown",
+                 f"worker {max(slow)} does not exist (mesh.replica={mesh.replica})")
 
 
 def dumps(cfg: Config) -> str:
@@ -340,6 +402,6 @@ def replace(cfg, **kw):
     return dataclasses.replace(cfg, **kw)
 
 
-__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "ConfigError",
+__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "DebugConfig", "ConfigError",
            "load_config", "apply_overrides", "validate", "to_dict", "from_dict", "dumps"]
 

@@ -8,6 +8,7 @@ Every method is a configuration of one machinery (EDIT.md, "The methods the pape
 | `post_local_sgd` | θ̄ = mean    | whole model after the step, every τ         | -       |
 | `diloco`         | θ̄ + outer   | whole model after the step, every τ         | -       |
 | `edit`           | θ̄ + outer   | layer by layer inside the forward, every τ  | yes     |
+| `a_edit`         | θ̄ + outer   | as `edit`, every τ_time seconds, async      | yes     |
 
 ``plan_for(cfg)`` is the only place a method's meaning is decided. It returns a ``MethodPlan``:
 the static ``Plan`` the compiled steps need, the *normalised* config (the sync fields a method
@@ -41,6 +42,7 @@ class Method:
     uses_outer: bool  # keeps θ̄, an outer optimizer state and anomaly detectors
     fixed: dict = field(default_factory=dict)  # sync fields this method sets whatever the config says
     penalty: bool = False  # EDiT's penalty (anomaly elimination, weighting, clipping) is configurable
+    time_based: bool = False  # syncs due by wall clock (TimeSchedule), not every tau steps
 
 
 _NO_PENALTY = dict(anomaly=False, weighting=False, clip=False)
@@ -56,6 +58,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            uses_outer=True, fixed=dict(layerwise=False, **_NO_PENALTY)),
     Method("edit", "pseudo gradients layer by layer in the forward, penalised, outer optimizer, every tau",
            uses_outer=True, penalty=True),
+    # A-EDiT: EDiT's sync, due by wall clock per worker (one process per worker, multihost.py).
+    Method("a_edit", "EDiT's sync every tau_time seconds; workers step at their own pace", uses_outer=True,
+           penalty=True, time_based=True),
 )}
 
 OUTER_OPTIMIZERS = ("nesterov", "adam")
@@ -116,7 +121,48 @@ class StepSchedule:
         return self.uses_outer and k > self.warmup
 
 
-Schedule = StepSchedule  # the protocol every schedule follows (one implementation so far)
+@dataclass(frozen=True)
+class SyncDecision:
+    """What every worker does at an A-EDiT meeting (identical everywhere: it is computed from the
+    step counts all workers exchanged)."""
+
+    run: bool  # False: too few steps since the last sync; skipped, timers reset
+    shares: tuple[float, ...]  # each worker's share of the steps since the last sync
+    mean_step: int  # the global mean inner step: the learning-rate schedule follows it
+    finished: bool  # the global token budget is reached: this is the final sync
+
+
+@dataclass(frozen=True)
+class TimeSchedule(StepSchedule):
+    """A-EDiT (EDIT.md, "A-EDiT"): synchronous warmup as ``StepSchedule``, then every worker takes
+    local steps at its own pace; a sync is due on a worker when ``tau_time`` seconds of wall time
+    (float64 clock) passed since the last one. At its due point a worker enters the meeting and
+    contributes its step counts; ``decide`` turns everyone's counts into one decision."""
+
+    tau_time: float
+    min_total_steps: int
+    target_total_steps: int  # steps x workers: the global budget of inner steps (tokens / batch)
+
+    def kind(self, k: int) -> str:
+        return "hsdp" if k < self.warmup else "local"
+
+    def sync_kind(self) -> str:
+        return "sync_forward" if self.layerwise else "local_then_sync"
+
+    def sync_due(self, now: float, last_sync: float) -> bool:
+        return now - last_sync >= self.tau_time
+
+    def decide(self, steps_since: list[int], steps_done: list[int]) -> SyncDecision:
+        """``steps_since[i]``: worker i's steps since the last sync; ``steps_done[i]``: its steps
+        since the start of training."""
+        total_since, total_done = int(sum(steps_since)), int(sum(steps_done))
+        finished = total_done >= self.target_total_steps
+        run = finished or total_since >= self.min_total_steps
+        shares = tuple(float(x) / total_since if total_since else 1.0 / len(steps_since) for x in steps_since)
+        return SyncDecision(run, shares, int(round(total_done / len(steps_done))), finished)
+
+
+Schedule = StepSchedule  # the protocol every schedule follows: kind, init_outer_due, outer_is_live
 
 
 @dataclass(frozen=True)
@@ -151,7 +197,11 @@ def plan_for(cfg: Config) -> MethodPlan:
     penalty = Penalty.from_config(s) if m.penalty else Penalty.off()
     outer = OuterSpec(s.outer_optimizer, s.outer_lr, s.outer_momentum, s.nesterov, s.outer_b2)
     plan = Plan(m.name, m.uses_outer, s.layerwise and m.uses_outer, penalty, outer)
-    schedule = StepSchedule(m.uses_outer, plan.layerwise, s.warmup_steps, s.tau)
+    if m.time_based:
+        schedule = TimeSchedule(m.uses_outer, plan.layerwise, s.warmup_steps, s.tau, s.tau_time, s.min_total_steps,
+                                cfg.steps * cfg.mesh.replica)
+    else:
+        schedule = StepSchedule(m.uses_outer, plan.layerwise, s.warmup_steps, s.tau)
     return MethodPlan(plan, cfg, changed, schedule)
 
 
@@ -160,5 +210,6 @@ def sync_fields_for(name: str) -> dict:
     return dict(method(name).fixed)
 
 
-__all__ = ["METHODS", "Method", "Plan", "OuterSpec", "MethodPlan", "StepSchedule", "Schedule", "STEP_KINDS",
+__all__ = ["METHODS", "Method", "Plan", "OuterSpec", "MethodPlan", "StepSchedule", "TimeSchedule", "SyncDecision",
+           "Schedule", "STEP_KINDS",
            "OUTER_OPTIMIZERS", "plan_for", "normalise", "method", "sync_fields_for"]

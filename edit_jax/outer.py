@@ -53,6 +53,7 @@ class Penalty:
     temperature: float = 1.0
     clip: bool = True
     clip_threshold: float = 10.0  # phi
+    step_weight_ratio: float = 0.0  # rho (A-EDiT): mixes each worker's share of the steps into its weight
 
     @staticmethod
     def off() -> "Penalty":
@@ -61,7 +62,7 @@ class Penalty:
     @staticmethod
     def from_config(s: SyncConfig) -> "Penalty":
         return Penalty(s.anomaly, s.anomaly_alpha, s.anomaly_warmup, s.anomaly_threshold, s.weighting,
-                       s.temperature, s.clip, s.clip_threshold)
+                       s.temperature, s.clip, s.clip_threshold, s.step_weight_ratio)
 
 
 def outer_optimizer(lr: float, momentum: float, nesterov: bool = True) -> optax.GradientTransformation:
@@ -143,6 +144,19 @@ def softmax_weights(g_all: jax.Array, flagged_all: jax.Array, p: Penalty) -> jax
     return jnp.where(total > 0, e / jnp.where(total > 0, total, 1.0), 0.0)
 
 
+def mix_step_weights(w_all: jax.Array, shares: jax.Array | None, flagged_all: jax.Array, p: Penalty) -> jax.Array:
+    """A-EDiT's step weights: w <- (1 - rho) w + rho s, where s is each worker's share of the steps
+    since the last sync, renormalised over the workers not flagged (a flagged worker keeps weight 0,
+    and the weights still sum to 1, or are all 0 when every worker is flagged). Without shares
+    (every step-based method) the weights are unchanged."""
+    if shares is None or p.step_weight_ratio == 0.0:
+        return w_all
+    s = jnp.where(flagged_all, 0.0, shares.astype(jnp.float32))
+    total = jnp.sum(s)
+    s = jnp.where(total > 0, s / jnp.where(total > 0, total, 1.0), 0.0)
+    return (1.0 - p.step_weight_ratio) * w_all + p.step_weight_ratio * s
+
+
 def worker_weights(g: jax.Array, flagged: jax.Array, p: Penalty) -> jax.Array:
     """This worker's weight (under ``shard_map``), from its own norm and flag."""
     w_all = softmax_weights(replica_gather(g), replica_gather(flagged) > 0.5, p)
@@ -164,16 +178,17 @@ class UnitSync:
 
 
 def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: Penalty,
-              opt: optax.GradientTransformation, replica_dims: Any = None) -> UnitSync:
+              opt: optax.GradientTransformation, replica_dims: Any = None, shares: jax.Array | None = None) -> UnitSync:
     """Algorithm 2 for one unit. ``local`` and ``outer_params`` are this device's FSDP blocks of
     the unit, ``opt_state`` the unit's outer optimizer state (param-shaped leaves as blocks too);
     ``det`` is this worker's detector for the unit (scalars).
 
     With ``replica_dims`` (the FSDP dim of each leaf), θ̄ and the outer state are sharded over
     ``replica`` too (each device holds 1/N of its shard block): see ``_sync_unit_over_replica``.
+    ``shares`` ([N], A-EDiT): each worker's share of the steps since the last sync.
     """
     if replica_dims is not None:
-        return _sync_unit_over_replica(local, outer_params, opt_state, det, p, opt, replica_dims)
+        return _sync_unit_over_replica(local, outer_params, opt_state, det, p, opt, replica_dims, shares)
     local = jax.tree.map(lambda x: x.astype(jnp.float32), local)
     # 1. pseudo gradient (old minus new) and 2. the norm of this worker's whole unit.
     delta = jax.tree.map(lambda o, x: o - x, outer_params, local)
@@ -183,7 +198,7 @@ def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: P
     delta = jax.tree.map(lambda d: jnp.where(flagged, 0.0, d), delta)  # where: NaN * 0 is NaN
     # 4. weighted average over workers (every worker's norm and flag: a few scalars over `replica`).
     g_all, flags = replica_gather(g), replica_gather(flagged) > 0.5
-    w_all = softmax_weights(g_all, flags, p)
+    w_all = mix_step_weights(softmax_weights(g_all, flags, p), shares, flags, p)
     w = w_all[jax.lax.axis_index(REPLICA)]
     avg = jax.tree.map(lambda d: jax.lax.psum(w * d, REPLICA), delta)
     # 5.-6. clip, outer step.
@@ -215,7 +230,8 @@ def _outer_step(avg, outer_params, opt_state, any_ok, p: Penalty, opt, norm_axes
     return new_outer, new_opt_state, clip, avg_norm, update_norm
 
 
-def _sync_unit_over_replica(local, outer_chunk, opt_chunk, det: Detector, p: Penalty, opt, dims) -> UnitSync:
+def _sync_unit_over_replica(local, outer_chunk, opt_chunk, det: Detector, p: Penalty, opt, dims,
+                            shares=None) -> UnitSync:
     """Algorithm 2 with θ̄ and the trace split over ``replica`` as well as ``shard``.
 
     Device (r, s) holds chunk r (of N) of shard block s of θ̄ (and of the outer state's
@@ -239,7 +255,7 @@ def _sync_unit_over_replica(local, outer_chunk, opt_chunk, det: Detector, p: Pen
     g_all = jnp.sqrt(jax.lax.psum(per_worker_sq, (SHARD, REPLICA)))  # [N] on every device
     det, flagged = detector_step(det, g_all[r], p)  # this worker's detector, on its own norm
     flags = replica_gather(flagged) > 0.5  # [N]
-    w_all = softmax_weights(g_all, flags, p)
+    w_all = mix_step_weights(softmax_weights(g_all, flags, p), shares, flags, p)
     bcast = lambda v, x: v.reshape((n,) + (1,) * (x.ndim - 1))  # noqa: E731
     avg = jax.tree.map(lambda d: jnp.sum(bcast(w_all, d) * jnp.where(bcast(flags, d), 0.0, d), axis=0), delta)
     new_outer, new_opt_state, clip, avg_norm, update_norm = _outer_step(avg, outer_chunk, opt_chunk,
@@ -251,5 +267,5 @@ def _sync_unit_over_replica(local, outer_chunk, opt_chunk, det: Detector, p: Pen
 
 
 __all__ = ["Detector", "Penalty", "UnitSync", "sync_unit", "detector_step", "detector_test", "detector_feed",
-           "worker_weights", "softmax_weights", "outer_optimizer", "make_outer_optimizer", "sgd_trace",
+           "worker_weights", "softmax_weights", "mix_step_weights", "outer_optimizer", "make_outer_optimizer", "sgd_trace",
            "with_sgd_trace"]

@@ -238,7 +238,17 @@ class StateLayout:
             outer = outer.replace(detector=jax.tree.map(lambda x, s: remap(x, s, "detector"), outer.detector,
                                                         specs.outer.detector))
         state = TrainState(host.step, params, opt_state, outer, host.rng)
-        return jax.device_put(state, self.state_shardings)
+        return put_host(state, self.state_shardings)
+
+
+def put_host(tree: Any, shardings: Any) -> Any:
+    """Host arrays (identical on every process) as arrays of ``shardings``, built per device: works
+    for meshes that span several processes, where ``device_put`` of a host value may not."""
+    def one(x, sh):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
+
+    return jax.tree.map(one, tree, shardings)
 
 
 def _opt_specs(opt: optax.GradientTransformation, opt_abstract: Any, param_specs: Any) -> Any:
@@ -256,4 +266,5 @@ def legacy_state_shapes(cfg: Config) -> TrainState:
 
 
 __all__ = ["TrainState", "OuterState", "LegacyOuterState", "StateLayout", "STATE_FORMAT", "make_state", "state_shapes",
+           "put_host",
            "legacy_state_shapes", "init_outer_opt_state", "n_units"]

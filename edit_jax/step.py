@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -91,7 +92,11 @@ class Machinery:
         return self.layout.init_state(seed)
 
     def put_batch(self, batch):
-        return jax.device_put(batch, named(self.mesh, BATCH_SPEC))
+        """A global batch [B, T+1] (host array, the same on every process) on the mesh, rows of
+        replica r on replica r's devices. Built from per-device slices, so it also works when the
+        mesh spans several processes."""
+        batch = np.asarray(batch)
+        return jax.make_array_from_callback(batch.shape, named(self.mesh, BATCH_SPEC), lambda idx: batch[idx])
 
     # -- the compiled steps -----------------------------------------------------------------------
 
@@ -106,13 +111,15 @@ class Machinery:
             if uses_outer_here:
                 metric_specs.update({k: P() for k in SYNC_METRICS})
             mapped = jax.shard_map(partial(self._local_step, kind=kind), mesh=self.mesh,
-                                   in_specs=(specs, BATCH_SPEC), out_specs=(specs, metric_specs))
+                                   in_specs=(specs, BATCH_SPEC, P()), out_specs=(specs, metric_specs))
 
-            def step(state: TrainState, batch):
+            def step(state: TrainState, batch, shares=None):
+                """``shares`` ([N], A-EDiT syncs only): each worker's share of the steps since the
+                last sync, mixed into the sync weights (outer.mix_step_weights)."""
                 if not uses_outer_here:  # the outer state does not enter local steps at all
-                    new, metrics = mapped(state.replace(outer=None), batch)
+                    new, metrics = mapped(state.replace(outer=None), batch, shares)
                     return new.replace(outer=state.outer), metrics
-                new, metrics = mapped(state.replace(outer=self.layout.outer_to_device(state.outer)), batch)
+                new, metrics = mapped(state.replace(outer=self.layout.outer_to_device(state.outer)), batch, shares)
                 return new.replace(outer=self.layout.outer_to_home(new.outer)), metrics
 
             self._compiled[kind] = jax.jit(step, donate_argnums=0, out_shardings=(self.state_shardings, None))
@@ -140,7 +147,7 @@ class Machinery:
         self.step_fn(kind)
         return self._compiled[kind].lower(state, batch)
 
-    def _local_step(self, state: TrainState, batch: jax.Array, *, kind: str):
+    def _local_step(self, state: TrainState, batch: jax.Array, shares=None, *, kind: str):
         cfg, plan = self.cfg, self.plan
         inputs, targets = batch[:, :-1], batch[:, 1:]
         dtype = jnp.dtype(cfg.model.compute_dtype)
@@ -152,7 +159,8 @@ class Machinery:
                 return gather_unit(unit, dims_of[which], dtype), None
             outer_p, opt_st, det = xs
             rdims = dims_of[which] if self.layout.outer_over_replica else None
-            res = sync_unit(jax.lax.stop_gradient(unit), outer_p, opt_st, det, plan.penalty, self.layout.outer_opt, rdims)
+            res = sync_unit(jax.lax.stop_gradient(unit), outer_p, opt_st, det, plan.penalty, self.layout.outer_opt, rdims,
+                           shares)
             synced = _with_value(unit, _varying(res.params))
             return gather_unit(synced, dims_of[which], dtype), res
 
@@ -181,7 +189,7 @@ class Machinery:
         updates, opt_state = self.layout.inner_opt.update(grads, state.opt_state, params)
         params = optax.apply_updates(params, updates)
         if kind == "local_then_sync":
-            params, outer, metrics = self._sync_whole(params, outer)
+            params, outer, metrics = self._sync_whole(params, outer, shares)
         # Per-replica figures leave the step sharded over `replica` ([N] globally) and are averaged
         # on the host: a pmean here would put an all-reduce across replicas into every local step.
         metrics.update(loss=jax.lax.psum(loss, SHARD)[None], grad_norm=grad_norm[None])
@@ -217,7 +225,7 @@ class Machinery:
             "outer_update_norm": jnp.sqrt(jnp.sum(jnp.square(unit["update_norm"]))),
         }
 
-    def _sync_whole(self, params, outer: OuterState):
+    def _sync_whole(self, params, outer: OuterState, shares=None):
         """Syncs every unit after the step: the root, then the layers one by one (a scan, so that
         the per-unit numerics are those of the layer-wise sync)."""
         local = jax.tree.map(lambda x: x[0], params)
@@ -225,7 +233,7 @@ class Machinery:
         over = self.layout.outer_over_replica
         root_dims = self.layout.unit_dims["root"] if over else None
         layer_dims = self.layout.unit_dims["layer"] if over else None
-        one = partial(sync_unit, p=self.plan.penalty, opt=self.layout.outer_opt)
+        one = partial(sync_unit, p=self.plan.penalty, opt=self.layout.outer_opt, shares=shares)
         root = one(local["root"], outer.params["root"], outer.opt_state["root"], jax.tree.map(lambda x: x[0], det),
                    replica_dims=root_dims)
 

@@ -78,11 +78,13 @@ class _StopFlag:
 
 
 class MetricsLog:
-    """Appends JSON lines; on resume drops records past the restored step (they will be redone)."""
+    """Appends JSON lines; on resume drops records past the restored step (they will be redone).
+    Records of multi-process runs carry the global mean step as ``global_step``: that is the step
+    compared (a worker's own ``step`` may be ahead of it)."""
 
-    def __init__(self, path: str | None, resume_step: int | None):
+    def __init__(self, path: str | None, resume_step: int | None, truncate: bool = True):
         self.path = path
-        if path and os.path.exists(path):
+        if truncate and path and os.path.exists(path):
             keep = []
             with open(path) as f:
                 for line in f:
@@ -90,7 +92,7 @@ class MetricsLog:
                         rec = json.loads(line)
                     except json.JSONDecodeError:
                         continue  # a line cut by a kill
-                    if resume_step is not None and rec.get("step", 0) <= resume_step:
+                    if resume_step is not None and rec.get("global_step", rec.get("step", 0)) <= resume_step:
                         keep.append(line if line.endswith("\n") else line + "\n")
             with open(path, "w") as f:
                 f.writelines(keep)
@@ -135,8 +137,15 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
 
     ``stop_after`` stops (with a checkpoint) after that many steps of this invocation, as a signal
     would: for tests and for splitting a run into chunks.
+
+    With ``mesh.processes > 1`` this runs in each of the worker processes (``workers.py``).
     """
     validate(cfg)
+    if cfg.mesh.processes > 1:
+        from edit_jax.workers import train_workers  # noqa: PLC0415
+
+        return train_workers(cfg, run_dir, progress=progress, verbose=progress if verbose is None else verbose,
+                             stop_after=stop_after)
     method_plan = plan_for(cfg)
     cfg, schedule = method_plan.cfg, method_plan.schedule  # normalised: config.json says what runs
     mesh = make_mesh(cfg.mesh, devices)

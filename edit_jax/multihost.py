@@ -1,0 +1,136 @@
+"""One JAX process per worker (multi-controller JAX): start-up, the two meshes, and moving state
+between them.
+
+With ``mesh.processes = mesh.replica = N`` every worker (replica) is its own process, owning its
+S devices. Two meshes over the same devices:
+
+- the **local mesh** ``(1, S)`` over this process's devices: inner steps run here, as programs
+  over the worker's own devices only (nothing in them can wait for another worker);
+- the **global mesh** ``(N, S)``, row i = process i's devices in the same order: synchronous
+  steps (HSDP warmup, Baseline) and syncs run here, as one program over every device.
+
+A state lives on the local mesh between syncs. For a global program each leaf becomes a global
+array made of this process's shards and the other processes' (``to_global``), and back
+(``to_local``): per-replica leaves ([1, ...] locally, [N, ...] globally) are this worker's slice;
+outer leaves (θ̄, the outer optimizer state) and scalars are identical on every worker. Only the
+shards move by reference; no data is copied.
+
+Start-up: ``edit-jax train ... mesh.processes=N`` on one machine starts N processes
+(``launch.py``) that find each other through a coordinator on 127.0.0.1 (environment variables
+below) and use gloo for CPU collectives. On a cluster each host runs ``edit-jax train
+--distributed ...``, and ``jax.distributed.initialize()`` reads the cluster's environment (SLURM,
+...). The coordination service's heartbeat timeout (``mesh.heartbeat_seconds``) ends every
+process within about that time when one is lost, instead of a hang.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+ENV_COORDINATOR = "EDIT_JAX_COORDINATOR"
+ENV_NUM_PROCESSES = "EDIT_JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "EDIT_JAX_PROCESS_ID"
+
+
+def launched_worker() -> int | None:
+    """This process's worker index when ``launch.py`` started it, else None."""
+    pid = os.environ.get(ENV_PROCESS_ID)
+    return int(pid) if pid is not None else None
+
+
+def initialize(heartbeat_seconds: int, from_cluster_env: bool = False) -> None:
+    """Joins the other processes (before anything asks JAX for devices). Uses the launcher's
+    environment variables, or with ``from_cluster_env`` whatever ``jax.distributed`` detects."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
+    timeouts = dict(heartbeat_timeout_seconds=int(heartbeat_seconds),
+                    shutdown_timeout_seconds=max(int(heartbeat_seconds), 5), initialization_timeout=120)
+    if from_cluster_env:
+        jax.distributed.initialize(**timeouts)
+        return
+    jax.distributed.initialize(os.environ[ENV_COORDINATOR], int(os.environ[ENV_NUM_PROCESSES]),
+                               int(os.environ[ENV_PROCESS_ID]), **timeouts)
+
+
+def check_runtime(cfg) -> None:
+    """Raises MeshError unless this is one of ``mesh.replica`` processes with ``mesh.shard`` devices each."""
+    import jax
+
+    from edit_jax.sharding import MeshError
+
+    n, s = cfg.mesh.replica, cfg.mesh.shard
+    if jax.process_count() != n:
+        raise MeshError(f"mesh.processes={cfg.mesh.processes}: expected {n} JAX processes (one per worker), found "
+                        f"{jax.process_count()}. Start the run with `edit-jax train` (it starts the processes), or "
+                        f"call jax.distributed.initialize() in each of {n} processes first")
+    if jax.local_device_count() != s:
+        raise MeshError(f"mesh.shard={s}: each worker process needs {s} devices, process {jax.process_index()} "
+                        f"has {jax.local_device_count()}")
+
+
+def meshes(cfg):
+    """(global mesh (N, S), local mesh (1, S)); row i of the global mesh is process i's devices."""
+    import jax
+    from jax.sharding import Mesh
+
+    from edit_jax.sharding import REPLICA, SHARD
+
+    order = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    grid = np.array(order, dtype=object).reshape(cfg.mesh.replica, cfg.mesh.shard)
+    local = np.array(sorted(jax.local_devices(), key=lambda d: d.id), dtype=object).reshape(1, cfg.mesh.shard)
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    return Mesh(grid, (REPLICA, SHARD), axis_types=auto), Mesh(local, (REPLICA, SHARD), axis_types=auto)
+
+
+def local_config(cfg):
+    """The config of one worker's own program: one replica and its rows of the global batch."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, replica=1, processes=1),
+                               batch_size=cfg.batch_size // cfg.mesh.replica)
+
+
+def to_global(local: Any, global_abstract: Any) -> Any:
+    """A local-mesh state as global arrays (``global_abstract``: shapes and shardings)."""
+    import jax
+
+    return jax.tree.map(lambda x, a: jax.make_array_from_single_device_arrays(
+        a.shape, a.sharding, [s.data for s in x.addressable_shards]), local, global_abstract)
+
+
+def to_local(global_state: Any, local_abstract: Any) -> Any:
+    """This process's part of a global state, on the local mesh."""
+    import jax
+
+    return jax.tree.map(lambda x, a: jax.make_array_from_single_device_arrays(
+        a.shape, a.sharding, [s.data for s in x.addressable_shards]), global_state, local_abstract)
+
+
+def global_batch(mesh, local_rows: np.ndarray, global_rows: int):
+    """The global batch [B, T+1] of which this process holds rows [i B/N, (i+1) B/N)."""
+    import jax
+
+    from edit_jax.sharding import BATCH_SPEC, named
+
+    return jax.make_array_from_process_local_data(named(mesh, BATCH_SPEC), np.asarray(local_rows),
+                                                  (global_rows,) + local_rows.shape[1:])
+
+
+def local_value(x) -> np.ndarray:
+    """This process's copy of a replicated (or per-replica, this worker's) value."""
+    return np.asarray(x.addressable_shards[0].data)
+
+
+def exchange(values) -> np.ndarray:
+    """Every process's ``values`` (a 1-D int64 vector), stacked [N, len]: identical on all."""
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(np.asarray(values, dtype=np.int64)))
+
+
+__all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "launched_worker", "initialize", "check_runtime",
+           "meshes", "local_config", "to_global", "to_local", "global_batch", "local_value", "exchange"]

@@ -1,0 +1,219 @@
+"""One JAX process per worker (mesh.processes = mesh.replica): the A-EDiT agreement rule on a fake
+clock, the step weights against NumPy, the local program's HLO, and real multi-process runs on
+CPU (gloo): equivalence with the single-process run, an A-EDiT run with a straggler, and a killed
+worker. Subprocesses are started through the CLI's launcher and killed by PID on the way out."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from edit_jax import hlo, multihost
+from edit_jax.config import ConfigError, MeshConfig, load_config
+from edit_jax.methods import TimeSchedule, plan_for
+from edit_jax.outer import Penalty, mix_step_weights
+from edit_jax.sharding import make_mesh
+from edit_jax.step import Machinery
+from edit_jax.train import train
+from tests.helpers import REPO
+
+TINY = ["--config", "configs/tiny.py", "--no-progress", "mesh.replica=2", "mesh.shard=2", "mesh.processes=2",
+        "batch_size=8", "data.seq_len=32", "log_every=1"]
+
+
+# ----------------------------------------------------------------------------- the agreement rule
+
+
+def _simulate(step_times, tau_time, min_total, target, horizon=100.0):
+    """Workers on a fake clock: each takes local steps of its own duration; at its due point it
+    enters the meeting, which happens when the last worker arrives; every worker then gets the
+    same decision from the exchanged counts. Returns the meetings."""
+    sched = TimeSchedule(True, True, 0, 1, tau_time, min_total, target)
+    n = len(step_times)
+    clock, last, since, done = [0.0] * n, 0.0, [0] * n, [0] * n
+    meetings = []
+    while max(clock) < horizon:
+        for i in range(n):  # each worker steps until its own timer says a sync is due
+            while not sched.sync_due(clock[i], last):
+                clock[i] += step_times[i]
+                since[i] += 1
+                done[i] += 1
+        meet = max(clock)  # the meeting starts when the last worker enters it
+        decisions = [sched.decide(list(since), list(done)) for _ in range(n)]  # one per worker
+        assert all(d == decisions[0] for d in decisions)
+        d = decisions[0]
+        meetings.append((meet, list(since), d))
+        if d.run:
+            done = [x + 1 for x in done]  # the sync is a step on every worker
+        clock, last, since = [meet] * n, meet, [0] * n
+        if d.finished:
+            break
+    return meetings
+
+
+def test_agreement_rule_on_a_fake_clock():
+    # Worker 1 is a 2x straggler: worker 0 takes twice its steps, and the shares say so.
+    meetings = _simulate([1.0, 2.0], tau_time=10.0, min_total=1, target=10_000)
+    for _, since, d in meetings:
+        assert d.run and since == [10, 5]
+        np.testing.assert_allclose(d.shares, [2 / 3, 1 / 3])
+    means = [d.mean_step for _, _, d in meetings]
+    assert means == sorted(means) and means[0] == round(15 / 2)  # the mean of the workers' steps
+    # Too few steps since the last sync: skipped (every worker sees the same total), timer reset.
+    slow = _simulate([6.0, 6.0], tau_time=5.0, min_total=3, target=10_000, horizon=60)
+    assert slow and all(not d.run and since == [1, 1] for _, since, d in slow)
+    # The global budget (steps x N) ends training at the meeting that reaches it.
+    end = _simulate([1.0, 2.0], tau_time=10.0, min_total=1, target=60)
+    assert end[-1][2].finished and end[-1][2].run
+    assert not any(d.finished for _, _, d in end[:-1])
+    assert sum(sum(s) for _, s, _ in end) >= 60 > sum(sum(s) for _, s, _ in end[:-1])
+
+
+def test_a_edit_config_rules():
+    path = os.path.join(REPO, "configs/tiny.py")
+    with pytest.raises(ConfigError, match=r"mesh.processes.*one process per worker"):
+        load_config(path, ["method=a_edit"])
+    with pytest.raises(ConfigError, match=r"mesh.processes.*must be 1.*or mesh.replica=2"):
+        load_config(path, ["mesh.processes=3"])
+    with pytest.raises(ConfigError, match=r"debug.slowdown"):
+        load_config(path, ["debug.slowdown=1:fast", "mesh.processes=2"])
+    cfg = load_config(path, ["method=a_edit", "mesh.processes=2", "sync.tau_time=30", "sync.warmup_steps=4"])
+    sched = plan_for(cfg).schedule
+    assert isinstance(sched, TimeSchedule) and sched.target_total_steps == cfg.steps * 2
+    assert [sched.kind(k) for k in range(6)] == ["hsdp"] * 4 + ["local"] * 2 and sched.init_outer_due(4)
+
+
+def test_step_weights_mix_against_numpy():
+    mesh = make_mesh(MeshConfig(replica=3, shard=1), jax.devices()[:3])
+    p = Penalty(step_weight_ratio=0.5)
+    w = np.array([0.2, 0.5, 0.3], np.float32)
+    shares = np.array([0.6, 0.3, 0.1], np.float32)
+
+    def run(w, flags):
+        f = jax.jit(jax.shard_map(lambda w, s, fl: mix_step_weights(w, s, fl, p), mesh=mesh,
+                                  in_specs=(P(), P(), P()), out_specs=P()))
+        return np.asarray(f(w, shares, np.asarray(flags)))
+
+    np.testing.assert_allclose(run(w, [False, False, False]), 0.5 * w + 0.5 * shares, rtol=1e-6)
+    # a flagged worker (weight 0 from the penalty) gets no share: shares renormalised over the rest
+    got = run(np.array([0.0, 0.7, 0.3], np.float32), [True, False, False])
+    np.testing.assert_allclose(got, [0.0, 0.5 * 0.7 + 0.5 * 0.75, 0.5 * 0.3 + 0.5 * 0.25], rtol=1e-6)
+    assert abs(got.sum() - 1.0) < 1e-6
+    same = jnp.asarray(w)
+    assert mix_step_weights(same, None, jnp.zeros(3, bool), p) is same  # no shares (step-based methods): unchanged
+
+
+def test_local_program_stays_on_the_workers_devices():
+    """A worker's inner step is a program over its own S devices: every collective in its HLO is
+    among them (and none is over `replica`)."""
+    cfg = load_config(os.path.join(REPO, "configs/tiny.py"),
+                      ["method=edit", "mesh.replica=2", "mesh.shard=2", "mesh.processes=2", "batch_size=8",
+                       "data.seq_len=32"])
+    local_cfg = multihost.local_config(cfg)
+    m = Machinery(local_cfg, make_mesh(local_cfg.mesh, jax.devices()[:2]))
+    batch = np.zeros((local_cfg.batch_size, 33), np.int32)
+    text = m.lowered("local", m.abstract_state(), m.put_batch(batch)).compile().as_text()
+    recs = hlo.hlo_collectives(text, (1, 2), default_trip=cfg.model.n_layers)["collectives"]
+    assert recs, "the FSDP gathers should be there"
+    assert all(set(p for g in r["groups"] for p in g) <= {0, 1} for r in recs)
+    assert "num_partitions=2" in text.split("\n", 1)[0], text.split("\n", 1)[0][:300]
+
+
+# ----------------------------------------------------------------------------- real processes
+
+
+def _run_cli(run_dir, *overrides, timeout=420, env=None):
+    cmd = [sys.executable, "-m", "edit_jax", "train", *TINY, "--run-dir", str(run_dir), *overrides]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        _kill_group(proc)
+    return proc.returncode, out
+
+
+def _kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers share the session
+    except ProcessLookupError:
+        pass
+
+
+def _records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("method", ["edit", "diloco"])
+def test_two_processes_equal_one_program(tmp_path, method):
+    """2 processes x 2 devices give the single-process 2 x 2 run's losses (every kind of step:
+    HSDP warmup, local steps, and the method's sync)."""
+    over = [f"method={method}", "steps=8", "sync.warmup_steps=2", "sync.tau=3", "eval_every=0"]
+    code, out = _run_cli(tmp_path / "mp", *over)
+    assert code == 0, out[-3000:]
+    cfg = load_config(os.path.join(REPO, "configs/tiny.py"), [o for o in TINY if "=" in o and "processes" not in o]
+                      + over)
+    single = train(cfg, str(tmp_path / "sp"), progress=False, devices=jax.devices()[:4])
+    want = {r["step"]: r["replica_loss"] for r in single.history}
+    got = {}
+    for r in _records(tmp_path / "mp"):
+        if "worker" in r and "loss" in r:
+            got.setdefault(r["step"], [None, None])[r["worker"]] = r["loss"]
+    assert sorted(got) == sorted(want) == list(range(1, 9))
+    np.testing.assert_allclose([got[k] for k in sorted(got)], [want[k] for k in sorted(want)], rtol=2e-5)
+    vals = [r["val_loss"] for r in _records(tmp_path / "mp") if "val_loss" in r]
+    np.testing.assert_allclose(vals[-1], single.final_val_loss, rtol=2e-5)
+    assert json.load(open(tmp_path / "mp" / "config.json"))["mesh"]["processes"] == 2
+
+
+def test_a_edit_straggler_fast_worker_takes_more_steps(tmp_path):
+    code, out = _run_cli(tmp_path, "method=a_edit", "steps=24", "sync.warmup_steps=0", "sync.tau_time=3",
+                         "debug.slowdown=1:3.0", "eval_every=0", "checkpoint_every=0")
+    assert code == 0, out[-3000:]
+    recs = _records(tmp_path)
+    syncs = [r for r in recs if r.get("sync")]
+    assert syncs, out[-2000:]
+    since = np.array([s["worker_steps_since"] for s in syncs])
+    assert since[:, 0].sum() > since[:, 1].sum(), since  # the fast worker stepped more
+    later = syncs[1:] or syncs
+    assert all(s["step_share"][0] > s["step_share"][1] for s in later)
+    last = max(r["step"] for r in recs if r.get("worker") == 0)
+    assert last > max(r["step"] for r in recs if r.get("worker") == 1)
+    assert any("val_loss" in r for r in recs)  # the final evaluation on θ̄
+
+
+def test_killed_worker_stops_the_others_and_the_rerun_resumes(tmp_path):
+    over = ["method=edit", "steps=400", "sync.tau=2", "checkpoint_every=4", "eval_every=0", "mesh.heartbeat_seconds=5"]
+    cmd = [sys.executable, "-m", "edit_jax", "train", *TINY, "--run-dir", str(tmp_path), *over]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (tmp_path / "checkpoints" / "4").is_dir() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        assert (tmp_path / "checkpoints" / "4").is_dir(), "no checkpoint appeared"
+        pids = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                               text=True).stdout.split()]
+        assert len(pids) == 2
+        killed_at = time.time()
+        os.kill(pids[1], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+        took = time.time() - killed_at
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 5 and took < 30, (proc.returncode, took, out[-2000:])
+    assert "worker 1" in out and "re-run the same command" in out
+    for pid in pids:  # every worker is gone
+        assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
+    code, out = _run_cli(tmp_path, *[o if not o.startswith("steps=") else "steps=10" for o in over])
+    assert code == 0, out[-3000:]
+    assert "resumed from" in out
