@@ -100,12 +100,20 @@ class SyncConfig:
 
 
 @dataclass
+class LogConfig:
+    """Where records go besides RUN_DIR/metrics.jsonl (absent from older configs: defaults apply)."""
+
+    tensorboard: bool = False  # also as TensorBoard scalars in RUN_DIR/tb/ (needs tensorboardX)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     steps: int = 200
     batch_size: int = 16  # global batch in sequences, split over replica x shard
     seed: int = 0
@@ -318,6 +326,9 @@ def validate(cfg: Config) -> None:
              f"expected 'shard' or 'replica_shard', got {s.outer_sharding!r}")
     if mesh.placement:
         _require(os.path.isfile(mesh.placement), "mesh.placement", f"file {mesh.placement!r} not found")
+    if cfg.log.tensorboard:
+        _require(importlib.util.find_spec("tensorboardX") is not None, "log.tensorboard",
+                 "needs the tensorboardX package: pip install edit-jax[tensorboard] (or pip install tensorboardX)")
 
 
 def dumps(cfg: Config) -> str:
@@ -328,6 +339,6 @@ def replace(cfg, **kw):
     return dataclasses.replace(cfg, **kw)
 
 
-__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "ConfigError",
+__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "LogConfig", "ConfigError",
            "load_config", "apply_overrides", "validate", "to_dict", "from_dict", "dumps", "METHODS"]
 
