@@ -20,7 +20,6 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -60,26 +59,22 @@ class Sampler:
             raise ValueError(f"context must be >= 2, got {context}")
         self.device = device or jax.devices()[0]
         self.params = jax.device_put(params, self.device)
+        # Compiled once per sampler (and per temperature / top_k, which are static).
+        self._prefill = jax.jit(self._prefill_fn, static_argnums=(5, 6))
+        self._decode = jax.jit(self._decode_fn, static_argnums=(6, 7), donate_argnums=(1,))
 
-    @partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=())
-    def _prefill(self, params, window, n, key, temperature, top_k):
-        """window [batch, context] (tokens in the first n slots) -> (next ids, cache)."""
+    def _prefill_fn(self, params, window, n, key, t, temperature, top_k):
+        """window [batch, context] (tokens in the first n slots) -> (next ids, cache); the draw
+        for generated token t uses fold_in(key, t)."""
         cache = init_cache(self.cfg, window.shape[0], self.context)
         logits, cache = forward_cached(self.cfg, params, window, cache, 0)
         last = jax.lax.dynamic_index_in_dim(logits, n - 1, axis=1, keepdims=False)
-        return choose(last, key, temperature, top_k, self.vocab_limit), cache
+        return choose(last, jax.random.fold_in(key, t), temperature, top_k, self.vocab_limit), cache
 
-    @partial(jax.jit, static_argnums=(0, 6, 7), donate_argnums=(2,))
-    def _decode(self, params, cache, tokens, pos, key, temperature, top_k):
+    def _decode_fn(self, params, cache, tokens, pos, key, t, temperature, top_k):
         """One token per row at position pos -> (next ids, cache)."""
         logits, cache = forward_cached(self.cfg, params, tokens[:, None], cache, pos)
-        return choose(logits[:, 0], key, temperature, top_k, self.vocab_limit), cache
-
-    def __hash__(self):  # jit's static self
-        return id(self)
-
-    def __eq__(self, other):
-        return self is other
+        return choose(logits[:, 0], jax.random.fold_in(key, t), temperature, top_k, self.vocab_limit), cache
 
     def generate(self, prompt: np.ndarray, max_tokens: int, *, temperature: float = 0.8, top_k: int = 40,
                  seed: int = 0, num_samples: int = 1, stop_at_eos: bool = True) -> Generation:
@@ -96,8 +91,8 @@ class Sampler:
         def prefill(keep: int, t: int):
             window = np.zeros((num_samples, w), np.int32)
             window[:, :keep] = seq[:, seq.shape[1] - keep:]
-            return self._prefill(self.params, jax.device_put(window, self.device), keep,
-                                 jax.random.fold_in(base, t), temperature, top_k)
+            return self._prefill(self.params, jax.device_put(window, self.device), keep, base, t,
+                                 temperature, top_k)
 
         t0 = time.perf_counter()
         pos = min(seq.shape[1], w)  # a prompt longer than the context keeps its last w tokens
@@ -119,8 +114,7 @@ class Sampler:
                 pos = w // 2
                 tok, cache = prefill(pos, t + 1)
             else:
-                tok, cache = self._decode(self.params, cache, tok, jnp.int32(pos), jax.random.fold_in(base, t + 1),
-                                          temperature, top_k)
+                tok, cache = self._decode(self.params, cache, tok, pos, base, t + 1, temperature, top_k)
                 pos += 1
         t2 = time.perf_counter()
         tokens = np.stack(out, axis=1)
