@@ -43,7 +43,7 @@ def choose(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, vo
 
 @dataclass
 class Generation:
-    tokens: np.ndarray  # [batch, n] generated ids (each row cut after its EOS, padded with EOS)
+    tokens: np.ndarray  # [batch, n] generated ids (with stop_at_eos: EOS-padded after each row's first EOS)
     lengths: np.ndarray  # [batch] tokens generated per row (its EOS included)
     prefill_s: float  # the first prefill (compiled on first use)
     decode_s: float  # everything after it
@@ -103,7 +103,7 @@ class Sampler:
         lengths = np.zeros(num_samples, np.int64)
         for t in range(max_tokens):
             host = np.asarray(tok)
-            out.append(np.where(done, self.eos_id, host))
+            out.append(np.where(done, self.eos_id, host) if stop_at_eos else host)
             lengths += ~done
             done |= host == self.eos_id
             seq = np.concatenate([seq, host[:, None]], axis=1)
