@@ -1,7 +1,7 @@
 """Sampling speed on one device: tokens/s of `edit-jax sample`'s KV-cache generation, against
 re-running the whole window for every token (no cache; what nanoGPT's sample.py does).
 
-    PYTHONPATH=$PWD python scripts/bench_sample.py --run-dir runs/demo [--tokens 200] [--out bench_sample.json]
+    PYTHONPATH=$PWD python scripts/bench_sample.py --run-dir runs/demo [--tokens 200] [--out runs/bench_sample.json]
 
 Every figure is the best of --repeats runs after a warm-up run (compilation excluded). "tokens/s"
 counts generated tokens after the first (the first comes from the prompt's prefill, timed apart),
@@ -28,7 +28,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="bench_sample.json")
+    parser.add_argument("--out", default="runs/bench_sample.json")
     args = parser.parse_args()
 
     from edit_jax import model as model_lib
@@ -91,6 +91,7 @@ def main() -> int:
     print(f"{'mode':34s} {'batch':>5s} {'prefill ms':>10s} {'tokens/s':>10s}")
     for r in rows:
         print(f"{r['mode']:34s} {r['batch']:5d} {r['prefill_ms']:10.1f} {r['tokens_per_s']:10.0f}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(info, f, indent=2)
     print(f"wrote {args.out}", file=sys.stderr)

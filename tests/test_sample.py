@@ -102,7 +102,9 @@ def test_stops_at_eos():
     gen = sampler.generate(np.asarray([256, 0]), 30, temperature=0.0, num_samples=2)
     assert gen.tokens.tolist() == [[5, 256], [5, 256]] and gen.lengths.tolist() == [2, 2]
     assert gen.steps == 1  # stopped: no step after the EOS
-    assert sampler.generate(np.asarray([256, 0]), 5, temperature=0.0, stop_at_eos=False).tokens.shape == (1, 5)
+    # Without the stop, generation runs past EOS (EOS's embedding is u again) and keeps every token.
+    assert sampler.generate(np.asarray([256, 0]), 5, temperature=0.0, stop_at_eos=False).tokens.tolist() == \
+        [[5, 256, 5, 256, 5]]
 
 
 def test_load_trained_picks_outer_params_or_replica(tmp_path_factory):
