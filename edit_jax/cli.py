@@ -1,4 +1,4 @@
-"""Command line: ``edit-jax train`` and ``edit-jax placement``.
+"""Command line: ``edit-jax train``, ``edit-jax placement``, ``edit-jax sample`` and ``edit-jax export``.
 
     edit-jax train --config configs/demo.py --run-dir runs/demo steps=300 mesh.replica=4 mesh.shard=2
 
@@ -72,9 +72,12 @@ def _train(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"train": _train, "placement": lambda a: __import__("edit_jax.placement.cli", fromlist=["main"]).main(a)}
+    commands = {"train": _train, "placement": lambda a: __import__("edit_jax.placement.cli", fromlist=["main"]).main(a),
+                "sample": lambda a: __import__("edit_jax.sample", fromlist=["main"]).main(a),
+                "export": lambda a: __import__("edit_jax.export", fromlist=["main"]).main(a)}
     if not argv or argv[0] not in commands:
-        print("usage: edit-jax {train,placement} [options]  (edit-jax COMMAND --help for details)", file=sys.stderr)
+        print("usage: edit-jax {train,placement,sample,export} [options]  (edit-jax COMMAND --help for details)",
+              file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])
 

@@ -122,6 +122,13 @@ class DebugConfig:
 
 
 @dataclass
+class LogConfig:
+    """Where records go besides RUN_DIR/metrics.jsonl (absent from older configs: defaults apply)."""
+
+    tensorboard: bool = False  # also as TensorBoard scalars in RUN_DIR/tb/ (needs tensorboardX)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -129,6 +136,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     steps: int = 200
     batch_size: int = 16  # global batch in sequences, split over replica x shard
     seed: int = 0
@@ -350,6 +358,9 @@ def validate(cfg: Config) -> None:
     if mesh.placement:
         _require(os.path.isfile(mesh.placement), "mesh.placement", f"file {mesh.placement!r} not found")
     _validate_processes(cfg)
+    if cfg.log.tensorboard:
+        _require(importlib.util.find_spec("tensorboardX") is not None, "log.tensorboard",
+                 "needs the tensorboardX package: pip install edit-jax[tensorboard] (or pip install tensorboardX)")
 
 
 def parse_slowdown(text: str) -> dict[int, float]:
@@ -383,6 +394,8 @@ def _validate_processes(cfg: Config) -> None:
         _require(not s.cpu_offload, "sync.cpu_offload", "not supported with mesh.processes > 1 yet")
         _require(not mesh.placement, "mesh.placement", "a device order applies to one program's devices; "
                  "with mesh.processes > 1 each process owns its replica's devices")
+        _require(not cfg.log.tensorboard, "log.tensorboard", "not supported with mesh.processes > 1 yet "
+                 "(metrics.jsonl holds every worker's records)")
     try:
         slow = parse_slowdown(cfg.debug.slowdown)
     except ValueError:
@@ -402,6 +415,6 @@ def replace(cfg, **kw):
     return dataclasses.replace(cfg, **kw)
 
 
-__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "DebugConfig", "ConfigError",
+__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "DebugConfig", "LogConfig", "ConfigError",
            "load_config", "apply_overrides", "validate", "to_dict", "from_dict", "dumps"]
 

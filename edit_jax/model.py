@@ -63,11 +63,13 @@ class RMSNorm(nn.Module):
         return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary(x: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half convention)."""
+def rotary(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half convention).
+    ``positions`` ([seq]; default 0..seq-1) are the tokens' absolute positions (KV-cache decode)."""
     seq, half = x.shape[1], x.shape[-1] // 2
     freqs = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
-    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]  # [seq, half]
+    positions = jnp.arange(seq) if positions is None else positions
+    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]  # [seq, half]
     cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

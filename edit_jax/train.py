@@ -173,6 +173,10 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
     if state is None:
         state = machinery.init_state(cfg.seed)
     log = MetricsLog(os.path.join(run_dir, "metrics.jsonl") if run_dir else None, resumed_from)
+    if run_dir and cfg.log.tensorboard:  # every record also as TensorBoard scalars in RUN_DIR/tb/
+        from edit_jax.tensorboard import TeeLog
+
+        log = TeeLog(log, os.path.join(run_dir, "tb"), resumed_from)
 
     start_step = int(state.step)
     tokens_per_step = cfg.batch_size * cfg.data.seq_len
@@ -282,6 +286,8 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
         save(k)
     if ckpt is not None:
         ckpt.close()
+    if hasattr(log, "close"):
+        log.close()
     seconds = time.perf_counter() - t_start
     return TrainResult(steps=k, final_loss=last_loss, final_val_loss=val_loss,
                        final_val_ppl=math.exp(min(val_loss, 50.0)) if val_loss is not None else None,

@@ -1,0 +1,123 @@
+"""A trained model read back from a run dir: its config, the model params and its tokenizer.
+
+    model = load_trained("runs/demo")            # latest checkpoint
+    model = load_trained("runs/demo", step=200)  # a given one
+
+The params are θ̄, the outer params (``state.outer.params``), for the methods that keep one, and
+the replicas' params (``state.params[0]``, identical on every replica) for the Baseline and for
+a checkpoint taken during the synchronous warmup (step <= W, before θ̄ is first set). θ̄ is the
+model as of the last sync: with EDiT's layer-wise sync it can be up to ``sync.tau`` inner steps
+behind the replicas (the val_loss records of training use a fresh, uncommitted sync instead).
+
+Only those arrays are read from the checkpoint (orbax partial restore), as host NumPy arrays of
+their logical shapes, whatever the mesh, ``sync.outer_sharding`` or ``sync.cpu_offload`` of the
+run: no devices, no mesh. The config is the one stored in the checkpoint's metadata (the one that
+wrote it), so a run resumed with another number of replicas still loads.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from edit_jax.config import Config, ConfigError, from_dict
+
+
+class TrainedModelError(RuntimeError):
+    """A run dir, checkpoint or tokenizer that cannot be used; the message names the path."""
+
+
+@dataclass
+class TrainedModel:
+    cfg: Config  # the config stored with the checkpoint
+    step: int
+    params: Any  # host NumPy tree: {"root": ..., "layers": ...} (model.init_params layout)
+    source: str  # "outer" (θ̄) or "replica" (state.params[0])
+    checkpoint: str  # path of the checkpoint read
+
+
+def checkpoint_steps(run_dir: str) -> tuple[str, list[int]]:
+    """(checkpoints dir, steps with a complete checkpoint, ascending); errors name the path."""
+    if not os.path.isdir(run_dir):
+        raise TrainedModelError(f"run dir {run_dir!r} not found (expected the --run-dir of an `edit-jax train` run)")
+    directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+    steps = []
+    if os.path.isdir(directory):
+        for name in os.listdir(directory):
+            # orbax writes into a temporary name and renames on commit: only finished steps are digits.
+            if name.isdigit() and os.path.isdir(os.path.join(directory, name, "state")):
+                steps.append(int(name))
+    if not steps:
+        raise TrainedModelError(f"run dir {run_dir!r} has no checkpoint (expected {directory}/<step>/state, "
+                                "written by `edit-jax train` every checkpoint_every steps and at the end)")
+    return directory, sorted(steps)
+
+
+def load_trained(run_dir: str, step: int | None = None) -> TrainedModel:
+    """Reads the model params of checkpoint ``step`` (default: the latest) of ``run_dir``."""
+    import orbax.checkpoint as ocp
+
+    from edit_jax.state import state_shapes
+
+    directory, steps = checkpoint_steps(run_dir)
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise TrainedModelError(f"run dir {run_dir!r} has no checkpoint for step {step} "
+                                f"(expected one of {', '.join(map(str, steps))} in {directory})")
+    path = os.path.join(directory, str(step))
+    try:
+        meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(os.path.join(path, "meta"))
+        cfg = from_dict(meta["config"])
+    except (ConfigError, KeyError, TypeError) as e:
+        raise TrainedModelError(f"checkpoint {path}: its stored config cannot be read: {e}") from e
+    except Exception as e:  # noqa: BLE001 - orbax raises many types
+        raise TrainedModelError(f"checkpoint {path} is unreadable (metadata): {type(e).__name__}: {e}") from e
+    shapes = state_shapes(cfg)
+    use_outer = shapes.outer is not None and step > cfg.sync.warmup_steps
+    item = {"outer": {"params": shapes.outer.params}} if use_outer else {"params": shapes.params}
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+    try:
+        out = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(os.path.join(path, "state"), args=(
+            ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)))
+    except Exception as e:  # noqa: BLE001
+        raise TrainedModelError(f"checkpoint {path} could not be read: {type(e).__name__}: {e}") from e
+    if use_outer:
+        params = out["outer"]["params"]
+    else:
+        params = jax.tree.map(lambda x: np.asarray(x)[0], out["params"])
+    return TrainedModel(cfg, int(step), params, "outer" if use_outer else "replica", path)
+
+
+def load_tokenizer(cfg: Config, override: str | None = None):
+    """The run's tokenizer (``data.tokenizer``: "byte" or a tokenizer.json path as given at training
+    time, relative to the current dir), or ``override``; checked against the model's vocabulary."""
+    from edit_jax.data import DataError, make_tokenizer
+
+    spec = override or cfg.data.tokenizer
+    if spec != "byte" and not os.path.isfile(spec):
+        hint = "" if override else " (the run's data.tokenizer, relative to the current directory)"
+        raise TrainedModelError(f"tokenizer file {spec!r}{hint} not found: expected a tokenizer.json; "
+                                "pass its path with --tokenizer")
+    try:
+        tok = make_tokenizer(spec)
+    except DataError as e:
+        raise TrainedModelError(str(e)) from e
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise TrainedModelError(f"tokenizer {spec!r} has {tok.vocab_size} ids but the model's vocabulary is "
+                                f"{cfg.model.vocab_size}: not the tokenizer this model was trained with")
+    return tok
+
+
+def tokenizer_file(cfg: Config, override: str | None = None) -> str | None:
+    """The tokenizer.json path to ship with the model, or None for the byte tokenizer."""
+    spec = override or cfg.data.tokenizer
+    return None if spec == "byte" else spec
+
+
+__all__ = ["TrainedModel", "TrainedModelError", "checkpoint_steps", "load_trained", "load_tokenizer",
+           "tokenizer_file"]

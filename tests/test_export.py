@@ -1,0 +1,167 @@
+"""Export to the Hugging Face Llama layout, checked by a NumPy Llama forward that reads only the
+exported files (config.json + model.safetensors) and follows that format's definitions: Linear
+weights [out, in], rotate-half rotary with inv_freq = theta^(-2i/head_dim) over
+cat(freqs, freqs), key/value head h // n_rep for query head h, RMSNorm weight * x / rms."""
+
+import json
+import os
+import struct
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors
+
+from edit_jax import model as model_lib
+from edit_jax.export import ExportError, main as export_main, write_export
+from edit_jax.trained import load_trained
+from tests.helpers import tiny_config
+from tests.trained_runs import edit_run, tokenizer_run
+
+
+def read_safetensors(path):
+    """{name: array} from the raw bytes (BF16 viewed through ml_dtypes), and the header."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    kinds = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = info["data_offsets"]
+        out[name] = np.frombuffer(raw[8 + n + a: 8 + n + b], kinds[info["dtype"]]).reshape(info["shape"])
+    return out, header
+
+
+def llama_logits(export_dir, ids):
+    """LlamaForCausalLM's forward in float64 NumPy, from the export alone. ids: 1-D."""
+    with open(os.path.join(export_dir, "config.json")) as f:
+        c = json.load(f)
+    w, _ = read_safetensors(os.path.join(export_dir, "model.safetensors"))
+    w = {k: v.astype(np.float64) for k, v in w.items()}
+    h_n, kv_n = c["num_attention_heads"], c["num_key_value_heads"]
+    hd = c.get("head_dim") or c["hidden_size"] // h_n
+    t = len(ids)
+
+    def rms(x, weight):
+        return weight * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + c["rms_norm_eps"]))
+
+    inv_freq = 1.0 / (c["rope_theta"] ** (np.arange(0, hd, 2) / hd))
+    freqs = np.arange(t)[:, None] * inv_freq[None, :]
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    cos, sin = np.cos(emb), np.sin(emb)
+
+    def rotate_half(x):
+        return np.concatenate([-x[..., hd // 2:], x[..., : hd // 2]], axis=-1)
+
+    x = w["model.embed_tokens.weight"][ids]
+    causal = np.tril(np.ones((t, t), bool))
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = rms(x, w[p + "input_layernorm.weight"])
+        q = (h @ w[p + "self_attn.q_proj.weight"].T).reshape(t, h_n, hd).transpose(1, 0, 2)
+        k = (h @ w[p + "self_attn.k_proj.weight"].T).reshape(t, kv_n, hd).transpose(1, 0, 2)
+        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(t, kv_n, hd).transpose(1, 0, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = np.repeat(k, h_n // kv_n, axis=0), np.repeat(v, h_n // kv_n, axis=0)  # repeat_kv
+        s = q @ k.transpose(0, 2, 1) / np.sqrt(hd)
+        s = np.where(causal, s, -np.inf)
+        a = np.exp(s - s.max(-1, keepdims=True))
+        a /= a.sum(-1, keepdims=True)
+        o = (a @ v).transpose(1, 0, 2).reshape(t, h_n * hd)
+        x = x + o @ w[p + "self_attn.o_proj.weight"].T
+        h = rms(x, w[p + "post_attention_layernorm.weight"])
+        g = h @ w[p + "mlp.gate_proj.weight"].T
+        x = x + ((g / (1 + np.exp(-g))) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+    x = rms(x, w["model.norm.weight"])
+    head = w["model.embed_tokens.weight"] if c["tie_word_embeddings"] else w["lm_head.weight"]
+    return x @ head.T
+
+
+def _random_params(cfg, seed=0):
+    """Init params with every norm scale randomised too (ones would hide a mix-up of norms)."""
+    params = model_lib.init_params(cfg.model, jax.random.key(seed))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    rng = np.random.default_rng(seed)
+    out = [np.asarray(x) + (rng.normal(0, 0.3, np.shape(x)).astype(np.float32) if "scale" in jax.tree_util.keystr(p)
+                            else 0) for p, x in leaves]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_numpy_llama_forward_of_the_export_matches_ours(tmp_path, tie):
+    cfg = tiny_config(model={"tie_embeddings": tie, "init_std": 0.1, "rope_theta": 500.0})  # 4 heads, 2 kv
+    params = _random_params(cfg)
+    write_export(str(tmp_path), cfg, params, eos_id=256)
+    with open(tmp_path / "config.json") as f:
+        c = json.load(f)
+    assert c["architectures"] == ["LlamaForCausalLM"] and c["num_key_value_heads"] == 2
+    assert c["tie_word_embeddings"] is tie and c["rope_theta"] == 500.0 and c["eos_token_id"] == 256
+    names, _ = read_safetensors(tmp_path / "model.safetensors")
+    assert ("lm_head.weight" in names) is not tie
+    assert names["model.layers.0.self_attn.k_proj.weight"].shape == (2 * 16, 64)  # [out, in]
+    assert names["model.layers.1.mlp.down_proj.weight"].shape == (64, 128)
+    rng = np.random.default_rng(1)
+    for length in (1, 7, 31):
+        ids = rng.integers(0, cfg.model.vocab_size, length)
+        ours, _ = model_lib.forward(cfg.model, params, ids[None].astype(np.int32))
+        ref = llama_logits(str(tmp_path), ids)
+        assert np.abs(ref).max() > 0.1
+        np.testing.assert_allclose(np.asarray(ours[0], np.float64), ref, atol=2e-4, rtol=1e-4)
+
+
+def test_bfloat16_export_is_the_rounded_float32(tmp_path):
+    cfg = tiny_config()
+    params = _random_params(cfg)
+    write_export(str(tmp_path / "f32"), cfg, params)
+    write_export(str(tmp_path / "bf16"), cfg, params, dtype="bfloat16")
+    f32, _ = read_safetensors(tmp_path / "f32" / "model.safetensors")
+    bf16, header = read_safetensors(tmp_path / "bf16" / "model.safetensors")
+    assert header["__metadata__"] == {"format": "pt"}
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
+    for name, x in f32.items():
+        np.testing.assert_array_equal(bf16[name], x.astype(ml_dtypes.bfloat16))
+    with open(tmp_path / "bf16" / "config.json") as f:
+        assert json.load(f)["torch_dtype"] == "bfloat16"
+
+
+def test_export_run_cli(tmp_path_factory, tmp_path, capsys):
+    _, run_dir = edit_run(tmp_path_factory)
+    out = tmp_path / "hf"
+    assert export_main(["--run-dir", run_dir, "--out", str(out)]) == 0
+    assert sorted(os.listdir(out)) == ["config.json", "edit_jax_export.json", "model.safetensors"]  # byte: no file
+    with open(out / "edit_jax_export.json") as f:
+        prov = json.load(f)
+    assert prov["step"] == 6 and prov["params"].startswith("outer") and prov["eos_token_id"] == 256
+    model = load_trained(run_dir)  # θ̄ of step 6 (tests/test_sample.py checks it against the checkpoint)
+    ids = np.arange(0, 300, 13)
+    ours, _ = model_lib.forward(model.cfg.model, model.params, ids[None].astype(np.int32))
+    np.testing.assert_allclose(np.asarray(ours[0], np.float64), llama_logits(str(out), ids), atol=2e-4, rtol=1e-4)
+    # A non-empty --out is refused (named), unless --force.
+    capsys.readouterr()
+    assert export_main(["--run-dir", run_dir, "--out", str(out), "--step", "4"]) == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "not empty" in err and "--force" in err
+    assert export_main(["--run-dir", run_dir, "--out", str(out), "--step", "4", "--force"]) == 0
+    with open(out / "edit_jax_export.json") as f:
+        assert json.load(f)["step"] == 4
+    with pytest.raises(ExportError, match="--dtype"):
+        write_export(str(tmp_path / "x"), model.cfg, model.params, dtype="int8")
+
+
+def test_export_ships_the_tokenizer(tmp_path_factory, tmp_path):
+    pytest.importorskip("tokenizers")
+    _, run_dir, tok_path = tokenizer_run(tmp_path_factory)
+    out = tmp_path / "hf"
+    assert export_main(["--run-dir", run_dir, "--out", str(out), "--dtype", "bfloat16"]) == 0
+    with open(out / "tokenizer.json", "rb") as a, open(tok_path, "rb") as b:
+        assert a.read() == b.read()
+    import tokenizers
+
+    eos = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id("<|endoftext|>")
+    with open(out / "config.json") as f:
+        assert json.load(f)["eos_token_id"] == eos
+    assert isinstance(safetensors.safe_open(str(out / "model.safetensors"), "numpy").keys(), list)
