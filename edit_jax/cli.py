@@ -40,7 +40,7 @@ def _train(argv: list[str]) -> int:
     if cfg.mesh.processes > 1 and multihost.launched_worker() is None and not args.distributed:
         from edit_jax.launch import launch  # one process per worker on this machine, watched from here
 
-        return launch(argv, cfg.mesh.processes, cfg.mesh.shard)
+        return launch(argv, cfg.mesh.processes, cfg.mesh.shard, pin_cores=cfg.debug.pin_cores)
     if cfg.mesh.processes > 1:  # a worker: its own devices, then meet the others
         set_cpu_device_count(cfg.mesh.shard)
         multihost.initialize(cfg.mesh.heartbeat_seconds, from_cluster_env=args.distributed)

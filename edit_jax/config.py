@@ -119,6 +119,7 @@ class DebugConfig:
     # "WORKER:FACTOR[,WORKER:FACTOR]": that worker's steps take FACTOR x as long (it sleeps
     # (FACTOR - 1) x its measured step time after each step). Multi-process runs only.
     slowdown: str = ""
+    pin_cores: bool = False  # each worker process runs on one CPU core of its own (worker i: core i mod cores)
 
 
 @dataclass
@@ -138,6 +139,7 @@ class Config:
     debug: DebugConfig = field(default_factory=DebugConfig)
     log: LogConfig = field(default_factory=LogConfig)
     steps: int = 200
+    max_seconds: float = 0.0  # > 0: also stop after this much training wall time (then evaluate and save as at the end)
     batch_size: int = 16  # global batch in sequences, split over replica x shard
     seed: int = 0
     log_every: int = 10
@@ -335,6 +337,7 @@ def validate(cfg: Config) -> None:
     _require(d.token_dtype in ("uint16", "uint32", "int32"), "data.token_dtype",
              f"expected uint16, uint32 or int32, got {d.token_dtype!r}")
     _require(o.lr > 0, "optim.lr", f"must be positive, got {o.lr}")
+    _require(cfg.max_seconds >= 0, "max_seconds", f"must be >= 0 (0: no time limit), got {cfg.max_seconds}")
     _require(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
     _require(0.0 <= o.b1 < 1.0, "optim.b1", f"must be in [0, 1), got {o.b1}")
     _require(0.0 <= o.b2 < 1.0, "optim.b2", f"must be in [0, 1), got {o.b2}")

@@ -44,13 +44,31 @@ def worker_env(base: dict, coordinator: str, n: int, i: int, shard: int) -> dict
     return env
 
 
-def launch(train_argv: list[str], n: int, shard: int, say=lambda m: print(m, file=sys.stderr, flush=True)) -> int:
-    """Runs ``python -m edit_jax train <train_argv>`` as N workers; returns the exit code."""
+def _in_child(core: int | None) -> None:
+    """Runs in each worker between fork and exec: die with the launcher (no orphaned workers if it
+    is killed), and optionally stay on one CPU core (every thread the worker starts inherits it)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own cleanup still kills its workers
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+
+
+def launch(train_argv: list[str], n: int, shard: int, pin_cores: bool = False,
+           say=lambda m: print(m, file=sys.stderr, flush=True)) -> int:
+    """Runs ``python -m edit_jax train <train_argv>`` as N workers; returns the exit code. With
+    ``pin_cores`` worker i (and every thread it starts) runs on core i mod (cores available)."""
     coordinator = f"127.0.0.1:{free_port()}"
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     procs = []
     for i in range(n):
         env = worker_env(os.environ, coordinator, n, i, shard)
-        procs.append(subprocess.Popen([sys.executable, "-m", "edit_jax", "train", *train_argv], env=env))
+        core = cores[i % len(cores)] if pin_cores and cores else None
+        procs.append(subprocess.Popen([sys.executable, "-m", "edit_jax", "train", *train_argv], env=env,
+                                      preexec_fn=lambda core=core: _in_child(core)))
     say(f"edit-jax: started {n} worker processes (pids {', '.join(str(p.pid) for p in procs)}), "
         f"{shard} CPU devices each, coordinator {coordinator}")
 

@@ -211,7 +211,8 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
 
     def evaluate(step):
         loss = evaluator(state, val)
-        rec = {"step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))}
+        rec = {"step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
+               "time": time.perf_counter() - t_start}
         log.write(rec)
         say(f"edit-jax: step {step} val_loss {loss:.4f} (ppl {rec['val_ppl']:.2f})")
         return loss
@@ -273,6 +274,9 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
             if cfg.checkpoint_every and k % cfg.checkpoint_every == 0 and k < cfg.steps:
                 save(k)
                 last_record[:] = [time.perf_counter(), k]
+            if cfg.max_seconds and time.perf_counter() - t_start >= cfg.max_seconds and k < cfg.steps:
+                say(f"edit-jax: max_seconds={cfg.max_seconds:g} reached at step {k}")
+                break  # a normal end: evaluation and checkpoint follow
             if stop.signal is not None or (stop_after is not None and done_here >= stop_after and k < cfg.steps):
                 save(k)
                 interrupted = True

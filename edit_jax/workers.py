@@ -28,6 +28,7 @@ support; re-running resumes, with fewer processes as an elastic restart from Î¸Ì
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -157,7 +158,7 @@ def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, ve
 
     tokens_per_worker_step = w.rows * cfg.data.seq_len
     evaluator = Evaluator(w.glob)
-    history, last_loss, val_loss, interrupted = [], float("nan"), None, False
+    history, last_loss, val_loss, interrupted, timed_out = [], float("nan"), None, False, False
     t_start, done_here, last_saved = time.perf_counter(), 0, resumed_from
     last_record = [time.perf_counter(), k]
 
@@ -180,7 +181,8 @@ def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, ve
     def sync_record(sync, extra=None):
         if sync is None or not lead:
             return
-        srec = {"step": global_step, "global_step": global_step, "sync": True, **(extra or {})}
+        srec = {"step": global_step, "global_step": global_step, "sync": True, "time": time.perf_counter() - t_start,
+                **(extra or {})}
         for name in ("pseudo_grad_norm", "weight", "flagged", "clip_factor", "outer_update_norm"):
             srec[name] = _to_json(sync[name])
         if cfg.sync.per_unit_metrics:
@@ -193,7 +195,7 @@ def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, ve
         val_loss = evaluator(w.to_global(state), val)
         if lead:
             log.write({"step": global_step, "global_step": global_step, "val_loss": val_loss,
-                       "val_ppl": math.exp(min(val_loss, 50.0))})
+                       "val_ppl": math.exp(min(val_loss, 50.0)), "time": time.perf_counter() - t_start})
         say(f"edit-jax: step {global_step} val_loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50.0)):.2f})")
 
     def save(steps_all):
@@ -205,8 +207,19 @@ def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, ve
         ckpt.save(global_step, w.to_global(state), data, cfg)
         last_saved = global_step
 
-    def pace(t0):
-        if slow > 1.0:  # testing knob: this worker's steps take `slow` x as long
+    def time_up() -> bool:
+        return bool(cfg.max_seconds) and time.perf_counter() - t_start >= cfg.max_seconds
+
+    paced = [0]  # local steps timed so far
+
+    def pace(kind, t0):
+        """Testing knob: this worker's local steps take `slow` x as long (it sleeps (slow - 1) x the
+        step's own time). Not the first local step (it compiled) and not global steps (their time
+        is the slowest worker's anyway)."""
+        if slow <= 1.0 or kind != "local":
+            return
+        paced[0] += 1
+        if paced[0] > 1:
             time.sleep((slow - 1.0) * (time.perf_counter() - t0))
 
     with _StopFlag() as stop:
@@ -218,7 +231,7 @@ def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, ve
             kind = schedule.kind(k)
             t0 = time.perf_counter()
             state, loss, gnorm, sync = w.step(kind, state, rows_for(k))
-            pace(t0)
+            pace(kind, t0)
             k += 1
             done_here += 1
             global_step = k
@@ -229,10 +242,15 @@ def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, ve
                 bar.set_postfix(loss=f"{loss:.3f}")
             if kind in GLOBAL_KINDS or k == in_step_end:  # a meeting: agree on stopping
                 want = stop.signal is not None or (stop_after is not None and done_here >= stop_after)
-                if multihost.exchange([int(want)])[:, 0].any() and k < cfg.steps:
+                agreed = multihost.exchange([int(want), int(time_up())])
+                if agreed[:, 0].any() and k < cfg.steps:
                     save([k] * n)
                     interrupted = True
                     say(f"edit-jax: stopped at step {k}; checkpoint saved, re-run the same command to resume")
+                    break
+                if agreed[:, 1].any() and k < cfg.steps:
+                    say(f"edit-jax: max_seconds={cfg.max_seconds:g} reached at step {k}")
+                    timed_out = True
                     break
             if cfg.eval_every and k % cfg.eval_every == 0 and k < cfg.steps:
                 evaluate()
@@ -242,14 +260,14 @@ def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, ve
                 last_record[:] = [time.perf_counter(), k]
 
         # ---- A-EDiT: local steps at each worker's own pace, syncs by wall clock
-        if isinstance(schedule, TimeSchedule) and not interrupted:
+        if isinstance(schedule, TimeSchedule) and not (interrupted or timed_out):
             if schedule.init_outer_due(k):
                 state = w.loc.init_outer_fn()(state)
             last_sync, since, syncs = time.monotonic(), 0, 0
             while True:
                 t0 = time.perf_counter()
                 state, loss, gnorm, _ = w.step("local", state, rows_for(k))
-                pace(t0)
+                pace("local", t0)
                 k += 1
                 since += 1
                 done_here += 1
@@ -257,15 +275,17 @@ def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, ve
                 if not schedule.sync_due(time.monotonic(), last_sync):
                     continue
                 want = stop.signal is not None or (stop_after is not None and done_here >= stop_after)
-                info = multihost.exchange([since, k, int(want)])
+                info = multihost.exchange([since, k, int(want), int(time_up())])
                 decision = schedule.decide(list(info[:, 0]), list(info[:, 1]))
+                if info[:, 3].any() and not decision.finished:  # the wall-time budget ends the run here
+                    decision = dataclasses.replace(decision, run=True, finished=True)
+                    say(f"edit-jax: max_seconds={cfg.max_seconds:g} reached")
                 previous = global_step
                 global_step = decision.mean_step
                 if decision.run:
                     state = _set_step(state, global_step, w.loc.state_shardings)
                     t0 = time.perf_counter()
                     state, loss, gnorm, sync = w.step(schedule.sync_kind(), state, rows_for(k), decision.shares)
-                    pace(t0)
                     k += 1
                     done_here += 1
                     syncs += 1

@@ -25,8 +25,8 @@ from edit_jax.step import Machinery
 from edit_jax.train import train
 from tests.helpers import REPO
 
-TINY = ["--config", "configs/tiny.py", "--no-progress", "mesh.replica=2", "mesh.shard=2", "mesh.processes=2",
-        "batch_size=8", "data.seq_len=32", "log_every=1"]
+FLAGS = ["--config", "configs/tiny.py", "--no-progress"]
+TINY = ["mesh.replica=2", "mesh.shard=2", "mesh.processes=2", "batch_size=8", "data.seq_len=32", "log_every=1"]
 
 
 # ----------------------------------------------------------------------------- the agreement rule
@@ -131,7 +131,7 @@ def test_local_program_stays_on_the_workers_devices():
 
 
 def _run_cli(run_dir, *overrides, timeout=420, env=None):
-    cmd = [sys.executable, "-m", "edit_jax", "train", *TINY, "--run-dir", str(run_dir), *overrides]
+    cmd = [sys.executable, "-m", "edit_jax", "train", *FLAGS, "--run-dir", str(run_dir), *TINY, *overrides]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
     try:
@@ -160,8 +160,7 @@ def test_two_processes_equal_one_program(tmp_path, method):
     over = [f"method={method}", "steps=8", "sync.warmup_steps=2", "sync.tau=3", "eval_every=0"]
     code, out = _run_cli(tmp_path / "mp", *over)
     assert code == 0, out[-3000:]
-    cfg = load_config(os.path.join(REPO, "configs/tiny.py"), [o for o in TINY if "=" in o and "processes" not in o]
-                      + over)
+    cfg = load_config(os.path.join(REPO, "configs/tiny.py"), [o for o in TINY if "processes" not in o] + over)
     single = train(cfg, str(tmp_path / "sp"), progress=False, devices=jax.devices()[:4])
     want = {r["step"]: r["replica_loss"] for r in single.history}
     got = {}
@@ -193,7 +192,7 @@ def test_a_edit_straggler_fast_worker_takes_more_steps(tmp_path):
 
 def test_killed_worker_stops_the_others_and_the_rerun_resumes(tmp_path):
     over = ["method=edit", "steps=400", "sync.tau=2", "checkpoint_every=4", "eval_every=0", "mesh.heartbeat_seconds=5"]
-    cmd = [sys.executable, "-m", "edit_jax", "train", *TINY, "--run-dir", str(tmp_path), *over]
+    cmd = [sys.executable, "-m", "edit_jax", "train", *FLAGS, "--run-dir", str(tmp_path), *TINY, *over]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

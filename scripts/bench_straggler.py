@@ -1,0 +1,132 @@
+"""A-EDiT against step-based EDiT with and without a straggler, at the same wall-time budget.
+
+    python scripts/bench_straggler.py                       # demo model, 2 workers x 2 devices, 120 s per run
+    python scripts/bench_straggler.py --seconds 60 --slowdown 3
+
+Four runs of `edit-jax train` with mesh.processes=2 (one process per worker, each pinned to a CPU
+core of its own, so a worker's step time is its own speed): EDiT (sync every tau steps) and
+A-EDiT (sync every tau_time seconds), each without and with worker 1 slowed down
+(`debug.slowdown=1:FACTOR`). Every run stops at `max_seconds` (then evaluates θ̄ and saves).
+tau_time is set to tau x the median local step time of the EDiT run without a straggler, so both
+methods sync about as often when no worker is slow.
+
+Reported per run: total tokens/s over the training time (all workers), steps per worker, syncs,
+validation loss on θ̄ at the end, and the ideal throughput: the sum of the workers' own speeds
+(tokens per local step / median local step time of each worker, read from the same run's
+records). Writes a table, JSON (runs/bench/bench_straggler.json) and a plot of validation loss
+against wall time (docs/straggler.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import _bench_common as common
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/demo.py")
+    p.add_argument("--seconds", type=float, default=120.0, help="wall-time budget of each run (max_seconds)")
+    p.add_argument("--slowdown", type=float, default=2.0, help="worker 1's step-time factor in the straggler runs")
+    p.add_argument("--tau", type=int, default=10, help="EDiT's sync interval (steps)")
+    p.add_argument("--steps", type=int, default=600, help="`steps` (sets the lr schedule and A-EDiT's token budget)")
+    p.add_argument("--eval-every", type=int, default=40)
+    p.add_argument("--run-root", default=os.path.join(common.REPO, "runs", "bench_straggler"))
+    p.add_argument("--json", default=os.path.join(common.DEFAULT_JSON_DIR, "bench_straggler.json"))
+    p.add_argument("--plot", default=os.path.join(common.REPO, "docs", "straggler.png"))
+    return p.parse_args(argv)
+
+
+def run(args, name, overrides):
+    run_dir = os.path.join(args.run_root, name)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "edit_jax", "train", "--config", args.config, "--run-dir", run_dir, "--no-progress",
+           "mesh.replica=2", "mesh.shard=2", "mesh.processes=2", "debug.pin_cores=true", f"steps={args.steps}",
+           f"max_seconds={args.seconds}", f"eval_every={args.eval_every}", "eval_batches=4", "checkpoint_every=0",
+           "log_every=1", *overrides]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=common.REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{name}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    return summarise(name, overrides, recs, wall)
+
+
+def summarise(name, overrides, recs, wall):
+    cfg_tokens = None
+    train = [r for r in recs if "worker" in r and "loss" in r]
+    workers = sorted({r["worker"] for r in train})
+    steps = {w: max(r["step"] for r in train if r["worker"] == w) for w in workers}
+    local_times = {w: statistics.median([r["step_time"] for r in train if r["worker"] == w and r["kind"] == "local"])
+                   for w in workers}
+    tokens_per_step = train[-1]["tokens_per_s"] * train[-1]["step_time"]  # tokens of one worker step
+    cfg_tokens = tokens_per_step
+    evals = [r for r in recs if "val_loss" in r]
+    syncs = [r for r in recs if r.get("sync")]
+    train_time = evals[-1]["time"]  # the final evaluation starts when training ends
+    total_tokens = sum(steps.values()) * tokens_per_step
+    ideal = sum(tokens_per_step / t for t in local_times.values())
+    return {"name": name, "overrides": overrides, "steps_per_worker": steps, "syncs": len(syncs),
+            "local_step_s": local_times, "tokens_per_worker_step": cfg_tokens, "train_seconds": train_time,
+            "tokens_per_s": total_tokens / train_time, "ideal_tokens_per_s": ideal,
+            "final_val_loss": evals[-1]["val_loss"], "val_curve": [(r["time"], r["val_loss"]) for r in evals],
+            "wall_seconds": wall}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    results = []
+    base = run(args, "edit", ["method=edit", f"sync.tau={args.tau}"])
+    results.append(base)
+    tau_time = args.tau * statistics.median(base["local_step_s"].values())
+    slow = f"debug.slowdown=1:{args.slowdown}"
+    results.append(run(args, "edit_straggler", ["method=edit", f"sync.tau={args.tau}", slow]))
+    results.append(run(args, "a_edit", ["method=a_edit", f"sync.tau_time={tau_time:.3f}"]))
+    results.append(run(args, "a_edit_straggler", ["method=a_edit", f"sync.tau_time={tau_time:.3f}", slow]))
+    rows = [[r["name"], f"{r['tokens_per_s']:.0f}", f"{r['ideal_tokens_per_s']:.0f}",
+             f"{r['tokens_per_s'] / r['ideal_tokens_per_s']:.2f}",
+             " / ".join(str(r["steps_per_worker"][w]) for w in sorted(r["steps_per_worker"])), r["syncs"],
+             f"{r['final_val_loss']:.4f}", f"{r['train_seconds']:.0f}"] for r in results]
+    common.print_table(f"A-EDiT vs EDiT, 2 workers x 2 devices (one core each), {args.seconds:g} s per run, "
+                       f"worker 1 at {args.slowdown}x in the straggler runs, tau={args.tau}, tau_time={tau_time:.2f} s",
+                       ["run", "tokens/s", "ideal tokens/s", "ratio", "steps w0 / w1", "syncs", "val loss (θ̄)",
+                        "train s"], rows)
+    common.write_json(args.json, {"benchmark": "bench_straggler", "env": common.env_info(), "args": vars(args),
+                                  "tau_time": tau_time, "runs": results})
+    plot(results, args.plot)
+    print(f"wrote {args.json} and {args.plot}")
+    return results
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in results:
+        t, v = zip(*r["val_curve"])
+        ax.plot(t, v, marker="o", ms=3, label=r["name"].replace("_", " "), ls="--" if "straggler" in r["name"] else "-")
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("validation loss on θ̄")
+    ax.set_title("EDiT vs A-EDiT, 2 workers; straggler: worker 1 slowed down")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
