@@ -171,7 +171,7 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     if cfg.source == "stdlib":
         train, val, info = _load_stdlib(tok, cfg.val_fraction)
     elif cfg.source == "text":
-        train, val, info = _load_text(tok, _expand_paths(cfg.paths, "text"), cfg.val_fraction)
+        train, val, info = _load_text(tok, _expand_paths(cfg.paths, "text"), cfg.val_fraction, cfg.allow_binary)
     elif cfg.source == "tokens":
         train, val, info = _load_tokens(tok, _expand_paths(cfg.paths, "tokens"), cfg.token_dtype, cfg.val_fraction)
     elif cfg.source == "parquet":
@@ -309,8 +309,28 @@ def _load_stdlib(tok, val_fraction: float):
     return train, val, info
 
 
-def _load_text(tok, files: list[str], val_fraction: float):
+def looks_binary(raw: bytes, sample: int = 8192) -> bool:
+    """True if the start of a file looks like binary data, not text: a NUL byte, or more than 30%
+    of bytes that are neither printable ASCII, common whitespace nor part of valid UTF-8."""
+    head = raw[:sample]
+    if b"\x00" in head:
+        return True
+    text = head.decode("utf-8", errors="replace")
+    odd = sum(1 for ch in text if ch == "\ufffd" or (ord(ch) < 32 and ch not in "\t\n\r\f\v"))
+    return odd > 0.3 * max(len(text), 1)
+
+
+def _refuse_binary(docs: Sequence[tuple[str, bytes]]) -> None:
+    bad = [p for p, raw in docs if looks_binary(raw)]
+    if bad:
+        raise DataError(f"text file{'s' if len(bad) > 1 else ''} {', '.join(map(repr, bad[:5]))} look{'' if len(bad) > 1 else 's'} "
+                        "binary (NUL or mostly non-text bytes); set data.allow_binary=true to train on them anyway")
+
+
+def _load_text(tok, files: list[str], val_fraction: float, allow_binary: bool = False):
     docs = [(p, _read_bytes(p, "text")) for p in files]
+    if not allow_binary:
+        _refuse_binary(docs)
     nbytes = sum(len(r) for _, r in docs)
     dtype = _token_dtype(tok.vocab_size)
     is_val = [_is_val(p.encode(), val_fraction) for p, _ in docs]
