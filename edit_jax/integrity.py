@@ -59,6 +59,20 @@ def _leaf_checksum(x: jax.Array, salt: int) -> jax.Array:
     return jnp.sum(bits * mult, dtype=jnp.uint32)
 
 
+def _on_device(tree: Any) -> Any:
+    """Leaves kept in host memory (``sync.cpu_offload``: θ̄ and the trace) copied to device memory:
+    XLA will not mix host- and device-memory operands in one reduction."""
+    def one(x):
+        sharding = getattr(x, "sharding", None)
+        kind = getattr(sharding, "memory_kind", None)
+        if kind is None or kind not in ("pinned_host", "unpinned_host"):
+            return x
+        default = next(iter(sharding.device_set)).default_memory().kind
+        return x if kind == default else jax.device_put(x, sharding.with_memory_kind(default))
+
+    return jax.tree.map(one, tree)
+
+
 @jax.jit
 def _checksums(state: Any) -> list[jax.Array]:
     return [_leaf_checksum(x, i * 0x632BE5AB + 1) for i, x in enumerate(jax.tree.leaves(state))]
@@ -67,7 +81,7 @@ def _checksums(state: Any) -> list[jax.Array]:
 def state_checksums(state: Any) -> dict[str, int]:
     """``{leaf path: uint32 checksum}`` of every array in ``state`` (device or host arrays)."""
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-    values = jax.device_get(_checksums(state))
+    values = jax.device_get(_checksums(_on_device(state)))
     return {p: int(v) for p, v in zip(paths, values)}
 
 
@@ -108,7 +122,7 @@ def finite_report(state: Any) -> dict[str, np.ndarray]:
     ([N] bools), the inner optimizer's shared scalars and the outer state (θ̄, trace, detectors)
     as one bool each. One jitted reduction; only these few bools leave the device."""
     n = jax.tree.leaves(state.params)[0].shape[0]
-    got = jax.device_get(_finite_fn(n)(state))
+    got = jax.device_get(_finite_fn(n)(_on_device(state)))
     return {k: np.asarray(got[k]) for k in ("params", "opt_state", "opt_state (shared)", "outer")}
 
 

@@ -440,6 +440,8 @@ def _train(cfg: Config, run_dir: str | None, *, progress: bool, devices: list | 
         bar.close()
     if not interrupted:
         val_loss = evaluate(k)
+        if stop.signal is not None:  # the run is complete: finish it rather than lose the final save
+            say(f"edit-jax: signal {stop.signal} during the final evaluation; saving the finished run")
         diverged = _guard_save(save, k, final=True)
     if ckpt is not None:
         ckpt.close()

@@ -229,6 +229,41 @@ def test_ctrl_c_while_compiling_is_a_clean_stop(tmp_path, signals):
     assert not (tmp_path / LOCK_NAME).exists() or signals == 2  # a hard exit leaves a stale lock, taken over later
 
 
+def test_ctrl_c_during_final_evaluation_finishes_cleanly(tmp_path):
+    """SIGINT once the last training record is written, while the final evaluation (300 batches)
+    runs: before, a KeyboardInterrupt traceback and no final checkpoint. Now the evaluation
+    finishes, the final checkpoint is saved and the run exits 0, no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "edit_jax", "train", "--config", "configs/tiny.py", "--run-dir",
+                             str(tmp_path), "--no-progress", "steps=3", "log_every=1", "eval_batches=300",
+                             "data.seq_len=32"],
+                            cwd=REPO, env=_cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, metrics = time.time() + 120, tmp_path / "metrics.jsonl"
+        while not (metrics.exists() and '"step": 3,' in metrics.read_text()):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
+    assert "during the final evaluation" in err and _steps(tmp_path) == [3]
+    assert '"val_loss"' in metrics.read_text()
+
+
+def test_offloaded_outer_state_is_checked_and_verified(tmp_path):
+    """With sync.cpu_offload θ̄ and the trace live in host memory; the finite check and the
+    checksums copy them to device memory first (XLA refuses mixed-memory reductions), and a
+    resume verifies them."""
+    cfg = tiny_config(2, 4, method="edit", steps=2, sync={"cpu_offload": True, "tau": 1})
+    train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
+    cfg.steps = 3
+    result = train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
+    assert result.resumed_from == 2 and np.isfinite(result.final_loss)
+
+
 def test_config_whose_get_config_raises(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def get_config():\n    raise RuntimeError('boom')\n")
