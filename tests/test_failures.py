@@ -132,12 +132,17 @@ def test_bit_flipped_checkpoint_is_refused_moved_aside_and_older_one_used(tmp_pa
 def test_restore_step_flag_and_all_bad(tmp_path):
     """``restore_step`` resumes from an explicit checkpoint and moves newer ones aside (not
     deleted); a damaged explicit step is refused, nothing moved."""
-    cfg = tiny_config(2, 4, steps=4, checkpoint_every=2, keep_checkpoints=3)
+    cfg = tiny_config(2, 4, steps=6, checkpoint_every=2, keep_checkpoints=3)
     train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
+    result = train(cfg, str(tmp_path), progress=False, devices=devs(cfg), restore_step=4)
+    assert result.resumed_from == 4 and result.steps == 6
+    assert _steps(tmp_path, "checkpoints.aside") == [6] and _steps(tmp_path) == [2, 4, 6]  # 6 redone
     _flip_bytes_in_largest_array_file(tmp_path / "checkpoints" / "2")
-    with pytest.raises(CheckpointError, match=r"checkpoints/2 is damaged"):
+    # (depending on the orbax / TensorStore version the flipped bytes hit array data, caught by the
+    # checksum, or a chunk TensorStore itself cannot read: refused either way)
+    with pytest.raises(CheckpointError, match=r"checkpoints/2 (is damaged|could not be restored)"):
         train(cfg, str(tmp_path), progress=False, devices=devs(cfg), restore_step=2)
-    assert _steps(tmp_path) == [2, 4]
+    assert _steps(tmp_path) == [2, 4, 6] and not (tmp_path / "checkpoints.bad").exists()
     with pytest.raises(CheckpointError, match=r"--restore-step 3: no checkpoint 3"):
         train(cfg, str(tmp_path), progress=False, devices=devs(cfg), restore_step=3)
 
