@@ -109,7 +109,7 @@ class Checkpointer:
         if bad:
             raise UnreadableCheckpointError(
                 f"checkpoint {os.path.join(self.directory, str(step))} is damaged: the checksums of "
-                f"{len(bad)} array{'s' if len(bad) > 1 else ''} ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}) "
+                f"{len(bad)} array(s) ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}) "
                 "differ from those recorded when it was saved")
 
     def set_aside(self, step: int, where: str = "checkpoints.bad") -> str:

@@ -323,7 +323,7 @@ def looks_binary(raw: bytes, sample: int = 8192) -> bool:
 def _refuse_binary(docs: Sequence[tuple[str, bytes]]) -> None:
     bad = [p for p, raw in docs if looks_binary(raw)]
     if bad:
-        raise DataError(f"text file{'s' if len(bad) > 1 else ''} {', '.join(map(repr, bad[:5]))} look{'' if len(bad) > 1 else 's'} "
+        raise DataError(f"text file(s) {', '.join(map(repr, bad[:5]))} look "
                         "binary (NUL or mostly non-text bytes); set data.allow_binary=true to train on them anyway")
 
 

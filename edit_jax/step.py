@@ -341,7 +341,9 @@ class Machinery:
         count is kept, so the learning-rate schedule and bias correction go on); see BUILD_NOTES,
         decisions. Returns (opt_state, [N] bool: which workers were reset, identical everywhere)."""
         g_ok = jnp.all(jnp.isfinite(metrics["unit_pseudo_grad_norm"][:, jax.lax.axis_index(REPLICA)]))
-        per_worker = lambda spec, x: bool(spec) and spec[0] == REPLICA and jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
+
+        def per_worker(spec, x) -> bool:  # a leaf with the worker axis (AdamW's μ, ν), not the shared count
+            return bool(spec) and spec[0] == REPLICA and jnp.issubdtype(x.dtype, jnp.inexact)
         leaves = [x for spec, x in zip(jax.tree.leaves(self.state_specs.opt_state, is_leaf=_is_spec),
                                        jax.tree.leaves(opt_state)) if per_worker(spec, x)]
         n_bad = sum((jnp.sum(~jnp.isfinite(x)) for x in leaves), jnp.int32(0))

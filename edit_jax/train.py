@@ -405,8 +405,9 @@ def _train(cfg: Config, run_dir: str | None, *, progress: bool, devices: list | 
                                  "inner_reset"):
                         srec[name] = _to_json(metrics[name])
                     if np.any(metrics["inner_reset"]):
-                        say(f"edit-jax: step {k}: non-finite worker(s) {np.flatnonzero(metrics['inner_reset']).tolist()} "
-                            "rolled back to the outer params, their inner optimizer moments reset")
+                        reset = np.flatnonzero(metrics["inner_reset"]).tolist()
+                        say(f"edit-jax: step {k}: non-finite worker(s) {reset} rolled back to the outer params, "
+                            "their inner optimizer moments reset")
                     if cfg.sync.per_unit_metrics:
                         for name in ("unit_pseudo_grad_norm", "unit_weight", "unit_flagged", "unit_clip_factor"):
                             srec[name] = _to_json(metrics[name])

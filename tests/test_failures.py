@@ -183,7 +183,7 @@ def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path, capsys):
     (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": "somewhere", "started": "then"}))
     with RunLock(str(tmp_path), say=print):
         assert json.load(open(tmp_path / LOCK_NAME))["pid"] == os.getpid()
-    assert f"taking over a stale lock" in capsys.readouterr().out
+    assert "taking over a stale lock" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- 5. messages, not tracebacks
