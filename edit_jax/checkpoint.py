@@ -4,11 +4,19 @@ Layout: ``RUN_DIR/checkpoints/<step>/{state,data,meta}``. ``meta`` holds the con
 checkpoint and the state's format (``state.STATE_FORMAT``; absent: format 1), so that a resume with an incompatible config (other model shape, shard count or
 method) is refused with a message naming the keys, instead of failing deep inside orbax.
 A checkpoint that cannot be read is reported and left in place: nothing is written over it.
+
+Integrity (see integrity.py): ``meta`` also holds a checksum of every array, computed on device
+before the save; restores verify it (``UnreadableCheckpointError`` on a mismatch). Rotation is
+done here, not by orbax's ``max_to_keep``: older checkpoints are deleted only after the new one
+is finalised and its metadata (with the checksums) reads back, so the newest good checkpoint is
+never deleted before a newer one exists. Checkpoints that fail verification are moved aside to
+``RUN_DIR/checkpoints.bad/``, never deleted (``set_aside``).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -16,6 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from edit_jax.config import Config, to_dict
+from edit_jax.integrity import checksum_mismatches, state_checksums
 from edit_jax.state import STATE_FORMAT
 
 # Keys whose change makes a checkpoint's arrays unusable (their shapes or structure depend on them).
@@ -28,6 +37,26 @@ class CheckpointError(RuntimeError):
     """A checkpoint exists but cannot be used; it is left untouched."""
 
 
+class UnreadableCheckpointError(CheckpointError):
+    """A checkpoint cannot be read or its arrays do not match their checksums (damaged on disk).
+    Unlike an incompatible config, an older checkpoint may still be good: callers may fall back."""
+
+
+def _brief(e: BaseException, limit: int = 300) -> str:
+    """An exception as one short line: orbax / TensorStore errors can carry kilobytes of spec dumps."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:limit]}{' ...' if len(text) > limit else ''}"
+
+
+def steps_on_disk(run_dir: str) -> list[int]:
+    """Finalised checkpoint steps under ``run_dir`` (sorted), read from the directory names alone:
+    cheap, no orbax (orbax's in-progress saves have a ``.orbax-checkpoint-tmp`` suffix)."""
+    directory = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(d) for d in os.listdir(directory) if d.isdigit() and os.path.isdir(os.path.join(directory, d)))
+
+
 def _get(d: dict, dotted: str):
     for part in dotted.split("."):
         d = d.get(part, {}) if isinstance(d, dict) else None
@@ -37,8 +66,13 @@ def _get(d: dict, dotted: str):
 class Checkpointer:
     def __init__(self, run_dir: str, keep: int):
         self.directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False)
+        self.keep = keep
+        # max_to_keep=None: rotation is ours (``_rotate``), after the new checkpoint is verified.
+        options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True, enable_async_checkpointing=False)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "meta"))
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -46,10 +80,50 @@ class Checkpointer:
     def save(self, step: int, state: Any, data_state: dict, cfg: Config) -> None:
         if int(step) in self.manager.all_steps():  # e.g. a signal right after a periodic save
             return
-        meta = {"config": to_dict(cfg), "step": int(step), "state_format": STATE_FORMAT}
+        meta = {"config": to_dict(cfg), "step": int(step), "state_format": STATE_FORMAT,
+                "checksums": state_checksums(state)}
         self.manager.save(int(step), args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
         self.manager.wait_until_finished()
+        self._rotate(int(step), meta["checksums"])
+
+    def _rotate(self, new_step: int, checksums: dict) -> None:
+        """Deletes checkpoints beyond the newest ``keep``, once ``new_step`` is finalised and its
+        metadata (with these checksums) reads back; otherwise deletes nothing."""
+        try:
+            ok = self.read_meta(new_step).get("checksums") == checksums
+        except CheckpointError:
+            ok = False
+        if not ok:
+            return
+        for step in self.all_steps()[:-self.keep]:
+            self.manager.delete(step)
+
+    def verify(self, step: int, state: Any, meta: dict | None = None) -> None:
+        """Raises ``UnreadableCheckpointError`` if the arrays of ``state`` (restored from ``step``)
+        do not match the checksums recorded at save time. Checkpoints written before checksums
+        existed have none and pass."""
+        meta = self.read_meta(step) if meta is None else meta
+        saved = meta.get("checksums")
+        if saved is None:
+            return
+        bad = checksum_mismatches(saved, state_checksums(state))
+        if bad:
+            raise UnreadableCheckpointError(
+                f"checkpoint {os.path.join(self.directory, str(step))} is damaged: the checksums of "
+                f"{len(bad)} array(s) ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}) "
+                "differ from those recorded when it was saved")
+
+    def set_aside(self, step: int, where: str = "checkpoints.bad") -> str:
+        """Moves checkpoint ``step`` to ``RUN_DIR/<where>/<step>`` (never deletes it); returns the new path."""
+        dest_dir = os.path.join(os.path.dirname(self.directory), where)
+        os.makedirs(dest_dir, exist_ok=True)
+        dest, i = os.path.join(dest_dir, str(step)), 1
+        while os.path.exists(dest):
+            dest, i = os.path.join(dest_dir, f"{step}.{i}"), i + 1
+        shutil.move(os.path.join(self.directory, str(step)), dest)
+        self.manager.reload()
+        return dest
 
     def read_meta(self, step: int) -> dict:
         path = os.path.join(self.directory, str(step))
@@ -57,8 +131,8 @@ class Checkpointer:
             out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
             return out["meta"]
         except Exception as e:  # noqa: BLE001 - orbax raises many types; report them all the same way
-            raise CheckpointError(f"checkpoint {path} is unreadable (metadata): {type(e).__name__}: {e}. "
-                                  "It was left untouched; move it away to start over.") from e
+            raise UnreadableCheckpointError(f"checkpoint {path} is unreadable (metadata): {_brief(e)}. "
+                                            "It was left untouched; move it away to start over.") from e
 
     def check_compatible(self, meta: dict, cfg: Config, step: int) -> None:
         saved, now = meta.get("config", {}), to_dict(cfg)
@@ -74,8 +148,9 @@ class Checkpointer:
             out = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint {path} could not be restored: {type(e).__name__}: {e}. "
-                                  "It was left untouched; move it away to start over.") from e
+            raise UnreadableCheckpointError(f"checkpoint {path} could not be restored: {_brief(e)}. "
+                                            "It was left untouched; move it away to start over.") from e
+        self.verify(step, out["state"])
         return out["state"], out["data"]
 
     def restore_host(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
@@ -91,10 +166,11 @@ class Checkpointer:
                 state=ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args),
                 data=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint {path} could not be restored: {type(e).__name__}: {e}. "
-                                  "It was left untouched; move it away to start over.") from e
+            raise UnreadableCheckpointError(f"checkpoint {path} could not be restored: {_brief(e)}. "
+                                            "It was left untouched; move it away to start over.") from e
         finally:
             reader.close()
+        self.verify(step, out["state"])
         return out["state"], out["data"]
 
     def close(self) -> None:

@@ -4,12 +4,19 @@
 
 Overrides are dotted ``key=value`` pairs (``method=NAME`` is short for ``sync.method=NAME``).
 On CPU the number of emulated devices is set from the mesh unless XLA_FLAGS already sets it.
+
+Exit codes (README, "Exit codes and what survives what"): 0 done (or already finished), 2 bad
+input (config, data, mesh, placement, checkpoint, run dir not writable), 3 diverged (non-finite
+state; nothing non-finite saved), 4 run dir in use by another run, 5 a worker process was lost
+(mesh.processes > 1; launch.py), 130 stopped by a signal.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_LOCKED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
 
 
 def _train(argv: list[str]) -> int:
@@ -22,8 +29,11 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--distributed", action="store_true",
                         help="this process is one of mesh.processes started by a cluster launcher (e.g. srun): "
                              "join the others with jax.distributed.initialize() from the environment")
+    parser.add_argument("--restore-step", type=int, default=None,
+                        help="resume from this checkpoint instead of the newest (newer ones are moved to "
+                        "RUN_DIR/checkpoints.aside/, not deleted)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=100 mesh.replica=4")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before and after the options
 
     from edit_jax.config import ConfigError, load_config  # no JAX import: devices are not set yet
 
@@ -51,23 +61,34 @@ def _train(argv: list[str]) -> int:
     from edit_jax.checkpoint import CheckpointError
     from edit_jax.data import DataError
     from edit_jax.placement import PlacementError
+    from edit_jax.runlock import RunDirError, RunLockError
     from edit_jax.sharding import MeshError
-    from edit_jax.train import train
+    from edit_jax.train import DivergedError, train
 
     try:
-        result = train(cfg, run_dir, progress=not args.no_progress, verbose=True)
-    except (ConfigError, DataError, MeshError, CheckpointError, PlacementError) as e:
+        result = train(cfg, run_dir, progress=not args.no_progress, verbose=True, restore_step=args.restore_step)
+    except RunLockError as e:
+        print(f"edit-jax: {e}", file=sys.stderr)
+        return EXIT_LOCKED
+    except DivergedError as e:
+        print(f"edit-jax: diverged: {e}", file=sys.stderr)
+        return EXIT_DIVERGED
+    except (ConfigError, DataError, MeshError, CheckpointError, PlacementError, RunDirError) as e:
         kind = {ConfigError: "bad config", DataError: "data", MeshError: "mesh", CheckpointError: "checkpoint",
-                PlacementError: "placement"}
-        print(f"edit-jax: {kind.get(type(e), type(e).__name__)} error: {e}", file=sys.stderr)
-        return 2
+                PlacementError: "placement", RunDirError: "run dir"}
+        kind = next((v for t, v in kind.items() if isinstance(e, t)), type(e).__name__)
+        print(f"edit-jax: {kind} error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if cfg.mesh.processes > 1 and multihost.launched_worker() not in (None, 0):
-        return 130 if result.interrupted else 0  # the summary is process 0's to print
+        return EXIT_INTERRUPTED if result.interrupted else EXIT_OK  # the summary is process 0's to print
+    if result.already_finished:
+        print(f"edit-jax: already finished at step {result.steps}; nothing done; run dir {run_dir}")
+        return EXIT_OK
     ppl = f" (ppl {result.final_val_ppl:.2f})" if result.final_val_ppl else ""
     val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
     print(f"edit-jax: {'stopped' if result.interrupted else 'done'} at step {result.steps}: "
           f"train loss {result.final_loss:.4f}, val loss {val}{ppl}, {result.seconds:.1f} s; run dir {run_dir}")
-    return 130 if result.interrupted else 0
+    return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:

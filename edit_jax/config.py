@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import importlib.util
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ class DataConfig:
     seq_len: int = 128  # context length; sequences are packed to it
     val_fraction: float = 0.05  # fraction of documents (files) held out for validation
     seed: int = 0  # shuffling seed (separate from the model seed)
+    allow_binary: bool = False  # "text": accept files that look binary (NUL bytes, mostly non-text bytes)
 
 
 @dataclass
@@ -272,7 +274,11 @@ def _resolve_config_path(path: str) -> str:
     for c in candidates:
         if os.path.isfile(c):
             return c
-    raise ConfigError(f"config file {path!r} not found (looked for {path!r} and {', '.join(candidates)})")
+    looked = []  # each place once (from the repo root, configs/X.py and REPO/configs/X.py are one file)
+    for c in [path] + candidates:
+        if os.path.abspath(c) not in [os.path.abspath(x) for x in looked]:
+            looked.append(c)
+    raise ConfigError(f"config file {path!r} not found (looked for {', '.join(map(repr, looked))})")
 
 
 def _repo_configs_dir() -> str:
@@ -288,7 +294,10 @@ def _load_file(path: str) -> Config:
         raise ConfigError(f"config file {path!r} failed to load: {type(e).__name__}: {e}") from e
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path!r} has no get_config() function")
-    cfg = module.get_config()
+    try:
+        cfg = module.get_config()
+    except Exception as e:  # noqa: BLE001 - the user's code: report it with its file
+        raise ConfigError(f"config file {path!r}: get_config() raised {type(e).__name__}: {e}") from e
     if not isinstance(cfg, Config):
         raise ConfigError(f"config file {path!r}: get_config() returned {type(cfg).__name__}, expected edit_jax.config.Config")
     return cfg
@@ -302,9 +311,20 @@ def _require(cond: bool, key: str, msg: str) -> None:
         raise ConfigError(f"config key '{key}': {msg}")
 
 
+def _require_finite(obj, prefix: str = "") -> None:
+    """Every float field is a finite number (inf / nan pass most range checks, e.g. lr > 0)."""
+    for f in dataclasses.fields(obj):
+        val, key = getattr(obj, f.name), prefix + f.name
+        if dataclasses.is_dataclass(val):
+            _require_finite(val, key + ".")
+        elif isinstance(val, float):
+            _require(math.isfinite(val), key, f"must be a finite number, got {val}")
+
+
 def validate(cfg: Config) -> None:
     """Checks every constraint that can be checked without devices or data."""
     m, mesh, d, o, s = cfg.model, cfg.mesh, cfg.data, cfg.optim, cfg.sync
+    _require_finite(cfg)
     for key, val in [("steps", cfg.steps), ("batch_size", cfg.batch_size), ("model.d_model", m.d_model),
                      ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
                      ("model.ffn_dim", m.ffn_dim), ("model.vocab_size", m.vocab_size), ("mesh.replica", mesh.replica),

@@ -26,6 +26,7 @@ from edit_jax.multihost import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_I
 
 EXIT_WORKER_LOST = 5
 NORMAL_EXITS = (0, 130)  # done; stopped by a signal with a checkpoint
+PASSED_ON_EXITS = (2, 3, 4)  # cli.py: bad input, diverged, run dir locked
 FINISH_GRACE_S = 60.0
 
 
@@ -102,7 +103,9 @@ def launch(train_argv: list[str], n: int, shard: int, pin_cores: bool = False,
                         p.kill()
                 for p in procs:
                     p.wait()
-                return EXIT_WORKER_LOST
+                # A worker that ended with a message of its own (bad input 2, diverged 3, run dir
+                # locked 4) passes its code on; anything else is a lost worker.
+                return code if code in PASSED_ON_EXITS else EXIT_WORKER_LOST
             time.sleep(0.1)
     finally:
         for sig, h in old.items():

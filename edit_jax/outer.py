@@ -98,7 +98,10 @@ def detector_test(det: Detector, g: jax.Array, p: Penalty) -> jax.Array:
     """True where ``g`` is an anomaly (non-finite, or a one-sided z-test once K syncs were seen)."""
     sigma = jnp.sqrt(det.m2)
     z = (g - det.mean) / jnp.where(sigma > 0, sigma, 1.0)
-    z = jnp.where(sigma > 0, z, jnp.where(g > det.mean, jnp.inf, 0.0))
+    # σ = 0 (every norm fed so far equal, e.g. a unit whose pseudo gradients were all zero) is no
+    # evidence: z = 0, as the reference does. z = +inf here used to flag every later positive norm,
+    # which is then never fed, so σ stayed 0 and that unit's outer step was skipped forever.
+    z = jnp.where(sigma > 0, z, 0.0)
     k = det.window.shape[-1]
     win_std = jnp.sqrt(jnp.sum(jnp.square(det.window - det.window.mean(-1, keepdims=True)), -1) / (k - 1))
     ready = det.count >= p.warmup

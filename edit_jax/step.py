@@ -35,12 +35,16 @@ from edit_jax.config import Config
 from edit_jax.family import model_family
 from edit_jax.methods import STEP_KINDS
 from edit_jax.outer import sync_unit
-from edit_jax.sharding import BATCH_SPEC, REPLICA, SHARD, gather_unit, named, shard_sq_norm
+from edit_jax.sharding import BATCH_SPEC, REPLICA, SHARD, gather_unit, named, replica_gather, shard_sq_norm
 from edit_jax.state import OuterState, StateLayout, TrainState, init_outer_opt_state
 
 # Sync figures (identical on every device); "loss" and "grad_norm" come back per replica, [N].
 SYNC_METRICS = ("pseudo_grad_norm", "unit_pseudo_grad_norm", "weight", "unit_weight", "flagged", "unit_flagged",
-                "clip_factor", "unit_clip_factor", "outer_update_norm")
+                "clip_factor", "unit_clip_factor", "outer_update_norm", "inner_reset")
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
 
 
 @jax.custom_vjp
@@ -183,13 +187,16 @@ class Machinery:
             return jax.lax.pmean(jax.lax.psum(loss, SHARD), REPLICA), grads
         metrics = {}
         params, outer = state.params, state.outer
+        opt_state = state.opt_state
         if sync_in_forward:
             params, outer, metrics = self._assemble_sync(state, ys["root"], ys["layers"])
+            opt_state, metrics["inner_reset"] = self._reset_nonfinite_workers(opt_state, metrics)
         grad_norm = jnp.sqrt(shard_sq_norm(grads))
-        updates, opt_state = self.layout.inner_opt.update(grads, state.opt_state, params)
+        updates, opt_state = self.layout.inner_opt.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         if kind == "local_then_sync":
             params, outer, metrics = self._sync_whole(params, outer, shares)
+            opt_state, metrics["inner_reset"] = self._reset_nonfinite_workers(opt_state, metrics)
         # Per-replica figures leave the step sharded over `replica` ([N] globally) and are averaged
         # on the host: a pmean here would put an all-reduce across replicas into every local step.
         metrics.update(loss=jax.lax.psum(loss, SHARD)[None], grad_norm=grad_norm[None])
@@ -197,6 +204,24 @@ class Machinery:
         return new, metrics
 
     # -- sync plumbing ---------------------------------------------------------------------------
+
+    def _reset_nonfinite_workers(self, opt_state, metrics):
+        """After a sync: a worker whose pseudo gradient (any unit) or inner optimizer state is
+        non-finite was flagged and rolled back to θ̄, but its AdamW moments would stay NaN and make
+        every later local step NaN. Its per-worker optimizer leaves are zeroed (the shared step
+        count is kept, so the learning-rate schedule and bias correction go on); see BUILD_NOTES,
+        decisions. Returns (opt_state, [N] bool: which workers were reset, identical everywhere)."""
+        g_ok = jnp.all(jnp.isfinite(metrics["unit_pseudo_grad_norm"][:, jax.lax.axis_index(REPLICA)]))
+
+        def per_worker(spec, x) -> bool:  # a leaf with the worker axis (AdamW's μ, ν), not the shared count
+            return bool(spec) and spec[0] == REPLICA and jnp.issubdtype(x.dtype, jnp.inexact)
+        leaves = [x for spec, x in zip(jax.tree.leaves(self.state_specs.opt_state, is_leaf=_is_spec),
+                                       jax.tree.leaves(opt_state)) if per_worker(spec, x)]
+        n_bad = sum((jnp.sum(~jnp.isfinite(x)) for x in leaves), jnp.int32(0))
+        bad = ~g_ok | (jax.lax.psum(n_bad, SHARD) > 0)
+        opt_state = jax.tree.map(lambda spec, x: jnp.where(bad, jnp.zeros_like(x), x) if per_worker(spec, x) else x,
+                                 self.state_specs.opt_state, opt_state, is_leaf=_is_spec)
+        return opt_state, replica_gather(bad) > 0.5
 
     def _assemble_sync(self, state: TrainState, root, layers):
         """Reassembles per-unit sync results (root + scanned layers) into state and metrics."""

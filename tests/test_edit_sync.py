@@ -120,7 +120,7 @@ def np_detector_flags(mean, m2, count, window, g, r: Ref) -> bool:
         return True
     if count < r.k:
         return False
-    z = (g - mean) / math.sqrt(m2)
+    z = (g - mean) / math.sqrt(m2) if m2 > 0 else 0.0  # σ = 0 is no evidence (as the reference)
     return z > r.delta * max(1.0, float(np.std(window, ddof=1)))
 
 
@@ -258,6 +258,25 @@ def test_detector_nonfinite_flagged_before_warmup():
     for bad in (np.nan, np.inf):
         assert bool(detector_test(det, jnp.float32(bad), p))
     assert not bool(detector_test(det, jnp.float32(1e6), p))  # not ready: only non-finite is flagged
+
+
+def test_detector_zero_sigma_is_no_evidence():
+    """Issue 13, item 7: a unit whose pseudo gradients were all zero for K syncs has σ = 0. A later
+    positive norm used to get z = +inf: flagged, never fed, so σ stayed 0 and the unit's outer step
+    was skipped forever. σ = 0 now gives z = 0 (not flagged); the norm is fed and the test works
+    again from the next sync (a real outlier is still flagged)."""
+    p = Penalty(alpha=0.5, warmup=3, threshold=3.0)
+    step = jax.jit(lambda d, g: detector_step(d, g, p))
+    det = Detector.zeros((), 3)
+    for _ in range(4):  # K + 1 syncs of an all-zero pseudo gradient: ready, with σ = 0
+        det, flagged = step(det, jnp.float32(0.0))
+        assert not bool(flagged)
+    assert int(det.count) == 4 and float(det.m2) == 0.0
+    for x in (0.5, 0.6, 0.55):
+        det, flagged = step(det, jnp.float32(x))
+        assert not bool(flagged), x  # fed: the detector learns the new scale
+    assert int(det.count) == 7 and float(det.m2) > 0
+    assert bool(detector_test(det, jnp.float32(50.0), p))  # and still catches a real outlier
 
 
 @pytest.fixture(scope="module")
@@ -536,6 +555,33 @@ def test_nan_replica_flagged_excluded_and_training_goes_on(edit4, diverged):
         if kind == "sync_forward":
             np.testing.assert_array_equal(np.asarray(metrics["flagged"]), 0)
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(state.params))
+
+
+@pytest.mark.parametrize("kind", ["sync_forward", "local_then_sync"])
+def test_nan_worker_rejoins_after_sync(edit4, diverged, kind):
+    """Issue 13, item 4: a worker whose params and AdamW moments are NaN is flagged and rolled back
+    to θ̄ at the sync, and its inner optimizer moments are zeroed (shared step count kept), so every
+    worker's loss is finite at every step after the sync. Before, its moments stayed NaN and its
+    loss was NaN at every later local step."""
+    m, _ = edit4
+    start = _poison(diverged, 1)
+    start = start.replace(opt_state=jax.tree.map(
+        lambda x: np.concatenate([x[:1], np.full_like(x[1:2], np.nan), x[2:]])
+        if np.ndim(x) >= 1 and np.shape(x)[0] == N4 and np.issubdtype(np.asarray(x).dtype, np.floating) else x,
+        start.opt_state))
+    state = _put(m, start)
+    state, metrics = m.step_fn("local")(state, m.put_batch(_batch(30, m.cfg)))
+    assert np.isnan(np.asarray(metrics["loss"])[1])  # the poisoned worker really is NaN before the sync
+    state, sync_metrics = m.step_fn(kind)(state, m.put_batch(_batch(31, m.cfg)))
+    assert np.asarray(sync_metrics["flagged"])[1] > 0
+    for k in range(4):
+        state, metrics = m.step_fn("local")(state, m.put_batch(_batch(32 + k, m.cfg)))
+        assert np.isfinite(np.asarray(metrics["loss"])).all(), (k, metrics["loss"])
+    np.testing.assert_array_equal(np.asarray(sync_metrics["inner_reset"]), [False, True, False, False])
+    host = _host(state)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(host.opt_state) if np.issubdtype(x.dtype, np.floating))
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(host.params))
+    assert int(host.opt_state[1][0].count) == int(diverged.opt_state[1][0].count) + 6  # step count kept
 
 
 def _expected_norms(start):

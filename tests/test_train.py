@@ -202,7 +202,7 @@ def test_incompatible_checkpoint_names_keys(tmp_path):
 # ----------------------------------------------------------------------------- elasticity
 
 
-def test_elastic_restart_with_more_replicas(tmp_path):
+def test_elastic_restart_with_more_replicas(tmp_path, capfd):
     cfg = tiny_config(2, 4, method="edit", steps=6, sync={"warmup_steps": 0, "tau": 3})
     train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
     from edit_jax.checkpoint import Checkpointer
@@ -226,8 +226,10 @@ def test_elastic_restart_with_more_replicas(tmp_path):
     det = np.asarray(state.outer.detector.count)
     np.testing.assert_array_equal(det[:2], np.asarray(host.outer.detector.count))
     assert (det[2:] == 0).all()  # new workers' detectors start fresh
-    result = train(bigger, str(tmp_path), progress=False, devices=jax.devices()[:16])
+    capfd.readouterr()
+    result = train(bigger, str(tmp_path), progress=False, verbose=True, devices=jax.devices()[:16])
     assert result.resumed_from == 6 and result.steps == 9 and np.isfinite(result.final_loss)
+    assert "elastic restart: checkpoint 6 has mesh.replica=2, this run 4" in capfd.readouterr().err  # issue 13
 
 
 def test_placement_file_drives_the_mesh(tmp_path):

@@ -32,6 +32,7 @@ from edit_jax.data.corpus import Corpus, check_model_vocab, load_corpus
 from edit_jax.data.errors import DataError
 from edit_jax.data.sources.base import _is_val, _pack  # noqa: F401 - used by tests/test_data.py
 from edit_jax.data.sources.stdlib import stdlib_files
+from edit_jax.data.sources.text import looks_binary
 from edit_jax.data.streams import (
     TrainStream,
     fingerprint,
@@ -46,4 +47,4 @@ from edit_jax.data.tokenizers import BYTE_EOS, BYTE_VOCAB, ByteTokenizer, HFToke
 
 __all__ = ["DataError", "Corpus", "ByteTokenizer", "HFTokenizer", "make_tokenizer", "check_model_vocab",
            "load_corpus", "stdlib_files", "num_windows", "window", "fingerprint", "replica_dataset", "TrainStream",
-           "make_train_stream", "val_batches", "inputs_targets", "BYTE_VOCAB", "BYTE_EOS"]
+           "make_train_stream", "val_batches", "inputs_targets", "BYTE_VOCAB", "BYTE_EOS", "looks_binary"]

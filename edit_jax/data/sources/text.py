@@ -4,12 +4,35 @@ last ``val_fraction`` of the tokens is validation."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
+from edit_jax.data.errors import DataError
 from edit_jax.data.sources.base import SourceResult, _is_val, _pack, _read_bytes, _token_dtype
+
+
+def looks_binary(raw: bytes, sample: int = 8192) -> bool:
+    """True if the start of a file looks like binary data, not text: a NUL byte, or more than 30%
+    of bytes that are neither printable ASCII, common whitespace nor part of valid UTF-8."""
+    head = raw[:sample]
+    if b"\x00" in head:
+        return True
+    text = head.decode("utf-8", errors="replace")
+    odd = sum(1 for ch in text if ch == "\ufffd" or (ord(ch) < 32 and ch not in "\t\n\r\f\v"))
+    return odd > 0.3 * max(len(text), 1)
+
+
+def _refuse_binary(docs: Sequence[tuple[str, bytes]]) -> None:
+    bad = [p for p, raw in docs if looks_binary(raw)]
+    if bad:
+        raise DataError(f"text file(s) {', '.join(map(repr, bad[:5]))} look "
+                        "binary (NUL or mostly non-text bytes); set data.allow_binary=true to train on them anyway")
 
 
 def load(tok, files: list[str], cfg) -> SourceResult:
     val_fraction = cfg.val_fraction
     docs = [(p, _read_bytes(p, "text")) for p in files]
+    if not cfg.allow_binary:
+        _refuse_binary(docs)
     nbytes = sum(len(r) for _, r in docs)
     dtype = _token_dtype(tok.vocab_size)
     is_val = [_is_val(p.encode(), val_fraction) for p, _ in docs]
