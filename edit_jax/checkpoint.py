@@ -138,6 +138,9 @@ class Checkpointer:
         saved, now = meta.get("config", {}), to_dict(cfg)
         diffs = [f"{k}: checkpoint {_get(saved, k)!r}, config {_get(now, k)!r}"
                  for k in STRUCTURAL_KEYS if _get(saved, k) != _get(now, k)]
+        if bool(_get(saved, "sync.error_feedback") or False) != bool(now["sync"]["error_feedback"]):  # adds state
+            diffs.append(f"sync.error_feedback: checkpoint {bool(_get(saved, 'sync.error_feedback') or False)}, "
+                         f"config {now['sync']['error_feedback']}")
         if diffs:
             raise CheckpointError(f"checkpoint {os.path.join(self.directory, str(step))} is incompatible with the "
                                   f"config ({'; '.join(diffs)}). Use another --run-dir, or the config that wrote it.")

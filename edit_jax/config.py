@@ -107,6 +107,9 @@ class SyncConfig:
     outer_sharding: str = "shard"  # "shard" | "replica_shard" (also shard outer state over replica)
     cpu_offload: bool = False  # keep outer state in host memory
     per_unit_metrics: bool = False  # log per-unit pseudo-gradient norms at each sync
+    fragments: int = 1  # F: units split into F contiguous groups, synced on staggered steps (streaming)
+    compress: str = "none"  # "none" | "bf16" | "int8": dtype of the pseudo gradients crossing `replica`
+    error_feedback: bool = False  # carry each worker's quantization residual to its next sync
     # A-EDiT (method=a_edit, one process per worker): a sync is due when this much wall time has
     # passed since the last one; skipped when the workers took fewer steps than min_total_steps.
     tau_time: float = 600.0
@@ -155,6 +158,7 @@ class Config:
         return self.sync.method
 
 
+COMPRESS = ("none", "bf16", "int8")
 # `method=NAME` is accepted as shorthand for `sync.method=NAME`.
 ALIASES = {"method": "sync.method"}
 
@@ -378,6 +382,18 @@ def validate(cfg: Config) -> None:
     _require(s.clip_threshold > 0, "sync.clip_threshold", f"must be positive, got {s.clip_threshold}")
     _require(s.outer_sharding in ("shard", "replica_shard"), "sync.outer_sharding",
              f"expected 'shard' or 'replica_shard', got {s.outer_sharding!r}")
+    _require(s.fragments >= 1, "sync.fragments", f"must be >= 1, got {s.fragments}")
+    _require(s.tau % s.fragments == 0, "sync.fragments", f"must divide sync.tau={s.tau}, got {s.fragments}")
+    _require(s.fragments <= 1 + m.n_layers, "sync.fragments",
+             f"must be <= the number of units (1 + model.n_layers = {1 + m.n_layers}), got {s.fragments}")
+    _require(s.compress in COMPRESS, "sync.compress", f"expected one of {', '.join(COMPRESS)}; got {s.compress!r}")
+    _require(not s.error_feedback or s.compress != "none", "sync.error_feedback",
+             "needs a lossy sync.compress (bf16 or int8); with compress=none there is no residual")
+    _require(s.compress == "none" or s.outer_sharding == "shard", "sync.compress",
+             f"{s.compress!r} needs sync.outer_sharding='shard' (with 'replica_shard' the exchange moves θ_i, not "
+             "the pseudo gradient)")
+    _require(s.fragments == 1 or s.method != "a_edit", "sync.fragments",
+             "staggered fragments follow the step count (every tau steps); method a_edit syncs by wall clock")
     if mesh.placement:
         _require(os.path.isfile(mesh.placement), "mesh.placement", f"file {mesh.placement!r} not found")
     _validate_processes(cfg)

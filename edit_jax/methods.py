@@ -104,14 +104,30 @@ class StepSchedule:
     layerwise: bool
     warmup: int  # W: synchronous (HSDP) steps first
     tau: int
+    fragments: int = field(default=1, kw_only=True)  # F > 1: staggered groups (fragments.py)
 
     def kind(self, k: int) -> str:
-        w, tau = self.warmup, self.tau
+        w = self.warmup
         if not self.uses_outer or k < w:
             return "hsdp"
         if self.layerwise:  # the sync of the window [k - tau, k) runs inside step k's forward
-            return "sync_forward" if k > w and (k - w) % tau == 0 else "local"
-        return "local_then_sync" if (k + 1 - w) % tau == 0 else "local"  # same window, synced after step k - 1
+            g = self.due_group(k - w)
+            return "local" if g is None else self.with_group("sync_forward", g)
+        g = self.due_group(k + 1 - w)  # the same window, synced after step k - 1
+        return "local" if g is None else self.with_group("local_then_sync", g)
+
+    def due_group(self, j: int) -> int | None:
+        """The fragment group whose sync is due at position ``j`` of the local phase (j = k - W for
+        the sync in step k's forward, k + 1 - W for a sync after step k), or None. Group f is due
+        when j > 0 and j mod tau == f tau / F; with F = 1: j mod tau == 0 (group 0, every unit)."""
+        tau, f = self.tau, self.fragments
+        if j <= 0 or (j % tau) % (tau // f):
+            return None
+        return (j % tau) // (tau // f)
+
+    def with_group(self, kind: str, group: int) -> str:
+        """``"sync_forward"`` (F = 1: every unit) or ``"sync_forward@f"`` (group f only)."""
+        return kind if self.fragments == 1 else f"{kind}@{group}"
 
     def init_outer_due(self, k: int) -> bool:
         """The first sync (k == W > 0) only sets θ̄ to the (identical) replicas' params."""
@@ -165,6 +181,12 @@ class TimeSchedule(StepSchedule):
 Schedule = StepSchedule  # the protocol every schedule follows: kind, init_outer_due, outer_is_live
 
 
+def split_kind(kind: str) -> tuple[str, int | None]:
+    """``"sync_forward@2"`` -> ("sync_forward", 2); ``"local"`` -> ("local", None)."""
+    base, _, group = kind.partition("@")
+    return base, (int(group) if group else None)
+
+
 @dataclass(frozen=True)
 class MethodPlan:
     plan: Plan
@@ -201,7 +223,7 @@ def plan_for(cfg: Config) -> MethodPlan:
         schedule = TimeSchedule(m.uses_outer, plan.layerwise, s.warmup_steps, s.tau, s.tau_time, s.min_total_steps,
                                 cfg.steps * cfg.mesh.replica)
     else:
-        schedule = StepSchedule(m.uses_outer, plan.layerwise, s.warmup_steps, s.tau)
+        schedule = StepSchedule(m.uses_outer, plan.layerwise, s.warmup_steps, s.tau, fragments=s.fragments)
     return MethodPlan(plan, cfg, changed, schedule)
 
 
@@ -211,5 +233,5 @@ def sync_fields_for(name: str) -> dict:
 
 
 __all__ = ["METHODS", "Method", "Plan", "OuterSpec", "MethodPlan", "StepSchedule", "TimeSchedule", "SyncDecision",
-           "Schedule", "STEP_KINDS",
+           "Schedule", "STEP_KINDS", "split_kind",
            "OUTER_OPTIMIZERS", "plan_for", "normalise", "method", "sync_fields_for"]

@@ -141,11 +141,15 @@ def identity_hook(unit_params, unit_xs, which):
 
 
 def forward(cfg: ModelConfig, params: Params, tokens: jax.Array, hook: Hook = identity_hook,
-            hook_xs: Any = None) -> tuple[jax.Array, Any]:
+            hook_xs: Any = None, layer_segments: Any = None) -> tuple[jax.Array, Any]:
     """Logits [batch, seq, vocab] (fp32) for int tokens [batch, seq], and the hook's outputs.
 
     ``hook_xs`` is ``{"root": ..., "layers": ...}`` (the layers' entry scanned with the layers)
     or None; the returned ys have the same layout.
+
+    ``layer_segments`` (streaming sync): a list of ``(n, xs)`` covering the layers in order; the
+    stack is then scanned segment by segment, the layers of a segment with its own ``xs`` (None
+    for a segment that only gathers), and ``ys["layers"]`` is the list of the segments' ys (None for an empty one).
     """
     dtype = jnp.dtype(cfg.compute_dtype)
     xs = hook_xs if hook_xs is not None else {"root": None, "layers": None}
@@ -160,7 +164,18 @@ def forward(cfg: ModelConfig, params: Params, tokens: jax.Array, hook: Hook = id
 
     if cfg.remat:
         layer_step = jax.checkpoint(layer_step, prevent_cse=False)
-    x, layer_ys = jax.lax.scan(layer_step, x, (params["layers"], xs["layers"]))
+    if layer_segments is None:
+        x, layer_ys = jax.lax.scan(layer_step, x, (params["layers"], xs["layers"]))
+    else:
+        layer_ys, start = [], 0
+        for n, seg_xs in layer_segments:
+            if n == 0:  # an empty segment: no loop at all in the program
+                layer_ys.append(None)
+                continue
+            seg = jax.tree.map(lambda p: p[start:start + n], params["layers"])  # noqa: B023
+            x, ys = jax.lax.scan(layer_step, x, (seg, seg_xs))
+            layer_ys.append(ys)
+            start += n
     x = RMSNorm(cfg.norm_eps).apply({"params": root["final_norm"]}, x)
     head = root["embed"].T if cfg.tie_embeddings else root["lm_head"]
     logits = jnp.dot(x, head.astype(dtype), preferred_element_type=jnp.float32)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from edit_jax.compress import compressed_weighted_sum
 from edit_jax.config import SyncConfig
 from edit_jax.sharding import REPLICA, SHARD, replica_gather, shard_sq_norm
 
@@ -178,10 +179,12 @@ class UnitSync:
     opt_state: Any  # the unit's outer optimizer state after the step
     detector: Detector
     metrics: dict
+    residual: Any = None  # this worker's error-feedback residual of the unit (sync.error_feedback), else None
 
 
 def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: Penalty,
-              opt: optax.GradientTransformation, replica_dims: Any = None, shares: jax.Array | None = None) -> UnitSync:
+              opt: optax.GradientTransformation, replica_dims: Any = None, shares: jax.Array | None = None,
+              compress: str = "none", residual: Any = None) -> UnitSync:
     """Algorithm 2 for one unit. ``local`` and ``outer_params`` are this device's FSDP blocks of
     the unit, ``opt_state`` the unit's outer optimizer state (param-shaped leaves as blocks too);
     ``det`` is this worker's detector for the unit (scalars).
@@ -189,6 +192,10 @@ def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: P
     With ``replica_dims`` (the FSDP dim of each leaf), θ̄ and the outer state are sharded over
     ``replica`` too (each device holds 1/N of its shard block): see ``_sync_unit_over_replica``.
     ``shares`` ([N], A-EDiT): each worker's share of the steps since the last sync.
+
+    With ``compress`` ("bf16" | "int8") the pseudo gradients cross ``replica`` in that dtype
+    (compress.py); their norms, flags and weights are computed before, in float32. ``residual``
+    (this worker's block of the unit) turns on error feedback; a flagged worker's residual is reset.
     """
     if replica_dims is not None:
         return _sync_unit_over_replica(local, outer_params, opt_state, det, p, opt, replica_dims, shares)
@@ -203,7 +210,13 @@ def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: P
     g_all, flags = replica_gather(g), replica_gather(flagged) > 0.5
     w_all = mix_step_weights(softmax_weights(g_all, flags, p), shares, flags, p)
     w = w_all[jax.lax.axis_index(REPLICA)]
-    avg = jax.tree.map(lambda d: jax.lax.psum(w * d, REPLICA), delta)
+    new_residual = None
+    if compress == "none":
+        avg = jax.tree.map(lambda d: jax.lax.psum(w * d, REPLICA), delta)
+    else:
+        if residual is not None:
+            residual = jax.tree.map(lambda e: jnp.where(flagged, 0.0, e.astype(jnp.float32)), residual)
+        avg, new_residual = compressed_weighted_sum(delta, w_all, compress, residual)
     # 5.-6. clip, outer step.
     new_outer, new_opt_state, clip, avg_norm, update_norm = _outer_step(avg, outer_params, opt_state,
                                                                         jnp.sum(w_all) > 0, p, opt, SHARD)
@@ -216,7 +229,7 @@ def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: P
         "update_norm": update_norm,
     }
     # 7. every worker restarts from θ̄ (a flagged worker loses its local progress).
-    return UnitSync(new_outer, new_outer, new_opt_state, det, metrics)
+    return UnitSync(new_outer, new_outer, new_opt_state, det, metrics, new_residual)
 
 
 def _outer_step(avg, outer_params, opt_state, any_ok, p: Penalty, opt, norm_axes):

@@ -47,7 +47,8 @@ class OuterState:
     params: Any  # θ̄: identical on every replica, sharded over `shard`
     opt_state: Any  # the outer optimizer's state, per unit: {"root": ..., "layers": ... (leading L)}
     detector: Detector  # per worker and unit: leaves [N, U] (window [N, U, K]); unit 0 is the root
-    syncs: jax.Array  # int32: syncs applied (the initialising one not counted)
+    syncs: jax.Array  # int32: syncs applied (the initialising one not counted; with fragments: group-0 syncs)
+    residual: Any = None  # sync.error_feedback: per-worker quantization residual, laid out like params ([N, ...])
 
     @property
     def trace(self) -> Any:
@@ -99,6 +100,8 @@ def make_state(cfg: Config, plan: Plan, key: jax.Array) -> TrainState:
         outer = OuterState(params, init_outer_opt_state(make_outer_optimizer(plan.outer), params),
                            Detector.zeros((n, n_units(cfg)), cfg.sync.anomaly_warmup), jnp.int32(0))
     rep = jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), params)
+    if outer is not None and cfg.sync.error_feedback:
+        outer = outer.replace(residual=jax.tree.map(jnp.zeros_like, rep))
     opt_state = inner_optimizer(cfg.optim, cfg.steps).init(rep)
     return TrainState(jnp.int32(0), rep, opt_state, outer, jax.random.key_data(jax.random.fold_in(key, 1)))
 
@@ -159,7 +162,8 @@ class StateLayout:
             outer_opt_specs = {u: _opt_specs(self.outer_opt, opt_abstract[u], self.outer_param_specs[u])
                                for u in ("root", "layers")}
             det = Detector(P(REPLICA), P(REPLICA), P(REPLICA), P(REPLICA))
-            outer = OuterState(self.outer_param_specs, outer_opt_specs, det, P())
+            outer = OuterState(self.outer_param_specs, outer_opt_specs, det, P(),
+                               self.param_specs if self.cfg.sync.error_feedback else None)
         return TrainState(P(), self.param_specs, opt_specs, outer, P())
 
     # -- states ---------------------------------------------------------------------------------
@@ -237,6 +241,9 @@ class StateLayout:
         if outer is not None:
             outer = outer.replace(detector=jax.tree.map(lambda x, s: remap(x, s, "detector"), outer.detector,
                                                         specs.outer.detector))
+            if outer.residual is not None:  # error-feedback residuals are per worker: every worker starts at 0
+                outer = outer.replace(residual=jax.tree.map(
+                    lambda x: np.zeros((n,) + np.shape(x)[1:], np.asarray(x).dtype), outer.residual))
         state = TrainState(host.step, params, opt_state, outer, host.rng)
         return put_host(state, self.state_shardings)
 

@@ -11,6 +11,12 @@ One machinery, several kinds of step (the method's schedule, ``methods.py``, pic
 - ``local_then_sync``: a local step followed by a whole-model sync of every unit (DiLoCo, Post
   Local SGD, or EDiT with ``sync.layerwise=false``).
 
+Streaming (``sync.fragments=F > 1``): the units are split into F contiguous groups
+(``fragments.py``) and the two sync kinds carry the group, ``"sync_forward@f"`` and
+``"local_then_sync@f"``: one compiled program per group, holding only that group's collectives
+(the forward scans the layer stack segment by segment, the due segment with the sync hook).
+With ``sync.compress`` the pseudo gradients cross ``replica`` quantized (compress.py).
+
 Besides the steps: the initialising sync (θ̄ <- the replicas' params after warmup) and a whole-model
 sync of a state (for evaluation on a fresh θ̄, and tests). Layouts come from ``state.StateLayout``;
 the model is reached only through its family's forward-with-hook contract (``family.py``).
@@ -33,7 +39,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from edit_jax.config import Config
 from edit_jax.family import model_family
-from edit_jax.methods import STEP_KINDS
+from edit_jax.fragments import fragment_layers, fragment_of_unit
+from edit_jax.methods import STEP_KINDS, split_kind
 from edit_jax.outer import sync_unit
 from edit_jax.sharding import BATCH_SPEC, REPLICA, SHARD, gather_unit, named, replica_gather, shard_sq_norm
 from edit_jax.state import OuterState, StateLayout, TrainState, init_outer_opt_state
@@ -87,6 +94,9 @@ class Machinery:
         self.n, self.s = lay.n, lay.s
         self.model = model_family(self.cfg.model.family)
         self.state_specs, self.state_shardings = lay.state_specs, lay.state_shardings
+        self.compress = self.cfg.sync.compress
+        # Streaming sync: group of each unit (None: one group, every unit syncs together).
+        self.groups = fragment_of_unit(self.cfg) if self.plan.uses_outer and self.cfg.sync.fragments > 1 else None
         self._compiled: dict[str, Any] = {}
 
     def abstract_state(self) -> TrainState:
@@ -106,10 +116,13 @@ class Machinery:
 
     def step_fn(self, kind: str):
         """The jitted step ``(state, batch) -> (state, metrics)`` of ``kind`` (compiled once)."""
-        if kind not in STEP_KINDS:
-            raise ValueError(f"unknown step kind {kind!r}; expected one of {STEP_KINDS}")
+        base, group = split_kind(kind)
+        if base not in STEP_KINDS or (group is not None) != (self.groups is not None and base in STEP_KINDS[2:]) \
+                or (group is not None and not 0 <= group < self.cfg.sync.fragments):
+            raise ValueError(f"unknown step kind {kind!r}; expected one of {STEP_KINDS} (sync kinds with '@f', "
+                             f"0 <= f < sync.fragments, when sync.fragments > 1)")
         if kind not in self._compiled:
-            uses_outer_here = kind in ("sync_forward", "local_then_sync")
+            uses_outer_here = base in ("sync_forward", "local_then_sync")
             specs = self.state_specs if uses_outer_here else self.state_specs.replace(outer=None)
             metric_specs = {"loss": P(REPLICA), "grad_norm": P(REPLICA)}
             if uses_outer_here:
@@ -156,15 +169,16 @@ class Machinery:
         inputs, targets = batch[:, :-1], batch[:, 1:]
         dtype = jnp.dtype(cfg.model.compute_dtype)
         dims_of = self.layout.unit_dims
+        kind, group = split_kind(kind)
         sync_in_forward = kind == "sync_forward"
 
         def hook(unit, xs, which):
-            if not sync_in_forward:
+            if not sync_in_forward or xs is None:  # xs None: a unit outside the due group
                 return gather_unit(unit, dims_of[which], dtype), None
-            outer_p, opt_st, det = xs
+            outer_p, opt_st, det, *residual = xs
             rdims = dims_of[which] if self.layout.outer_over_replica else None
             res = sync_unit(jax.lax.stop_gradient(unit), outer_p, opt_st, det, plan.penalty, self.layout.outer_opt, rdims,
-                           shares)
+                            shares, self.compress, residual[0] if residual else None)
             synced = _with_value(unit, _varying(res.params))
             return gather_unit(synced, dims_of[which], dtype), res
 
@@ -174,10 +188,16 @@ class Machinery:
             det = jax.tree.map(lambda x: x[0], o.detector)  # this replica's detectors: [U, ...]
             hook_xs = {"root": (o.params["root"], o.opt_state["root"], jax.tree.map(lambda x: x[0], det)),
                        "layers": (o.params["layers"], o.opt_state["layers"], jax.tree.map(lambda x: x[1:], det))}
+            if o.residual is not None:
+                res = jax.tree.map(lambda x: x[0], o.residual)
+                hook_xs = {k: v + (res[k],) for k, v in hook_xs.items()}
+        segments = None
+        if sync_in_forward and group is not None:
+            hook_xs, segments = self._group_xs(hook_xs, group)
 
         def loss_fn(params):
             local = jax.tree.map(lambda x: x[0], params)  # drop the (size 1) local replica dim
-            logits, ys = self.model.forward(cfg.model, local, inputs, hook, hook_xs)
+            logits, ys = self.model.forward(cfg.model, local, inputs, hook, hook_xs, segments)
             return self.model.token_loss_sum(logits, targets) / self.layout.tokens_per_replica, ys
 
         (loss, ys), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -188,14 +208,19 @@ class Machinery:
         metrics = {}
         params, outer = state.params, state.outer
         opt_state = state.opt_state
-        if sync_in_forward:
+        if sync_in_forward and group is not None:
+            _, lo, hi = fragment_layers(self.groups, group)
+            params, outer, metrics = self._assemble_group_sync(state.params, state.outer, ys["root"],
+                                                               ys["layers"][1] if hi > lo else None, lo, hi)
+            opt_state, metrics["inner_reset"] = self._reset_nonfinite_workers(opt_state, metrics)
+        elif sync_in_forward:
             params, outer, metrics = self._assemble_sync(state, ys["root"], ys["layers"])
             opt_state, metrics["inner_reset"] = self._reset_nonfinite_workers(opt_state, metrics)
         grad_norm = jnp.sqrt(shard_sq_norm(grads))
         updates, opt_state = self.layout.inner_opt.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         if kind == "local_then_sync":
-            params, outer, metrics = self._sync_whole(params, outer, shares)
+            params, outer, metrics = self._sync_whole(params, outer, shares, group)
             opt_state, metrics["inner_reset"] = self._reset_nonfinite_workers(opt_state, metrics)
         # Per-replica figures leave the step sharded over `replica` ([N] globally) and are averaged
         # on the host: a pmean here would put an all-reduce across replicas into every local step.
@@ -230,10 +255,56 @@ class Machinery:
         params = jax.tree.map(lambda x: x[None], params)  # restore the local replica dim
         det = jax.tree.map(cat, root.detector, layers.detector)
         det = jax.tree.map(lambda x: x[None], det)
+        residual = None
+        if root.residual is not None:
+            residual = jax.tree.map(lambda x: x[None], _varying({"root": root.residual, "layers": layers.residual}))
         outer = OuterState({"root": root.outer_params, "layers": layers.outer_params},
-                           {"root": root.opt_state, "layers": layers.opt_state}, det, state.outer.syncs + 1)
+                           {"root": root.opt_state, "layers": layers.opt_state}, det, state.outer.syncs + 1, residual)
         unit_metrics = jax.tree.map(cat, root.metrics, layers.metrics)
         return params, outer, self._sync_metrics(unit_metrics)
+
+    def _group_xs(self, hook_xs, group: int):
+        """The forward's inputs for a sync of fragment ``group`` only: the root's sync inputs if the
+        root is in the group (else None: it is only gathered), and the layer segments
+        [before, group, after] with the group's slice of the per-layer sync inputs."""
+        root_in, lo, hi = fragment_layers(self.groups, group)
+        n_layers = self.cfg.model.n_layers
+        layer_xs = jax.tree.map(lambda x: x[lo:hi], hook_xs["layers"])
+        segments = [(lo, None), (hi - lo, layer_xs if hi > lo else None), (n_layers - hi, None)]
+        return {"root": hook_xs["root"] if root_in else None, "layers": None}, segments
+
+    def _assemble_group_sync(self, params, outer: OuterState, root, layers, lo: int, hi: int):
+        """Like ``_assemble_sync`` for a sync of one fragment: the root's result (or None when the
+        root is not in the group) and the stacked results of layers [lo, hi) (None if no layer) are
+        written over the state's values; every other unit keeps its local params and outer state."""
+        def put(full, part):  # [L, ...] with rows [lo, hi) replaced
+            return full if part is None else full.at[lo:hi].set(part.astype(full.dtype))
+
+        def merge(full, root_new, layers_new):
+            return {"root": full["root"] if root is None else root_new,
+                    "layers": jax.tree.map(put, full["layers"], layers_new) if layers is not None else full["layers"]}
+
+        pick = lambda r, name: getattr(r, name) if r is not None else None  # noqa: E731
+        local = jax.tree.map(lambda x: x[0], params)
+        new_params = jax.tree.map(lambda x: x[None], _varying(merge(local, pick(root, "params"), pick(layers, "params"))))
+        det = jax.tree.map(lambda x: x[0], outer.detector)  # [U, ...]
+        if root is not None:
+            det = jax.tree.map(lambda full, r: full.at[0].set(r), det, root.detector)
+        if layers is not None:
+            det = jax.tree.map(lambda full, l: full.at[1 + lo:1 + hi].set(l), det, layers.detector)
+        residual = outer.residual
+        if residual is not None:
+            residual = jax.tree.map(lambda x: x[None], _varying(merge(jax.tree.map(lambda x: x[0], residual),
+                                                                      pick(root, "residual"), pick(layers, "residual"))))
+        new_outer = OuterState(merge(outer.params, pick(root, "outer_params"), pick(layers, "outer_params")),
+                               merge(outer.opt_state, pick(root, "opt_state"), pick(layers, "opt_state")),
+                               jax.tree.map(lambda x: x[None], det), outer.syncs + (1 if root is not None else 0),
+                               residual)
+        parts = [r.metrics for r in (root, layers) if r is not None]
+        if root is not None:
+            parts[0] = jax.tree.map(lambda x: x[None], parts[0])
+        unit_metrics = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *parts)
+        return new_params, new_outer, self._sync_metrics(unit_metrics)
 
     def _sync_metrics(self, unit):  # keys: SYNC_METRICS
         """Per-sync figures: per-worker norms over the whole model and per unit, weights, flags."""
@@ -250,23 +321,35 @@ class Machinery:
             "outer_update_norm": jnp.sqrt(jnp.sum(jnp.square(unit["update_norm"]))),
         }
 
-    def _sync_whole(self, params, outer: OuterState, shares=None):
+    def _sync_whole(self, params, outer: OuterState, shares=None, group: int | None = None):
         """Syncs every unit after the step: the root, then the layers one by one (a scan, so that
-        the per-unit numerics are those of the layer-wise sync)."""
+        the per-unit numerics are those of the layer-wise sync). With ``group``: only the units of
+        that fragment (streaming sync)."""
         local = jax.tree.map(lambda x: x[0], params)
         det = jax.tree.map(lambda x: x[0], outer.detector)
         over = self.layout.outer_over_replica
         root_dims = self.layout.unit_dims["root"] if over else None
         layer_dims = self.layout.unit_dims["layer"] if over else None
-        one = partial(sync_unit, p=self.plan.penalty, opt=self.layout.outer_opt, shares=shares)
-        root = one(local["root"], outer.params["root"], outer.opt_state["root"], jax.tree.map(lambda x: x[0], det),
-                   replica_dims=root_dims)
+        one = partial(sync_unit, p=self.plan.penalty, opt=self.layout.outer_opt, shares=shares, compress=self.compress)
+        res = jax.tree.map(lambda x: x[0], outer.residual) if outer.residual is not None else None
+        root_in, lo, hi = fragment_layers(self.groups, group) if group is not None else (True, 0, self.cfg.model.n_layers)
+        root = None
+        if root_in:
+            root = one(local["root"], outer.params["root"], outer.opt_state["root"], jax.tree.map(lambda x: x[0], det),
+                       replica_dims=root_dims, residual=res["root"] if res is not None else None)
 
         def body(_, xs):
-            return None, one(*xs, replica_dims=layer_dims)
+            *xs, r = xs
+            return None, one(*xs, replica_dims=layer_dims, residual=r)
 
-        _, layers = jax.lax.scan(body, None, (local["layers"], outer.params["layers"], outer.opt_state["layers"],
-                                              jax.tree.map(lambda x: x[1:], det)))
+        cut = (lambda x: x[lo:hi]) if group is not None else (lambda x: x)  # noqa: E731
+        layers = None
+        if hi > lo:
+            _, layers = jax.lax.scan(body, None, jax.tree.map(cut, (
+                local["layers"], outer.params["layers"], outer.opt_state["layers"], jax.tree.map(lambda x: x[1:], det),
+                res["layers"] if res is not None else None)))
+        if group is not None:
+            return self._assemble_group_sync(params, outer, root, layers, lo, hi)
         state_like = TrainState(None, None, None, outer, None)
         return self._assemble_sync(state_like, root, layers)
 

@@ -43,7 +43,7 @@ from edit_jax import multihost
 from edit_jax.checkpoint import Checkpointer, CheckpointError
 from edit_jax.config import Config, dumps, parse_slowdown
 from edit_jax.evaluate import Evaluator
-from edit_jax.methods import TimeSchedule, plan_for
+from edit_jax.methods import TimeSchedule, plan_for, split_kind
 from edit_jax.step import Machinery
 
 GLOBAL_KINDS = ("hsdp", "sync_forward", "local_then_sync")
@@ -174,7 +174,7 @@ def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, ve
         dt = (now - last_record[0]) / max(k - last_record[1], 1)
         last_record[:] = [now, k]
         rec = {"step": k, "worker": me, "global_step": global_step, "loss": loss, "grad_norm": gnorm,
-               "tokens_per_s": tokens_per_worker_step / dt, "step_time": dt, "kind": kind}
+               "tokens_per_s": tokens_per_worker_step / dt, "step_time": dt, "kind": kind, "time": now - t_start}
         own_log.write(rec)
         history.append(rec)
 
@@ -192,10 +192,12 @@ def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, ve
 
     def evaluate():
         nonlocal val_loss
+        t0 = time.perf_counter()
         val_loss = evaluator(w.to_global(state), val)
         if lead:
             log.write({"step": global_step, "global_step": global_step, "val_loss": val_loss,
-                       "val_ppl": math.exp(min(val_loss, 50.0)), "time": time.perf_counter() - t_start})
+                       "val_ppl": math.exp(min(val_loss, 50.0)), "time": t0 - t_start,
+                       "eval_seconds": time.perf_counter() - t0})
         say(f"edit-jax: step {global_step} val_loss {val_loss:.4f} (ppl {math.exp(min(val_loss, 50.0)):.2f})")
 
     def save(steps_all):
@@ -240,7 +242,7 @@ def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, ve
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}")
-            if kind in GLOBAL_KINDS or k == in_step_end:  # a meeting: agree on stopping
+            if split_kind(kind)[0] in GLOBAL_KINDS or k == in_step_end:  # a meeting: agree on stopping
                 want = stop.signal is not None or (stop_after is not None and done_here >= stop_after)
                 agreed = multihost.exchange([int(want), int(time_up())])
                 if agreed[:, 0].any() and k < cfg.steps:

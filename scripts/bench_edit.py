@@ -22,6 +22,11 @@ c. Inner-step (local) and sync-step (sync_forward, local_then_sync) time relativ
    hsdp step on the same mesh, interleaved repetitions, medians.
 d. Validation loss after the same number of steps (= tokens) for Baseline, Post Local SGD, DiLoCo
    and EDiT: ``train()`` on the config (default configs/demo.py) with method=..., same W and tau.
+e. Streaming and compressed sync (EDiT): for sync.fragments F in {1, 2, 4} and sync.compress in
+   {none, bf16, int8} (plus int8 with error feedback at F = 1), the bytes crossing ``replica`` of
+   every sync program (one per fragment group) read from the compiled HLO as in a, the peak (the
+   largest single sync step), bytes per token over a tau window, and the validation loss after
+   the same tokens (``train()``, tau = --stream-tau, which F must divide).
 
     python scripts/bench_edit.py                 # everything, demo model on a 2 x 4 CPU mesh
     python scripts/bench_edit.py --only a,b      # compile-only sections (about a minute)
@@ -39,13 +44,13 @@ import time
 import _bench_common as common
 from edit_jax import hlo  # no jax import: safe before the device count is set
 
-SECTIONS = ("a", "b", "c", "d")
+SECTIONS = ("a", "b", "c", "d", "e")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="a,b,c,d", help="comma-separated sections to run (a,b,c,d); default all")
+    p.add_argument("--only", default="a,b,c,d,e", help="comma-separated sections to run (a,b,c,d,e); default all")
     p.add_argument("--config", default=os.path.join(common.REPO, "configs", "demo.py"),
                    help="base config file (default configs/demo.py); the flags below override it")
     p.add_argument("--model", default=None, help="model preset replacing the config's model")
@@ -62,6 +67,11 @@ def parse_args(argv=None):
     p.add_argument("--diloco-outer-momentum", type=float, default=0.85, help="DiLoCo outer momentum (paper: 0.85)")
     p.add_argument("--reps", type=int, default=7, help="section c: interleaved repetitions; default 7")
     p.add_argument("--steps-per-rep", type=int, default=3, help="section c: timed steps per kind per repetition")
+    p.add_argument("--stream-tau", type=int, default=8, help="section e: sync.tau (divisible by 4); default 8")
+    p.add_argument("--stream-rows", default="1:none,1:bf16,1:int8,1:int8+ef,2:none,2:bf16,2:int8,4:none,4:bf16,4:int8",
+                   help="section e: F:compress[+ef] rows")
+    p.add_argument("--stream-train", default="all", help="section e: rows to train for the val loss ('all', 'none' "
+                                                         "or a comma list like 1:none,1:int8)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for every section (repeatable)")
     p.add_argument("--json", default=None,
@@ -471,6 +481,88 @@ def section_d(ctx: Ctx) -> dict:
     return {"methods": out, "tokens": tokens, "warmup_steps": s.warmup_steps, "tau": s.tau}
 
 
+# ----------------------------------------------------------------------------- section e
+
+
+def _stream_overrides(row: str, tau: int) -> list[str]:
+    f, comp = row.split(":")
+    comp, ef = (comp[:-3], True) if comp.endswith("+ef") else (comp, False)
+    return ["sync.method=edit", f"sync.tau={tau}", f"sync.fragments={f}", f"sync.compress={comp}",
+            f"sync.error_feedback={str(ef).lower()}"]
+
+
+def section_e(ctx: Ctx) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from edit_jax.sharding import BATCH_SPEC, make_mesh, named
+    from edit_jax.step import Machinery
+    from edit_jax.train import train
+
+    args, cfg = ctx.args, ctx.cfg
+    tau, n_rep, n_shard = args.stream_tau, cfg.mesh.replica, cfg.mesh.shard
+    rows_spec = [r.strip() for r in args.stream_rows.split(",") if r.strip()]
+    to_train = rows_spec if args.stream_train == "all" else \
+        [] if args.stream_train == "none" else [r.strip() for r in args.stream_train.split(",")]
+    tokens_step = cfg.batch_size * cfg.data.seq_len
+    out, table = {}, []
+    for row in rows_spec:
+        run_cfg = variant(cfg, *_stream_overrides(row, tau))
+        m = Machinery(run_cfg, make_mesh(run_cfg.mesh, ctx.devices))
+        batch = jax.ShapeDtypeStruct((run_cfg.batch_size, run_cfg.data.seq_len + 1), jnp.int32,
+                                     sharding=named(m.mesh, BATCH_SPEC))
+        state = m.abstract_state()
+        per_kind, wire = {}, {}
+        f_count = run_cfg.sync.fragments
+        for kind in ["local"] + ["sync_forward" if f_count == 1 else f"sync_forward@{g}" for g in range(f_count)]:
+            text = m.lowered(kind, state, batch).compile().as_text()
+            parsed = hlo.hlo_collectives(text, (n_rep, n_shard), default_trip=run_cfg.model.n_layers)
+            tot = hlo.collective_totals(parsed, True)
+            per_kind[kind] = {"ring_bytes": tot["ring_bytes"], "tensor_ring_bytes": tot["tensor_ring_bytes"],
+                              "small_ring_bytes": tot["small_ring_bytes"], "by_op": tot["by_op"]}
+            wire[kind] = sorted({o.split("[")[0] for r in parsed["collectives"] if r["crosses_replica"]
+                                 for o in r["operands"] if r["operand_bytes"] > 1024})
+        local = per_kind["local"]["ring_bytes"]
+        sync_bytes = [per_kind[k]["ring_bytes"] - local for k in per_kind if k != "local"]
+        window = local * tau + sum(sync_bytes)  # tau steps: every group syncs once
+        out[row] = {"overrides": _stream_overrides(row, tau), "groups": list(m.groups) if m.groups else None,
+                    "programs": per_kind, "wire_dtypes": wire, "sync_step_bytes": sync_bytes, "peak": max(sync_bytes),
+                    "per_step_bytes": window / tau, "per_token_bytes": window / tau / tokens_step}
+        print(f"  [e] {row}: sync steps {[f'{b:,.0f}' for b in sync_bytes]} wire {wire}", flush=True)
+    today = out.get("1:none")
+    for row in rows_spec:
+        o = out[row]
+        if row in to_train:
+            ov = _stream_overrides(row, tau) + [f"steps={args.steps}", "eval_every=0", "checkpoint_every=0"]
+            t0 = time.perf_counter()
+            r = train(variant(cfg, *ov), run_dir=None, progress=False, devices=ctx.devices)
+            o.update(final_val_loss=r.final_val_loss, final_train_loss=r.final_loss, steps=r.steps, tokens=r.tokens,
+                     wall_seconds=time.perf_counter() - t0)
+            print(f"  [e] {row}: val_loss {r.final_val_loss:.4f} after {r.steps} steps", flush=True)
+    for row in rows_spec:
+        o = out[row]
+        ratio = lambda k: o[k] / today[k] if today else float("nan")  # noqa: E731
+        val, base_val = o.get("final_val_loss"), (today or {}).get("final_val_loss")
+        o["peak_ratio"], o["per_token_ratio"] = ratio("peak"), ratio("per_token_bytes")
+        o["val_loss_rel"] = (val - base_val) / base_val if val is not None and base_val else None
+        table.append([row.split(":")[0], row.split(":")[1], " / ".join(f"{b:,.0f}" for b in o["sync_step_bytes"]),
+                      f"{o['peak']:,.0f}", f"{o['peak_ratio']:.3f}", f"{o['per_token_bytes']:.2f}",
+                      f"{o['per_token_ratio']:.3f}", ",".join(sorted({d for k, v in o["wire_dtypes"].items()
+                                                                      if k != "local" for d in v})),
+                      f"{val:.4f}" if val is not None else "-",
+                      f"{100 * o['val_loss_rel']:+.2f}%" if o["val_loss_rel"] is not None else "-"])
+    common.print_table("e. Streaming (fragments) and compressed sync: bytes crossing `replica` and val loss",
+                       ["F", "compress", "B per sync step (each group)", "peak B", "peak / today",
+                        "B per token", "per token / today", "wire dtypes (>1 KiB)", "val loss", "vs F=1 none"],
+                       table,
+                       f"EDiT, config {os.path.relpath(args.config, common.REPO)}, tau={tau}, W={cfg.sync.warmup_steps}, "
+                       f"mesh {n_rep} x {n_shard}, {tokens_step} tokens per step. Bytes per device, ring formulas of "
+                       "section a, read from the compiled sync_forward[@f] programs minus the local step's (0 here); "
+                       "scalars (norms, weights, flags) included. Per token: a tau window (every group once) / "
+                       f"(tau x tokens per step). Val loss after {args.steps} steps, eval on θ̄ after a fresh sync.")
+    return {"tau": tau, "rows": out, "tokens_per_step": tokens_step}
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -491,7 +583,7 @@ def main(argv=None) -> dict:
                          "model": dataclasses.asdict(cfg.model), "batch": cfg.batch_size, "seq": cfg.data.seq_len,
                          "tau": cfg.sync.tau, "warmup_steps": cfg.sync.warmup_steps, "overrides": args.overrides}}
     timings = {}
-    for sec, fn in (("a", section_a), ("b", section_b), ("c", section_c), ("d", section_d)):
+    for sec, fn in (("a", section_a), ("b", section_b), ("c", section_c), ("d", section_d), ("e", section_e)):
         if sec in args.sections:
             t0 = time.perf_counter()
             result[sec] = fn(ctx)

@@ -10,10 +10,11 @@ A-EDiT (sync every tau_time seconds), each without and with worker 1 slowed down
 tau_time is set to tau x the median local step time of the EDiT run without a straggler, so both
 methods sync about as often when no worker is slow.
 
-Reported per run: total tokens/s over the training time (all workers), steps per worker, syncs,
-validation loss on θ̄ at the end, and the ideal throughput: the sum of the workers' own speeds
-(tokens per local step / median local step time of each worker, read from the same run's
-records). Writes a table, JSON (runs/bench/bench_straggler.json) and a plot of validation loss
+Reported per run: tokens/s of all workers in the steady state (from the end of the first sync, when
+every training program is compiled, to the final evaluation, periodic evaluations excluded),
+steps per worker, syncs, validation loss on θ̄ at the end, and the ideal throughput: the sum of
+the workers' own speeds (tokens per local step / median local step time of each worker, read
+from the same run's records). Writes a table, JSON (runs/bench/bench_straggler.json) and a plot of validation loss
 against wall time (docs/straggler.png).
 """
 
@@ -63,22 +64,26 @@ def run(args, name, overrides):
 
 
 def summarise(name, overrides, recs, wall):
-    cfg_tokens = None
+    """Throughput in the steady state: from the end of the first sync (every training program
+    compiled) to the start of the final evaluation, less the periodic evaluations in between."""
     train = [r for r in recs if "worker" in r and "loss" in r]
     workers = sorted({r["worker"] for r in train})
     steps = {w: max(r["step"] for r in train if r["worker"] == w) for w in workers}
     local_times = {w: statistics.median([r["step_time"] for r in train if r["worker"] == w and r["kind"] == "local"])
                    for w in workers}
     tokens_per_step = train[-1]["tokens_per_s"] * train[-1]["step_time"]  # tokens of one worker step
-    cfg_tokens = tokens_per_step
     evals = [r for r in recs if "val_loss" in r]
     syncs = [r for r in recs if r.get("sync")]
-    train_time = evals[-1]["time"]  # the final evaluation starts when training ends
-    total_tokens = sum(steps.values()) * tokens_per_step
+    t0 = min(r["time"] for r in train if r["kind"] != "local" and r["kind"] != "hsdp")  # first sync done
+    t_end = evals[-1]["time"]  # the final evaluation starts when training ends
+    eval_s = sum(r["eval_seconds"] for r in evals[:-1] if t0 < r["time"] < t_end)
+    steady_steps = sum(1 for r in train if t0 < r["time"] <= t_end)
+    steady_s = t_end - t0 - eval_s
     ideal = sum(tokens_per_step / t for t in local_times.values())
     return {"name": name, "overrides": overrides, "steps_per_worker": steps, "syncs": len(syncs),
-            "local_step_s": local_times, "tokens_per_worker_step": cfg_tokens, "train_seconds": train_time,
-            "tokens_per_s": total_tokens / train_time, "ideal_tokens_per_s": ideal,
+            "local_step_s": local_times, "tokens_per_worker_step": tokens_per_step, "train_seconds": t_end,
+            "steady_seconds": steady_s, "steady_steps": steady_steps,
+            "tokens_per_s": steady_steps * tokens_per_step / steady_s, "ideal_tokens_per_s": ideal,
             "final_val_loss": evals[-1]["val_loss"], "val_curve": [(r["time"], r["val_loss"]) for r in evals],
             "wall_seconds": wall}
 
@@ -100,7 +105,9 @@ def main(argv=None):
     common.print_table(f"A-EDiT vs EDiT, 2 workers x 2 devices (one core each), {args.seconds:g} s per run, "
                        f"worker 1 at {args.slowdown}x in the straggler runs, tau={args.tau}, tau_time={tau_time:.2f} s",
                        ["run", "tokens/s", "ideal tokens/s", "ratio", "steps w0 / w1", "syncs", "val loss (θ̄)",
-                        "train s"], rows)
+                        "train s"], rows,
+                       note="tokens/s: steady state (after the first sync, periodic evaluations excluded); ideal: "
+                            "sum of the workers' own speeds (median local step time, same run)")
     common.write_json(args.json, {"benchmark": "bench_straggler", "env": common.env_info(), "args": vars(args),
                                   "tau_time": tau_time, "runs": results})
     plot(results, args.plot)
