@@ -20,7 +20,7 @@ from edit_jax.checkpoint import Checkpointer, CheckpointError
 from edit_jax.config import ConfigError, load_config
 from edit_jax.integrity import checksum_mismatches, finite_report, nonfinite_parts, state_checksums
 from edit_jax.runlock import LOCK_NAME, RunDirError, RunLock, RunLockError
-from edit_jax.step import state_shapes
+from edit_jax.state import state_shapes
 from edit_jax.train import DivergedError, train
 from tests.helpers import REPO, tiny_config
 
