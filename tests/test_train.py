@@ -295,6 +295,7 @@ def test_legacy_checkpoint_resumes(tmp_path):
     with open(os.path.join(src, "expected.json")) as f:
         expected = json.load(f)
     cfg = from_dict(expected["config"])
+    cfg.data.paths = (os.path.join(src, "corpus.txt"),)  # the same text wherever the tests run from
     result = train(cfg, str(run), progress=False, devices=jax.devices()[:4])
     assert result.resumed_from == 4 and result.steps == 8
     got = {r["step"]: r["loss"] for r in result.history}
