@@ -10,19 +10,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from edit_jax.methods import plan_for
+from edit_jax.multihost import local_value
 from edit_jax.sharding import BATCH_SPEC, REPLICA, SHARD, gather_unit
 from edit_jax.state import TrainState
 from edit_jax.step import Machinery
-
-
-def host_scalar(x) -> float:
-    """A replicated scalar's value from this process's copy (a mesh of several processes cannot
-    be fetched whole)."""
-    return float(np.asarray(x.addressable_shards[0].data))
 
 
 class Evaluator:
@@ -63,7 +57,7 @@ class Evaluator:
     def params_for(self, state: TrainState):
         """(params, over_outer): θ̄ after a fresh (uncommitted) sync, or the replicas' params while
         they are kept identical (Baseline, warmup)."""
-        if state.outer is None or not self.schedule.outer_is_live(int(host_scalar(state.step))):
+        if state.outer is None or not self.schedule.outer_is_live(int(local_value(state.step))):
             return state.params, False
         synced, _ = self.m.sync_fn()(state)
         return synced.outer.params, True
@@ -71,8 +65,8 @@ class Evaluator:
     def __call__(self, state: TrainState, batches) -> float:
         params, over_outer = self.params_for(state)
         fn = self.loss_fn(over_outer)
-        losses = [host_scalar(fn(params, self.m.put_batch(b))) for b in batches]
+        losses = [float(local_value(fn(params, self.m.put_batch(b)))) for b in batches]
         return sum(losses) / len(losses)
 
 
-__all__ = ["Evaluator", "host_scalar"]
+__all__ = ["Evaluator"]

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from edit_jax.multihost import local_value
+
 _GOLDEN = np.uint32(0x9E3779B1)  # Knuth's multiplicative hash constant (odd)
 
 
@@ -81,16 +83,8 @@ def _checksums(state: Any) -> list[jax.Array]:
 def state_checksums(state: Any) -> dict[str, int]:
     """``{leaf path: uint32 checksum}`` of every array in ``state`` (device or host arrays)."""
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-    values = [_host(v) for v in _checksums(_on_device(state))]
+    values = [local_value(v) for v in _checksums(_on_device(state))]  # this process's copy (multi-process too)
     return {p: int(v) for p, v in zip(paths, values)}
-
-
-def _host(x) -> np.ndarray:
-    """A (replicated) result on the host; from this process's copy when the mesh spans several
-    processes (such an array cannot be fetched whole)."""
-    if getattr(x, "is_fully_addressable", True):
-        return np.asarray(jax.device_get(x))
-    return np.asarray(x.addressable_shards[0].data)
 
 
 def checksum_mismatches(saved: dict[str, int], now: dict[str, int]) -> list[str]:

@@ -121,7 +121,8 @@ def global_batch(mesh, local_rows: np.ndarray, global_rows: int):
 
 
 def local_value(x) -> np.ndarray:
-    """This process's copy of a replicated (or per-replica, this worker's) value."""
+    """This process's copy of a replicated (or per-replica, this worker's) value. A mesh that
+    spans several processes cannot be fetched whole; on one process this is the value itself."""
     return np.asarray(x.addressable_shards[0].data)
 
 

@@ -197,11 +197,7 @@ class StateLayout:
     def legacy_abstract_state(self) -> TrainState:
         """The restore target of a format-1 checkpoint (``outer.trace`` instead of ``opt_state``),
         laid out like this run's state."""
-        now = self.abstract_state()
-        if now.outer is None:
-            return now
-        return now.replace(outer=LegacyOuterState(now.outer.params, now.outer.params, now.outer.detector,
-                                                  now.outer.syncs))
+        return _as_legacy(self.abstract_state())
 
     def upgrade_legacy(self, state: TrainState) -> TrainState:
         """A format-1 state (SGD momentum buffer only) in this format: the outer optimizer's state
@@ -266,10 +262,15 @@ def _opt_specs(opt: optax.GradientTransformation, opt_abstract: Any, param_specs
 
 def legacy_state_shapes(cfg: Config) -> TrainState:
     """Shapes of a format-1 state for ``cfg`` (host restores of old checkpoints)."""
-    now = state_shapes(cfg)
-    if now.outer is None:
-        return now
-    return now.replace(outer=LegacyOuterState(now.outer.params, now.outer.params, now.outer.detector, now.outer.syncs))
+    return _as_legacy(state_shapes(cfg))
+
+
+def _as_legacy(state: TrainState) -> TrainState:
+    """``state`` (shapes or abstract arrays) as format 1 holds it: the trace laid out like θ̄."""
+    if state.outer is None:
+        return state
+    o = state.outer
+    return state.replace(outer=LegacyOuterState(o.params, o.params, o.detector, o.syncs))
 
 
 __all__ = ["TrainState", "OuterState", "LegacyOuterState", "StateLayout", "STATE_FORMAT", "make_state", "state_shapes",

@@ -140,6 +140,14 @@ def _guard_save(save, step: int, final: bool) -> str | None:
     return None
 
 
+def sync_fields(metrics: dict, per_unit: bool) -> dict:
+    """The figures of a sync record (README, "Run dir"), from a sync step's metrics."""
+    names = ("pseudo_grad_norm", "weight", "flagged", "clip_factor", "outer_update_norm", "inner_reset")
+    if per_unit:
+        names += ("unit_pseudo_grad_norm", "unit_weight", "unit_flagged", "unit_clip_factor")
+    return {name: _to_json(metrics[name]) for name in names}
+
+
 def _to_json(x):
     a = np.asarray(x)
     return a.item() if a.ndim == 0 else a.tolist()
@@ -426,18 +434,11 @@ def _train(cfg: Config, run_dir: str | None, *, progress: bool, devices: list | 
                 log.write(rec)
                 history.append(rec)
                 if is_sync:
-                    srec = {"step": k, "sync": True}
-                    for name in ("pseudo_grad_norm", "weight", "flagged", "clip_factor", "outer_update_norm",
-                                 "inner_reset"):
-                        srec[name] = _to_json(metrics[name])
                     if np.any(metrics["inner_reset"]):
                         reset = np.flatnonzero(metrics["inner_reset"]).tolist()
                         say(f"edit-jax: step {k}: non-finite worker(s) {reset} rolled back to the outer params, "
                             "their inner optimizer moments reset")
-                    if cfg.sync.per_unit_metrics:
-                        for name in ("unit_pseudo_grad_norm", "unit_weight", "unit_flagged", "unit_clip_factor"):
-                            srec[name] = _to_json(metrics[name])
-                    log.write(srec)
+                    log.write({"step": k, "sync": True, **sync_fields(metrics, cfg.sync.per_unit_metrics)})
                 if bar is not None:
                     bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}", ms=f"{dt * 1e3:.0f}")
             if bar is not None:

@@ -103,7 +103,7 @@ class Worker:
 def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, verbose: bool = True,
                   stop_after: int | None = None):
     """``train()`` for ``mesh.processes = mesh.replica``: run in every worker process."""
-    from edit_jax.train import MetricsLog, TrainResult, _StopFlag, _resume, _to_json  # noqa: PLC0415
+    from edit_jax.train import MetricsLog, TrainResult, _StopFlag, _resume, sync_fields  # noqa: PLC0415
 
     multihost.check_runtime(cfg)
     mp = plan_for(cfg)
@@ -181,14 +181,8 @@ def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, ve
     def sync_record(sync, extra=None):
         if sync is None or not lead:
             return
-        srec = {"step": global_step, "global_step": global_step, "sync": True, "time": time.perf_counter() - t_start,
-                **(extra or {})}
-        for name in ("pseudo_grad_norm", "weight", "flagged", "clip_factor", "outer_update_norm"):
-            srec[name] = _to_json(sync[name])
-        if cfg.sync.per_unit_metrics:
-            for name in ("unit_pseudo_grad_norm", "unit_weight", "unit_flagged", "unit_clip_factor"):
-                srec[name] = _to_json(sync[name])
-        log.write(srec)
+        log.write({"step": global_step, "global_step": global_step, "sync": True, "time": time.perf_counter() - t_start,
+                   **(extra or {}), **sync_fields(sync, cfg.sync.per_unit_metrics)})
 
     def evaluate():
         nonlocal val_loss
@@ -286,7 +280,6 @@ def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, ve
                 global_step = decision.mean_step
                 if decision.run:
                     state = _set_step(state, global_step, w.loc.state_shardings)
-                    t0 = time.perf_counter()
                     state, loss, gnorm, sync = w.step(schedule.sync_kind(), state, rows_for(k), decision.shares)
                     k += 1
                     done_here += 1
