@@ -87,7 +87,7 @@ class SyncConfig:
     """How replicas meet. ``method`` picks a row of the method table (``methods.py``), which may
     fix some of these fields; the run's ``config.json`` records them as they took effect."""
 
-    method: str = "baseline"  # a name in edit_jax.methods.METHODS: baseline | post_local_sgd | diloco | edit
+    method: str = "baseline"  # a name in edit_jax.methods.METHODS: baseline | post_local_sgd | diloco | edit | a_edit | co2
     warmup_steps: int = 0  # W: synchronous (HSDP) steps before local training starts
     tau: int = 16  # sync interval in inner steps
     outer_optimizer: str = "nesterov"  # "nesterov" (SGD + momentum) | "adam"
@@ -115,6 +115,11 @@ class SyncConfig:
     tau_time: float = 600.0
     min_total_steps: int = 1
     step_weight_ratio: float = 0.5  # rho: w <- (1 - rho) w + rho * (worker's share of the steps)
+    # CO2 (method=co2): the staleness-gap penalty Lambda divides the stale pseudo gradient (a
+    # constant, as in the released code); co2_momentum_clip = phi > 0 clamps the stored outer
+    # momentum to [-phi, phi] element-wise (0: off).
+    co2_gap_penalty: float = 1.0
+    co2_momentum_clip: float = 0.0
 
 
 @dataclass
@@ -394,12 +399,28 @@ def validate(cfg: Config) -> None:
              "the pseudo gradient)")
     _require(s.fragments == 1 or s.method != "a_edit", "sync.fragments",
              "staggered fragments follow the step count (every tau steps); method a_edit syncs by wall clock")
+    _validate_co2(s)
     if mesh.placement:
         _require(os.path.isfile(mesh.placement), "mesh.placement", f"file {mesh.placement!r} not found")
     _validate_processes(cfg)
     if cfg.log.tensorboard:
         _require(importlib.util.find_spec("tensorboardX") is not None, "log.tensorboard",
                  "needs the tensorboardX package: pip install edit-jax[tensorboard] (or pip install tensorboardX)")
+
+
+def _validate_co2(s: SyncConfig) -> None:
+    _require(s.co2_gap_penalty > 0, "sync.co2_gap_penalty", f"must be positive, got {s.co2_gap_penalty}")
+    _require(s.co2_momentum_clip >= 0, "sync.co2_momentum_clip", f"must be >= 0 (0: off), got {s.co2_momentum_clip}")
+    if s.method != "co2":
+        for key, val, default in [("co2_gap_penalty", s.co2_gap_penalty, 1.0), ("co2_momentum_clip", s.co2_momentum_clip, 0.0)]:
+            _require(val == default, f"sync.{key}", f"is used by method co2 only (method is {s.method!r}); got {val}")
+        return
+    # CO2's stale sync is the whole model after the step, one all-reduce of the pending pseudo
+    # gradients; the streaming, quantized and replica-sharded exchanges are not built for it.
+    _require(s.fragments == 1, "sync.fragments", f"method co2 syncs every unit together; got {s.fragments}")
+    _require(s.compress == "none", "sync.compress", f"method co2 exchanges float32 pseudo gradients; got {s.compress!r}")
+    _require(s.outer_sharding == "shard", "sync.outer_sharding",
+             f"method co2 needs 'shard' (the outer state is not split over replica); got {s.outer_sharding!r}")
 
 
 def parse_slowdown(text: str) -> dict[int, float]:

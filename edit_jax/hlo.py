@@ -369,6 +369,42 @@ def hlo_collectives(text: str, mesh_shape: tuple[int, int], default_trip: int | 
     return {"collectives": records, "loops": loops, "entry": mod.entry}
 
 
+def upstream(text: str, name: str) -> set[str]:
+    """Names of every instruction whose value instruction ``name`` depends on, transitively: its
+    operands, theirs, and so on; a parameter of a called computation (a while body, say) depends
+    on every operand of each instruction that calls it (a conservative reading: a loop's whole
+    carry). For checks like "this all-reduce does not wait for the step's compute"."""
+    mod = parse_hlo(text)
+    where = {i.name: (c, i) for c, instrs in mod.computations.items() for i in instrs}
+    callers: dict[str, list[Instr]] = {}
+    for edges in mod.calls.values():
+        for _, callee, ins in edges:
+            callers.setdefault(callee, []).append(ins)
+    seen: set[str] = set()
+    stack = [name]
+    while stack:
+        n = stack.pop()
+        if n in seen or n not in where:
+            continue
+        seen.add(n)
+        comp, ins = where[n]
+        if ins.opcode == "parameter" and comp != mod.entry:
+            stack.extend(c.name for c in callers.get(comp, []))
+            continue
+        for operand in ins.operands:
+            ref = re.search(r"%?([\w.\-]+)\s*$", operand)
+            if ref:
+                stack.append(ref.group(1))
+    seen.discard(name)
+    return seen
+
+
+def entry_parameters(text: str) -> list[tuple[str, str]]:
+    """(name, type string) of the entry computation's parameters, in order."""
+    mod = parse_hlo(text)
+    return [(i.name, i.type_str) for i in mod.computations[mod.entry] if i.opcode == "parameter"]
+
+
 def collective_totals(parsed: dict, crossing: bool = True) -> dict:
     """Per-step per-device totals over the collectives that do (or do not) cross ``replica``."""
     recs = [r for r in parsed["collectives"] if r["crosses_replica"] == crossing]
@@ -414,6 +450,6 @@ def operand_elements(record: dict) -> int:
     return total
 
 
-__all__ = ["COLLECTIVES", "RING_FORMULAS", "HloModule", "Instr", "parse_hlo", "parse_replica_groups", "iota_groups",
+__all__ = ["COLLECTIVES", "RING_FORMULAS", "HloModule", "Instr", "parse_hlo", "upstream", "entry_parameters", "parse_replica_groups", "iota_groups",
            "mesh_groups", "parse_pairs", "multiplicities", "hlo_collectives", "collective_totals", "crosses_replica",
            "replica_crossing", "operand_elements", "dtype_bytes", "parse_shapes", "shape_bytes"]

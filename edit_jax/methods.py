@@ -9,6 +9,8 @@ Every method is a configuration of one machinery (EDIT.md, "The methods the pape
 | `diloco`         | θ̄ + outer   | whole model after the step, every τ         | -       |
 | `edit`           | θ̄ + outer   | layer by layer inside the forward, every τ  | yes     |
 | `a_edit`         | θ̄ + outer   | as `edit`, every τ_time seconds, async      | yes     |
+| `co2`            | θ̄ + outer   | one round stale: round t's all-reduce is    | -       |
+|                  | + in flight | applied at the end of round t + 1 (CO2.md)  |         |
 
 ``plan_for(cfg)`` is the only place a method's meaning is decided. It returns a ``MethodPlan``:
 the static ``Plan`` the compiled steps need, the *normalised* config (the sync fields a method
@@ -43,6 +45,7 @@ class Method:
     fixed: dict = field(default_factory=dict)  # sync fields this method sets whatever the config says
     penalty: bool = False  # EDiT's penalty (anomaly elimination, weighting, clipping) is configurable
     time_based: bool = False  # syncs due by wall clock (TimeSchedule), not every tau steps
+    stale: bool = False  # CO2: the outer step applies the previous round's all-reduce (step._sync_stale)
 
 
 _NO_PENALTY = dict(anomaly=False, weighting=False, clip=False)
@@ -61,6 +64,11 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     # A-EDiT: EDiT's sync, due by wall clock per worker (one process per worker, multihost.py).
     Method("a_edit", "EDiT's sync every tau_time seconds; workers step at their own pace", uses_outer=True,
            penalty=True, time_based=True),
+    # CO2 (Sun et al., ICLR 2024; ../shared/design/CO2.md): heavy-ball outer momentum on the
+    # previous round's mean pseudo gradient, so the all-reduce never waits for this round's steps.
+    Method("co2", "outer step on the previous round's all-reduced pseudo gradient (one round stale), every tau",
+           uses_outer=True, stale=True,
+           fixed=dict(layerwise=False, outer_optimizer="nesterov", nesterov=False, **_NO_PENALTY)),
 )}
 
 OUTER_OPTIMIZERS = ("nesterov", "adam")
@@ -75,6 +83,7 @@ class OuterSpec:
     momentum: float = 0.85  # SGD momentum, or Adam's b1
     nesterov: bool = True
     b2: float = 0.95  # Adam only
+    momentum_clip: float = 0.0  # > 0 (CO2): the stored momentum is clamped to [-phi, phi] element-wise
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,8 @@ class Plan:
     layerwise: bool
     penalty: Penalty
     outer: OuterSpec
+    stale: bool = False  # CO2's one-round-stale sync (pending pseudo gradients in OuterState.pending)
+    gap_penalty: float = 1.0  # CO2's staleness-gap penalty Lambda (outer.staleness_gap_penalty)
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -217,8 +228,9 @@ def plan_for(cfg: Config) -> MethodPlan:
     cfg, changed = normalise(cfg)
     m, s = method(cfg.sync.method), cfg.sync
     penalty = Penalty.from_config(s) if m.penalty else Penalty.off()
-    outer = OuterSpec(s.outer_optimizer, s.outer_lr, s.outer_momentum, s.nesterov, s.outer_b2)
-    plan = Plan(m.name, m.uses_outer, s.layerwise and m.uses_outer, penalty, outer)
+    outer = OuterSpec(s.outer_optimizer, s.outer_lr, s.outer_momentum, s.nesterov, s.outer_b2,
+                      s.co2_momentum_clip if m.stale else 0.0)
+    plan = Plan(m.name, m.uses_outer, s.layerwise and m.uses_outer, penalty, outer, m.stale, s.co2_gap_penalty)
     if m.time_based:
         schedule = TimeSchedule(m.uses_outer, plan.layerwise, s.warmup_steps, s.tau, s.tau_time, s.min_total_steps,
                                 cfg.steps * cfg.mesh.replica)

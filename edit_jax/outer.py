@@ -72,9 +72,30 @@ def outer_optimizer(lr: float, momentum: float, nesterov: bool = True) -> optax.
     return optax.sgd(lr, momentum=momentum, nesterov=nesterov)
 
 
+def clipped_momentum(momentum: float, clip: float) -> optax.GradientTransformation:
+    """Heavy-ball momentum whose *stored* buffer is clamped element-wise: m <- clip(b m + g, -phi,
+    phi), update m (CO2's outer momentum clipping, CO2.md section 1). ``optax.chain(trace, clip)``
+    would clip only the update and keep the unclipped buffer; the released CO2 code meant to clip
+    the buffer but its ``torch.clamp`` result is discarded (a no-op), so we clip as intended."""
+
+    def init(params):
+        return optax.TraceState(trace=jax.tree.map(jnp.zeros_like, params))
+
+    def update(updates, state, params=None):
+        del params
+        m = jax.tree.map(lambda g, t: jnp.clip(g + momentum * t, -clip, clip), updates, state.trace)
+        return m, optax.TraceState(trace=m)
+
+    return optax.GradientTransformation(init, update)
+
+
 def make_outer_optimizer(spec) -> optax.GradientTransformation:
     """The outer transformation of an ``methods.OuterSpec``. Any optax transformation works here:
     the pseudo gradient plays the gradient, and its state is kept per unit (``state.py``)."""
+    if spec.name == "nesterov" and spec.momentum_clip > 0:
+        if spec.nesterov:
+            raise ValueError("outer momentum clipping is built for heavy-ball momentum (nesterov=False)")
+        return optax.chain(clipped_momentum(spec.momentum, spec.momentum_clip), optax.scale(-spec.lr))
     if spec.name == "nesterov":
         return outer_optimizer(spec.lr, spec.momentum, spec.nesterov)
     if spec.name == "adam":
@@ -246,6 +267,41 @@ def _outer_step(avg, outer_params, opt_state, any_ok, p: Penalty, opt, norm_axes
     return new_outer, new_opt_state, clip, avg_norm, update_norm
 
 
+# ----------------------------------------------------------------------------- CO2
+
+
+def staleness_gap_penalty(avg: Any, lam: float) -> jax.Array:
+    """CO2's staleness-gap penalty Lambda_t (the stale mean pseudo gradient is divided by it).
+
+    The hook for an adaptive rule: CO2.md could not recover the paper's formula, and the released
+    code uses one constant (``co2_gap_penalty``, default 1), which is what this returns. A rule
+    computed from ``avg`` (the unit's stale mean pseudo gradient, this device's block) must return
+    a scalar or a pytree like ``avg`` and use only collectives over ``shard`` (the unit's norm, say:
+    ``shard_sq_norm``), so the exchange stays independent of the current round."""
+    del avg
+    return jnp.float32(lam)
+
+
+def stale_outer_step(pending_sum: Any, n_workers: int, local: Any, outer_params: Any, opt_state: Any,
+                     opt: optax.GradientTransformation, lam: float):
+    """CO2's outer update of one unit (CO2.md section 1, step 3), on this device's blocks.
+
+    ``pending_sum`` is the sum over workers of the pseudo gradients a_{t-1} - x^i_{t-1} of the
+    previous round (all-reduced by the caller, independently of this round's steps). Returns
+    (a_{t+1}, the optimizer state, this worker's new pending a_t - x^i_t, the step's input
+    Delta_{t-1} / Lambda_t). With
+    ``n_workers`` the mean: Delta_{t-1} = a_{t-1} - xbar_{t-1}. All-reducing a - x^i rather than the
+    parameters gives the same mean with one buffer fewer (CO2.md section 4)."""
+    local = jax.tree.map(lambda x: x.astype(jnp.float32), local)
+    avg = jax.tree.map(lambda x: x / n_workers, pending_sum)
+    lam = staleness_gap_penalty(avg, lam)
+    g = jax.tree.map(lambda d: d / lam, avg)
+    updates, new_opt_state = opt.update(g, opt_state, outer_params)
+    new_outer = jax.tree.map(lambda o, u: o + u, outer_params, updates)
+    new_pending = jax.tree.map(lambda o, x: o - x, outer_params, local)  # a_t - x^i_t, sent next round
+    return new_outer, new_opt_state, new_pending, g
+
+
 def _sync_unit_over_replica(local, outer_chunk, opt_chunk, det: Detector, p: Penalty, opt, dims,
                             shares=None) -> UnitSync:
     """Algorithm 2 with θ̄ and the trace split over ``replica`` as well as ``shard``.
@@ -284,4 +340,5 @@ def _sync_unit_over_replica(local, outer_chunk, opt_chunk, det: Detector, p: Pen
 
 __all__ = ["Detector", "Penalty", "UnitSync", "sync_unit", "detector_step", "detector_test", "detector_feed",
            "worker_weights", "softmax_weights", "mix_step_weights", "outer_optimizer", "make_outer_optimizer", "sgd_trace",
+           "clipped_momentum", "staleness_gap_penalty", "stale_outer_step",
            "with_sgd_trace"]

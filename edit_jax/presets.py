@@ -21,6 +21,12 @@ def sync_for(method: str, **kw) -> SyncConfig:
     return SyncConfig(**{**kw, "method": method, **sync_fields_for(method)})
 
 
+# CO2's outer settings where the EDiT paper does not give them (CO2.md section 3): the fairseq
+# default beta 0.5 for up to 64 GPUs, alpha 1.0, Lambda 1 (the released constant), and the GPT-2
+# script's momentum clip phi = 1.0.
+PAPER_OUTER = {"co2": dict(outer_lr=1.0, outer_momentum=0.5, co2_momentum_clip=1.0)}
+
+
 def paper(size: str, method: str = "edit") -> Config:
     if size not in PAPER_SIZES:
         raise ValueError(f"unknown paper size {size!r}; known: {', '.join(PAPER_SIZES)}")
@@ -32,9 +38,10 @@ def paper(size: str, method: str = "edit") -> Config:
                         seq_len=4096),
         optim=OptimConfig(lr=3e-4 if method == "baseline" else 1.5e-4, warmup_steps=2000, min_lr_ratio=0.1,
                           weight_decay=0.1, grad_clip=1.0),
-        sync=sync_for(method, warmup_steps=2000, tau=128, outer_lr=0.8, outer_momentum=0.85,
-                      clip_threshold=10.0,
-                      anomaly_alpha=0.02, anomaly_warmup=120, anomaly_threshold=3.0, temperature=1.0),
+        sync=sync_for(method, **{**dict(warmup_steps=2000, tau=128, outer_lr=0.8, outer_momentum=0.85,
+                                        clip_threshold=10.0, anomaly_alpha=0.02, anomaly_warmup=120,
+                                        anomaly_threshold=3.0, temperature=1.0),
+                                 **PAPER_OUTER.get(method, {})}),
         steps=steps, batch_size=1024, seed=0, log_every=10, eval_every=1000, eval_batches=16,
         checkpoint_every=1000, keep_checkpoints=3,
     )

@@ -49,6 +49,9 @@ class OuterState:
     detector: Detector  # per worker and unit: leaves [N, U] (window [N, U, K]); unit 0 is the root
     syncs: jax.Array  # int32: syncs applied (the initialising one not counted; with fragments: group-0 syncs)
     residual: Any = None  # sync.error_feedback: per-worker quantization residual, laid out like params ([N, ...])
+    # CO2 (method co2): each worker's pseudo gradient of the last round, a_{t-1} - x^i_{t-1}, in
+    # flight: all-reduced at the next sync. Laid out like params ([N, ...]); zeros = Delta_{-1} = 0.
+    pending: Any = None
 
     @property
     def trace(self) -> Any:
@@ -102,6 +105,8 @@ def make_state(cfg: Config, plan: Plan, key: jax.Array) -> TrainState:
     rep = jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), params)
     if outer is not None and cfg.sync.error_feedback:
         outer = outer.replace(residual=jax.tree.map(jnp.zeros_like, rep))
+    if outer is not None and plan.stale:
+        outer = outer.replace(pending=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), rep))
     opt_state = inner_optimizer(cfg.optim, cfg.steps).init(rep)
     return TrainState(jnp.int32(0), rep, opt_state, outer, jax.random.key_data(jax.random.fold_in(key, 1)))
 
@@ -163,7 +168,8 @@ class StateLayout:
                                for u in ("root", "layers")}
             det = Detector(P(REPLICA), P(REPLICA), P(REPLICA), P(REPLICA))
             outer = OuterState(self.outer_param_specs, outer_opt_specs, det, P(),
-                               self.param_specs if self.cfg.sync.error_feedback else None)
+                               self.param_specs if self.cfg.sync.error_feedback else None,
+                               self.param_specs if self.plan.stale else None)
         return TrainState(P(), self.param_specs, opt_specs, outer, P())
 
     # -- states ---------------------------------------------------------------------------------
@@ -237,9 +243,11 @@ class StateLayout:
         if outer is not None:
             outer = outer.replace(detector=jax.tree.map(lambda x, s: remap(x, s, "detector"), outer.detector,
                                                         specs.outer.detector))
+            zeros = lambda t: jax.tree.map(lambda x: np.zeros((n,) + np.shape(x)[1:], np.asarray(x).dtype), t)  # noqa: E731
             if outer.residual is not None:  # error-feedback residuals are per worker: every worker starts at 0
-                outer = outer.replace(residual=jax.tree.map(
-                    lambda x: np.zeros((n,) + np.shape(x)[1:], np.asarray(x).dtype), outer.residual))
+                outer = outer.replace(residual=zeros(outer.residual))
+            if outer.pending is not None:  # CO2's in-flight pseudo gradients: the old round is dropped
+                outer = outer.replace(pending=zeros(outer.pending))
         state = TrainState(host.step, params, opt_state, outer, host.rng)
         return put_host(state, self.state_shardings)
 

@@ -41,7 +41,7 @@ from edit_jax.config import Config
 from edit_jax.family import model_family
 from edit_jax.fragments import fragment_layers, fragment_of_unit
 from edit_jax.methods import STEP_KINDS, split_kind
-from edit_jax.outer import sync_unit
+from edit_jax.outer import sgd_trace, stale_outer_step, sync_unit
 from edit_jax.sharding import BATCH_SPEC, REPLICA, SHARD, gather_unit, named, replica_gather, shard_sq_norm
 from edit_jax.state import OuterState, StateLayout, TrainState, init_outer_opt_state
 
@@ -219,7 +219,9 @@ class Machinery:
         grad_norm = jnp.sqrt(shard_sq_norm(grads))
         updates, opt_state = self.layout.inner_opt.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        if kind == "local_then_sync":
+        if kind == "local_then_sync" and plan.stale:
+            params, outer, metrics = self._sync_stale(params, outer)
+        elif kind == "local_then_sync":
             params, outer, metrics = self._sync_whole(params, outer, shares, group)
             opt_state, metrics["inner_reset"] = self._reset_nonfinite_workers(opt_state, metrics)
         # Per-replica figures leave the step sharded over `replica` ([N] globally) and are averaged
@@ -353,6 +355,67 @@ class Machinery:
         state_like = TrainState(None, None, None, outer, None)
         return self._assemble_sync(state_like, root, layers)
 
+    def _sync_stale(self, params, outer: OuterState, flush: bool = False):
+        """CO2's sync after the round's last step (CO2.md section 1): the outer update consumes the
+        pseudo gradients every worker sent at the *previous* sync (``outer.pending``), so their
+        all-reduce does not depend on this round's steps and a GPU can run it while they compute;
+        then each worker's new pending is a_t - x^i_t, and every worker restarts from a_{t+1}.
+        The inner optimizer states stay local (CO2 never averages or resets them).
+
+        ``flush``: the update of the last round's pending only (for evaluation: the model after
+        the final all-reduce lands); the pending is kept as it was.
+
+        Unit by unit like the other syncs (root; layers vmapped with their per-unit outer state),
+        so the figures are per unit; one all-reduce of the whole pending tree first."""
+        n, opt, lam = self.n, self.layout.outer_opt, self.plan.gap_penalty
+        local = jax.tree.map(lambda x: x[0], params)
+        pending = jax.tree.map(lambda x: x[0], outer.pending)
+        # The exchange, one all-reduce over `replica`: the pending pseudo gradients and, in slot r
+        # of an [N, U] table, worker r's per-unit squared norms of its block. It reads only what
+        # the last sync left in the state. Nothing else crosses `replica` in this program, so XLA's
+        # all-reduce combiner cannot tie it to a value of this round (it once merged the norms'
+        # psum over `shard` with the step's gradient norm, making the exchange wait for the step).
+        slot = jax.nn.one_hot(jax.lax.axis_index(REPLICA), n, dtype=jnp.float32)[:, None] > 0
+        table = jnp.where(slot, self._unit_sq_sums(pending)[None, :], 0.0)  # where: NaN * 0 is NaN
+        pending_sum, table = jax.lax.psum((pending, table), REPLICA)
+        sent = jnp.sqrt(jax.lax.psum(table, SHARD)).T  # [U, N]: each worker's stale pseudo gradient
+        one = lambda ps, lo, op, st: stale_outer_step(ps, n, lo, op, st, opt, lam)  # noqa: E731
+        root = one(pending_sum["root"], local["root"], outer.params["root"], outer.opt_state["root"])
+        layers = jax.vmap(one)(pending_sum["layers"], local["layers"], outer.params["layers"],
+                               outer.opt_state["layers"])
+        new_outer = {"root": root[0], "layers": layers[0]}
+        new_opt = {"root": root[1], "layers": layers[1]}
+
+        unit_norms = lambda tree: jnp.sqrt(jax.lax.psum(self._unit_sq_sums(tree), SHARD))  # noqa: E731
+        clip = jnp.ones(sent.shape[0], jnp.float32)
+        if self.plan.outer.momentum_clip > 0:  # how much of the momentum survived the clamp, per unit
+            beta = self.plan.outer.momentum
+            old_m = {u: sgd_trace(outer.opt_state[u]) for u in ("root", "layers")}
+            g = {"root": root[3], "layers": layers[3]}  # Delta_{t-1} / Lambda_t
+            raw = jax.tree.map(lambda g, m: g + beta * m, g, old_m)
+            new_m = {u: sgd_trace(new_opt[u]) for u in ("root", "layers")}
+            raw_norm = unit_norms(raw)
+            clip = jnp.where(raw_norm > 0, unit_norms(new_m) / jnp.where(raw_norm > 0, raw_norm, 1.0), 1.0)
+        unit = {"pseudo_grad_norm": sent, "weight": jnp.full_like(sent, 1.0 / n),
+                "flagged": jnp.zeros(sent.shape, bool), "clip_factor": clip,
+                "update_norm": unit_norms(jax.tree.map(lambda a, b: a - b, new_outer, outer.params))}
+        new_pending = outer.pending if flush else jax.tree.map(
+            lambda x: x[None], {"root": root[2], "layers": layers[2]})
+        new_params = jax.tree.map(lambda x: x[None], _varying(new_outer))
+        new_state = outer.replace(params=new_outer, opt_state=new_opt, syncs=outer.syncs + 1, pending=new_pending)
+        metrics = self._sync_metrics(unit)
+        # CO2 has no anomaly handling, so nothing to roll back (and no flag exchange over `replica`).
+        metrics["inner_reset"] = jnp.zeros((n,), bool)
+        return new_params, new_state, metrics
+
+    @staticmethod
+    def _unit_sq_sums(tree) -> jax.Array:
+        """[U]: this device's sum of squares of the root unit's blocks, then of each layer's."""
+        root = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree["root"]))
+        layers = sum(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
+                     for x in jax.tree.leaves(tree["layers"]))
+        return jnp.concatenate([jnp.reshape(root, (1,)), layers])
+
     # -- outside the step --------------------------------------------------------------------------
 
     def init_outer_fn(self):
@@ -362,6 +425,8 @@ class Machinery:
             def body(state: TrainState):
                 theta = jax.tree.map(lambda x: x[0], state.params)
                 outer = state.outer.replace(params=theta, opt_state=init_outer_opt_state(self.layout.outer_opt, theta))
+                if outer.pending is not None:  # CO2: nothing in flight yet (Delta_{-1} = 0)
+                    outer = outer.replace(pending=jax.tree.map(jnp.zeros_like, outer.pending))
                 return state.replace(outer=outer)
 
             self._compiled["init_outer"] = jax.jit(body, out_shardings=self.state_shardings, donate_argnums=0)
@@ -371,7 +436,10 @@ class Machinery:
         """A whole-model sync of ``state`` (not donated): for evaluation on a fresh θ̄ and for tests."""
         if "sync" not in self._compiled:
             def body(state: TrainState):
-                params, outer, metrics = self._sync_whole(state.params, state.outer)
+                if self.plan.stale:  # CO2: the model once the last all-reduce has landed (a flush)
+                    params, outer, metrics = self._sync_stale(state.params, state.outer, flush=True)
+                else:
+                    params, outer, metrics = self._sync_whole(state.params, state.outer)
                 return state.replace(params=params, outer=outer), metrics
 
             mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(self.state_specs,),

@@ -1,0 +1,157 @@
+"""All five methods at equal tokens on the embedded corpus, after an outer-optimizer sweep.
+
+    python scripts/compare_methods.py                  # about an hour on 2 cores
+    python scripts/compare_methods.py --report-only    # table and plot from the finished runs
+
+The setup is the demo's (`edit_jax.presets.cpu`: demo model, 2 x 4 CPU-emulated mesh, batch 16 x
+128, inner AdamW lr 3e-3, 20 synchronous warmup steps) with tau = 5 and long enough for Local SGD
+to be itself: 1420 steps = 280 syncs (the demo has 28).
+
+1. Sweep (seed 100, a shorter budget: 420 steps = 80 syncs): outer lr x outer momentum over the
+   same grid for each method with an outer optimizer (DiLoCo, EDiT: Nesterov; CO2: heavy ball,
+   its own update rule). The setting with the lowest final validation loss of the sweep run is
+   kept. The Baseline and Post Local SGD have no outer hyper-parameters (Post Local SGD's outer
+   step is the plain mean).
+2. Final runs: every method at its setting, seeds 0 and 1 (model init and data order). These seeds
+   and budget are never used to choose anything.
+
+Writes each run to RUN_ROOT/<name>/ (a finished run is not run again: delete it to redo), the
+table to stdout and RUN_ROOT/table.md, everything to RUN_ROOT/results.json, and the plot of the
+final runs (seed 0) to docs/compare_methods.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO) if REPO not in sys.path else None
+
+from edit_jax.config import validate  # noqa: E402
+from edit_jax.presets import cpu  # noqa: E402
+from edit_jax.train import DivergedError, train  # noqa: E402
+
+METHODS = ("baseline", "post_local_sgd", "diloco", "edit", "co2")
+SWEPT = ("diloco", "edit", "co2")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=1420, help="final runs: inner steps (tokens = steps x 16 x 128)")
+    p.add_argument("--sweep-steps", type=int, default=420)
+    p.add_argument("--tau", type=int, default=5)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--sweep-seed", type=int, default=100)
+    p.add_argument("--lrs", type=float, nargs="+", default=[0.5, 1.0])
+    p.add_argument("--momenta", type=float, nargs="+", default=[0.5, 0.85])
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--run-root", default=os.path.join(REPO, "runs", "compare"))
+    p.add_argument("--plot", default=os.path.join(REPO, "docs", "compare_methods.png"))
+    p.add_argument("--report-only", action="store_true", help="no training: report the runs already in RUN_ROOT")
+    return p.parse_args(argv)
+
+
+def config(method: str, steps: int, seed: int, tau: int, eval_every: int, outer: dict | None = None):
+    cfg = cpu(method, steps=steps)
+    sync = dataclasses.replace(cfg.sync, tau=tau, **(outer or {}))
+    cfg = dataclasses.replace(cfg, sync=sync, seed=seed, data=dataclasses.replace(cfg.data, seed=seed),
+                              eval_every=eval_every, checkpoint_every=0, log_every=10)
+    validate(cfg)
+    return cfg
+
+
+def run(args, name: str, cfg, report_only: bool) -> dict:
+    """One training run (skipped when its summary exists); its summary."""
+    run_dir = os.path.join(args.run_root, name)
+    summary_path = os.path.join(run_dir, "summary.json")
+    if os.path.exists(summary_path):
+        with open(summary_path) as f:
+            return json.load(f)
+    if report_only:
+        raise SystemExit(f"{name}: no finished run in {run_dir}")
+    print(f"compare_methods: {name} ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    try:
+        res = train(cfg, run_dir, progress=False, verbose=False)
+        out = {"val_loss": res.final_val_loss, "val_ppl": res.final_val_ppl, "tokens": res.tokens,
+               "seconds": time.perf_counter() - t0, "diverged": False}
+    except DivergedError as e:
+        out = {"val_loss": float("inf"), "val_ppl": float("inf"), "tokens": 0,
+               "seconds": time.perf_counter() - t0, "diverged": True, "error": str(e)}
+    out.update(name=name, method=cfg.sync.method, seed=cfg.seed, steps=cfg.steps, tau=cfg.sync.tau,
+               outer_lr=cfg.sync.outer_lr, outer_momentum=cfg.sync.outer_momentum, run_dir=run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(summary_path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"compare_methods: {name}: val {out['val_loss']:.4f} in {out['seconds']:.0f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.run_root, exist_ok=True)
+    sweep, best = [], {}
+    for method in SWEPT:
+        for lr in args.lrs:
+            for mom in args.momenta:
+                outer = dict(outer_lr=lr, outer_momentum=mom)
+                cfg = config(method, args.sweep_steps, args.sweep_seed, args.tau, args.eval_every, outer)
+                sweep.append(run(args, f"sweep_{method}_lr{lr}_m{mom}", cfg, args.report_only))
+        mine = [r for r in sweep if r["method"] == method]
+        pick = min(mine, key=lambda r: r["val_loss"])
+        best[method] = dict(outer_lr=pick["outer_lr"], outer_momentum=pick["outer_momentum"])
+
+    final = []
+    for method in METHODS:
+        for seed in args.seeds:
+            cfg = config(method, args.steps, seed, args.tau, args.eval_every, best.get(method))
+            final.append(run(args, f"{method}_s{seed}", cfg, args.report_only))
+
+    rows = []
+    for method in METHODS:
+        rs = [r for r in final if r["method"] == method]
+        vals = [r["val_loss"] for r in rs]
+        rows.append({"method": method, "outer": best.get(method), "val_losses": vals,
+                     "val_mean": statistics.fmean(vals), "val_spread": (max(vals) - min(vals)) / 2,
+                     "val_ppl_mean": statistics.fmean(r["val_ppl"] for r in rs), "tokens": rs[0]["tokens"],
+                     "seconds_mean": statistics.fmean(r["seconds"] for r in rs)})
+    by = {r["method"]: r["val_mean"] for r in rows}
+    checks = {"edit <= diloco": by["edit"] <= by["diloco"], "co2 <= post_local_sgd": by["co2"] <= by["post_local_sgd"],
+              "edit within 1% of baseline (or better)": by["edit"] <= 1.01 * by["baseline"]}
+    lines = [f"tau={args.tau}, {args.steps} steps ({(args.steps - 20) // args.tau} syncs), seeds {args.seeds}; "
+             f"sweep: {args.sweep_steps} steps, seed {args.sweep_seed}, lr {args.lrs} x momentum {args.momenta}", "",
+             "| method | outer lr / momentum (sweep) | final val loss (mean ± half-range) | val ppl | tokens | wall s |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        o = f"{r['outer']['outer_lr']} / {r['outer']['outer_momentum']}" if r["outer"] else "-"
+        lines.append(f"| {r['method']} | {o} | {r['val_mean']:.4f} ± {r['val_spread']:.4f} | {r['val_ppl_mean']:.2f} "
+                     f"| {r['tokens']:,} | {r['seconds_mean']:.0f} |")
+    lines += ["", "sweep (final val loss at the sweep budget):", "", "| method | lr | momentum | val loss |", "|---|---|---|---|"]
+    lines += [f"| {r['method']} | {r['outer_lr']} | {r['outer_momentum']} | {r['val_loss']:.4f} |" for r in sweep]
+    lines += [""] + [f"- {k}: {'holds' if v else 'does NOT hold'}" for k, v in checks.items()]
+    table = "\n".join(lines)
+    print(table)
+    with open(os.path.join(args.run_root, "table.md"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(args.run_root, "results.json"), "w") as f:
+        json.dump({"args": vars(args), "sweep": sweep, "best": best, "final": final, "rows": rows, "checks": checks},
+                  f, indent=1)
+    try:
+        from edit_jax.plot import plot_runs  # noqa: PLC0415
+
+        seed0 = [r for r in final if r["seed"] == args.seeds[0] and not r["diverged"]]
+        plot_runs([r["run_dir"] for r in seed0], args.plot, labels=[r["method"] for r in seed0])
+        print(f"plot: {args.plot}")
+    except ImportError as e:  # matplotlib missing: the table still stands
+        print(f"no plot ({e})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
