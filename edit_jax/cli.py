@@ -1,4 +1,5 @@
-"""Command line: ``edit-jax train``, ``edit-jax placement``, ``edit-jax sample`` and ``edit-jax export``.
+"""Command line: ``edit-jax train``, ``edit-jax placement``, ``edit-jax sample``, ``edit-jax export`` and
+``edit-jax plot``.
 
     edit-jax train --config configs/demo.py --run-dir runs/demo steps=300 mesh.replica=4 mesh.shard=2
 
@@ -6,9 +7,9 @@ Overrides are dotted ``key=value`` pairs (``method=NAME`` is short for ``sync.me
 On CPU the number of emulated devices is set from the mesh unless XLA_FLAGS already sets it.
 
 Exit codes (README, "Exit codes and what survives what"): 0 done (or already finished), 2 bad
-input (config, data, mesh, placement, checkpoint, run dir not writable), 3 diverged (non-finite
-state; nothing non-finite saved), 4 run dir in use by another run, 5 a worker process was lost
-(mesh.processes > 1; launch.py), 130 stopped by a signal.
+input (config, data, mesh, placement, checkpoint, run dir not writable; for plot, a run dir it
+cannot read), 3 diverged (non-finite state; nothing non-finite saved), 4 run dir in use by another
+run, 5 a worker process was lost (mesh.processes > 1; launch.py), 130 stopped by a signal.
 """
 
 from __future__ import annotations
@@ -95,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = {"train": _train, "placement": lambda a: __import__("edit_jax.placement.cli", fromlist=["main"]).main(a),
                 "sample": lambda a: __import__("edit_jax.sample", fromlist=["main"]).main(a),
-                "export": lambda a: __import__("edit_jax.export", fromlist=["main"]).main(a)}
+                "export": lambda a: __import__("edit_jax.export", fromlist=["main"]).main(a),
+                "plot": lambda a: __import__("edit_jax.plot", fromlist=["main"]).main(a)}
     if not argv or argv[0] not in commands:
-        print("usage: edit-jax {train,placement,sample,export} [options]  (edit-jax COMMAND --help for details)",
+        print("usage: edit-jax {train,placement,sample,export,plot} [options]  (edit-jax COMMAND --help for details)",
               file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])
