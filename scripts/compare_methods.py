@@ -4,10 +4,10 @@
     python scripts/compare_methods.py --report-only    # table and plot from the finished runs
 
 The setup is the demo's (`edit_jax.presets.cpu`: demo model, 2 x 4 CPU-emulated mesh, batch 16 x
-128, inner AdamW lr 3e-3, 20 synchronous warmup steps) with tau = 5 and long enough for Local SGD
-to be itself: 1420 steps = 280 syncs (the demo has 28).
+128, inner AdamW lr 3e-3, 20 synchronous warmup steps) with tau = 4 and long enough for Local SGD
+to be itself: 1140 steps = 280 syncs (the demo has 28).
 
-1. Sweep (seed 100, a shorter budget: 420 steps = 80 syncs): outer lr x outer momentum over the
+1. Sweep (seed 100, a shorter budget: 340 steps = 80 syncs): outer lr x outer momentum over the
    same grid for each method with an outer optimizer (DiLoCo, EDiT: Nesterov; CO2: heavy ball,
    its own update rule). The setting with the lowest final validation loss of the sweep run is
    kept. The Baseline and Post Local SGD have no outer hyper-parameters (Post Local SGD's outer
@@ -44,9 +44,9 @@ SWEPT = ("diloco", "edit", "co2")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=1420, help="final runs: inner steps (tokens = steps x 16 x 128)")
-    p.add_argument("--sweep-steps", type=int, default=420)
-    p.add_argument("--tau", type=int, default=5)
+    p.add_argument("--steps", type=int, default=1140, help="final runs: inner steps (tokens = steps x 16 x 128)")
+    p.add_argument("--sweep-steps", type=int, default=340)
+    p.add_argument("--tau", type=int, default=4)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--sweep-seed", type=int, default=100)
     p.add_argument("--lrs", type=float, nargs="+", default=[0.5, 1.0])

@@ -14,7 +14,7 @@ from tests.helpers import REPO
 def test_every_config_file_loads_and_validates(path):
     cfg = load_config(path)
     name = os.path.basename(path)
-    for method in ("baseline", "post_local_sgd", "diloco", "edit"):
+    for method in ("baseline", "post_local_sgd", "diloco", "edit", "co2"):
         if name.startswith(method + "_") or name == f"cpu_{method}.py":
             assert cfg.sync.method == method
 
