@@ -130,6 +130,10 @@ class DebugConfig:
     # (FACTOR - 1) x its measured step time after each step). Multi-process runs only.
     slowdown: str = ""
     pin_cores: bool = False  # each worker process runs on one CPU core of its own (worker i: core i mod cores)
+    # "worker=W,steps=A-B": for inner steps A..B (0-based, both included; the step's training
+    # record says step k + 1) worker W's rows of the global batch are uniform random token ids in
+    # [0, model.vocab_size), fixed by (seed, step). For loss-spike tests (edit_jax/data/corrupt.py).
+    corrupt: str = ""
 
 
 @dataclass
@@ -403,6 +407,7 @@ def validate(cfg: Config) -> None:
     if mesh.placement:
         _require(os.path.isfile(mesh.placement), "mesh.placement", f"file {mesh.placement!r} not found")
     _validate_processes(cfg)
+    _validate_corrupt(cfg)
     if cfg.log.tensorboard:
         _require(importlib.util.find_spec("tensorboardX") is not None, "log.tensorboard",
                  "needs the tensorboardX package: pip install edit-jax[tensorboard] (or pip install tensorboardX)")
@@ -465,6 +470,20 @@ def _validate_processes(cfg: Config) -> None:
         _require(mesh.processes > 1, "debug.slowdown", "slows a worker process: needs mesh.processes > 1")
         _require(max(slow) < mesh.replica, "debug.slowdown",
                  f"worker {max(slow)} does not exist (mesh.replica={mesh.replica})")
+
+
+def _validate_corrupt(cfg: Config) -> None:
+    from edit_jax.data.corrupt import parse_corrupt  # noqa: PLC0415 - the data package imports this module
+
+    try:
+        spec = parse_corrupt(cfg.debug.corrupt)
+    except ValueError as e:
+        raise ConfigError(f"config key 'debug.corrupt': expected worker=W,steps=A-B (0 <= A <= B, inner steps "
+                          f"0-based, both included), got {cfg.debug.corrupt!r}: {e}") from None
+    if spec is not None:
+        _require(spec.worker < cfg.mesh.replica, "debug.corrupt",
+                 f"worker {spec.worker} does not exist (workers 0..{cfg.mesh.replica - 1}, mesh.replica="
+                 f"{cfg.mesh.replica})")
 
 
 def dumps(cfg: Config) -> str:

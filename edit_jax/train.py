@@ -34,6 +34,7 @@ import numpy as np
 from edit_jax import data as data_lib
 from edit_jax.checkpoint import Checkpointer, CheckpointError, UnreadableCheckpointError, steps_on_disk
 from edit_jax.config import Config, ConfigError, dumps, validate
+from edit_jax.data.corrupt import corrupt_batch, parse_corrupt
 from edit_jax.evaluate import Evaluator
 from edit_jax.integrity import finite_report, nonfinite_parts
 from edit_jax.methods import plan_for
@@ -326,6 +327,7 @@ def _train(cfg: Config, run_dir: str | None, *, progress: bool, devices: list | 
     data_lib.check_model_vocab(corpus, cfg.model.vocab_size)
     stream = data_lib.make_train_stream(corpus, cfg.data.seq_len, cfg.batch_size, cfg.mesh.replica, cfg.data.seed)
     val = data_lib.val_batches(corpus, cfg.data.seq_len, cfg.batch_size, cfg.eval_batches)
+    corrupt = parse_corrupt(cfg.debug.corrupt)  # None unless the testing knob is set
 
     ckpt, resumed_from, state, data_state = None, None, None, None
     if run_dir:
@@ -404,7 +406,9 @@ def _train(cfg: Config, run_dir: str | None, *, progress: bool, devices: list | 
                 state = machinery.init_outer_fn()(state)
             kind = schedule.kind(k)
             kinds_since_record.add(kind)
-            batch = machinery.put_batch(stream.next())
+            # debug.corrupt: garbage rows for one worker in its window; the stream is not touched.
+            batch = machinery.put_batch(corrupt_batch(stream.next(), corrupt, k, cfg.mesh.replica,
+                                                      cfg.model.vocab_size, cfg.seed))
             state, metrics = machinery.step_fn(kind)(state, batch)
             # At most MAX_IN_FLIGHT steps dispatched ahead of the host: XLA:CPU's collectives
             # deadlock (rendezvous timeout) when ~50 steps are queued, and a short queue costs

@@ -42,6 +42,7 @@ from edit_jax import data as data_lib
 from edit_jax import multihost
 from edit_jax.checkpoint import Checkpointer, CheckpointError
 from edit_jax.config import Config, dumps, parse_slowdown
+from edit_jax.data.corrupt import corrupt_rows, parse_corrupt
 from edit_jax.evaluate import Evaluator
 from edit_jax.methods import TimeSchedule, plan_for, split_kind
 from edit_jax.step import Machinery
@@ -116,6 +117,7 @@ def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, ve
     stream = data_lib.make_train_stream(corpus, cfg.data.seq_len, cfg.batch_size, n, cfg.data.seed)
     val = data_lib.val_batches(corpus, cfg.data.seq_len, cfg.batch_size, cfg.eval_batches)
     slow = parse_slowdown(cfg.debug.slowdown).get(me, 1.0)
+    corrupt = parse_corrupt(cfg.debug.corrupt)  # None unless the testing knob is set
 
     ckpt, resumed_from, state, data_state = None, None, None, None
     if run_dir:
@@ -163,7 +165,9 @@ def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, ve
     last_record = [time.perf_counter(), k]
 
     def rows_for(step: int) -> np.ndarray:
-        return stream.replica_batch(me, step)
+        """This worker's rows of its step ``step`` (debug.corrupt: garbage in its window; the
+        corrupted worker's own step count decides, which in A-EDiT may run ahead of the others)."""
+        return corrupt_rows(stream.replica_batch(me, step), corrupt, step, me, cfg.model.vocab_size, cfg.seed)
 
     def record(kind, loss, gnorm, force=False):
         nonlocal last_loss

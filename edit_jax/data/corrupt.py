@@ -1,0 +1,98 @@
+"""Testing knob ``debug.corrupt``: one worker trains on garbage for a window of steps.
+
+``debug.corrupt="worker=W,steps=A-B"`` replaces worker (replica) W's rows of the global batch by
+uniformly random token ids in ``[0, model.vocab_size)`` for every inner step k with
+``A <= k <= B`` (both ends included). k is the 0-based index of the step the batch is fed to: the
+training loop's ``k`` when it draws the batch (``stream.step``, ``schedule.kind(k)``), so the
+training record of that step says ``"step": k + 1``. ``steps=A`` alone is the window ``A-A``.
+With one process per worker (``mesh.processes > 1``) k is that worker's own step count, which
+equals the global step except in A-EDiT after its warmup.
+
+The garbage is a pure function of (seed, step, worker): runs are reproducible, and a resumed run
+sees the same garbage as an uninterrupted one. Only the batch handed to the step is changed,
+never the stream or its state (``TrainStream`` recomputes batch k from k alone), so checkpoints
+and resumes stay exact. Used to test loss-spike suppression (scripts/spike_experiment.py): a
+worker with corrupted data should produce anomalous pseudo gradients that EDiT's detector flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+_TAG = 0xC0FFEE  # separates this knob's random stream from every other use of the seed
+
+
+@dataclass(frozen=True)
+class CorruptSpec:
+    worker: int
+    first: int  # first corrupted step (0-based, included)
+    last: int  # last corrupted step (included)
+
+    def active(self, step: int) -> bool:
+        return self.first <= step <= self.last
+
+
+def parse_corrupt(text: str) -> CorruptSpec | None:
+    """``"worker=1,steps=100-129"`` -> CorruptSpec(1, 100, 129); ``""`` -> None. Raises ValueError
+    (with what was wrong) on a malformed spec; range checks against the mesh are config.validate's."""
+    if not text.strip():
+        return None
+    fields: dict[str, str] = {}
+    for item in (t.strip() for t in text.split(",")):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or key not in ("worker", "steps"):
+            raise ValueError(f"unknown item {item!r} (expected worker=W and steps=A-B)")
+        if key in fields:
+            raise ValueError(f"{key} given twice")
+        fields[key] = value
+    missing = [k for k in ("worker", "steps") if k not in fields]
+    if missing:
+        raise ValueError(f"missing {' and '.join(missing)}")
+    first, sep, last = fields["steps"].partition("-")
+    try:
+        worker, a = int(fields["worker"]), int(first)
+        b = int(last) if sep else a
+    except ValueError:
+        raise ValueError("worker and the step bounds must be integers") from None
+    if worker < 0 or a < 0:
+        raise ValueError("worker and steps must be >= 0")
+    if a > b:
+        raise ValueError(f"empty step window {a}-{b} (A must be <= B)")
+    return CorruptSpec(worker, a, b)
+
+
+def garbage_rows(shape: tuple[int, int], vocab: int, seed: int, step: int, worker: int) -> np.ndarray:
+    """int32 ``shape`` of uniform token ids in ``[0, vocab)``, determined by (seed, step, worker)."""
+    rng = np.random.default_rng(np.random.SeedSequence([_TAG, abs(int(seed)), int(seed < 0), int(step), int(worker)]))
+    return rng.integers(0, vocab, size=shape, dtype=np.int32)
+
+
+def corrupt_rows(rows: np.ndarray, spec: CorruptSpec | None, step: int, worker: int, vocab: int,
+                 seed: int) -> np.ndarray:
+    """Worker ``worker``'s rows of step ``step``: garbage if the spec corrupts them, else ``rows``
+    itself (no copy). Never writes into ``rows``."""
+    if spec is None or worker != spec.worker or not spec.active(step):
+        return rows
+    return garbage_rows(np.shape(rows), vocab, seed, step, worker)
+
+
+def corrupt_batch(batch: np.ndarray, spec: CorruptSpec | None, step: int, num_replicas: int, vocab: int,
+                  seed: int) -> np.ndarray:
+    """The global batch ``[B, T+1]`` of step ``step`` with the corrupted worker's rows replaced.
+
+    Rows ``[r*B/N, (r+1)*B/N)`` are replica r's (``TrainStream``; ``Machinery.put_batch`` puts
+    them on replica r's devices). Returns ``batch`` itself when nothing is corrupted, else a copy:
+    the caller's array (possibly the stream's) is never written."""
+    if spec is None or not spec.active(step):
+        return batch
+    per = batch.shape[0] // num_replicas
+    lo, hi = spec.worker * per, (spec.worker + 1) * per
+    out = np.array(batch, copy=True)
+    out[lo:hi] = corrupt_rows(batch[lo:hi], spec, step, spec.worker, vocab, seed)
+    return out
+
+
+__all__ = ["CorruptSpec", "parse_corrupt", "garbage_rows", "corrupt_rows", "corrupt_batch"]
