@@ -3,8 +3,10 @@
     python scripts/compare_methods.py                  # about an hour on 2 cores
     python scripts/compare_methods.py --report-only    # table and plot from the finished runs
 
-The setup is the demo's (`edit_jax.presets.cpu`: demo model, 2 x 4 CPU-emulated mesh, batch 16 x
-128, inner AdamW lr 3e-3, 20 synchronous warmup steps) with tau = 4 and long enough for Local SGD
+The setup is the demo's (`edit_jax.presets.cpu`: demo model, 2 workers, batch 16 x 128, inner
+AdamW lr 3e-3, 20 synchronous warmup steps) on a 2 x 1 mesh (`--shard 1`: FSDP within a worker
+is exact, so the shard count changes no number the comparison is about, and 2 emulated devices
+step about twice as fast as 8 on 2 cores) with tau = 4 and long enough for Local SGD
 to be itself: 1140 steps = 280 syncs (the demo has 28).
 
 1. Sweep (seed 100, a shorter budget: 340 steps = 80 syncs): outer lr x outer momentum over the
@@ -30,7 +32,9 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The mesh needs exactly 2 x shard devices (make_mesh takes them all): set before JAX starts.
+_shard = int(sys.argv[sys.argv.index("--shard") + 1]) if "--shard" in sys.argv else 1
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={2 * _shard}")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO) if REPO not in sys.path else None
 
@@ -52,14 +56,16 @@ def parse_args(argv=None):
     p.add_argument("--lrs", type=float, nargs="+", default=[0.5, 1.0])
     p.add_argument("--momenta", type=float, nargs="+", default=[0.5, 0.85])
     p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--shard", type=int, default=1, help="mesh.shard (mesh.replica stays the preset's 2)")
     p.add_argument("--run-root", default=os.path.join(REPO, "runs", "compare"))
     p.add_argument("--plot", default=os.path.join(REPO, "docs", "compare_methods.png"))
     p.add_argument("--report-only", action="store_true", help="no training: report the runs already in RUN_ROOT")
     return p.parse_args(argv)
 
 
-def config(method: str, steps: int, seed: int, tau: int, eval_every: int, outer: dict | None = None):
+def config(method: str, steps: int, seed: int, tau: int, eval_every: int, outer: dict | None = None, shard: int = 1):
     cfg = cpu(method, steps=steps)
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, shard=shard))
     sync = dataclasses.replace(cfg.sync, tau=tau, **(outer or {}))
     cfg = dataclasses.replace(cfg, sync=sync, seed=seed, data=dataclasses.replace(cfg.data, seed=seed),
                               eval_every=eval_every, checkpoint_every=0, log_every=10)
@@ -102,7 +108,7 @@ def main(argv=None):
         for lr in args.lrs:
             for mom in args.momenta:
                 outer = dict(outer_lr=lr, outer_momentum=mom)
-                cfg = config(method, args.sweep_steps, args.sweep_seed, args.tau, args.eval_every, outer)
+                cfg = config(method, args.sweep_steps, args.sweep_seed, args.tau, args.eval_every, outer, args.shard)
                 sweep.append(run(args, f"sweep_{method}_lr{lr}_m{mom}", cfg, args.report_only))
         mine = [r for r in sweep if r["method"] == method]
         pick = min(mine, key=lambda r: r["val_loss"])
@@ -111,7 +117,7 @@ def main(argv=None):
     final = []
     for method in METHODS:
         for seed in args.seeds:
-            cfg = config(method, args.steps, seed, args.tau, args.eval_every, best.get(method))
+            cfg = config(method, args.steps, seed, args.tau, args.eval_every, best.get(method), args.shard)
             final.append(run(args, f"{method}_s{seed}", cfg, args.report_only))
 
     rows = []

@@ -5,7 +5,8 @@
     python scripts/spike_experiment.py --skip-run           # replot / re-tabulate runs/spike/results.json
 
 The CPU demo setup (``edit_jax.presets.cpu(method)``: demo model, 2 x 4 mesh, W = 20 synchronous
-steps, tau = 10, anomaly_warmup K = 3, alpha = 0.02, delta = 3), six runs:
+steps, tau = 10, anomaly_warmup K = 3, alpha = 0.02, delta = 3) with the outer Nesterov lr 0.8 /
+momentum 0.85 pinned (the presets' values when this was measured), six runs:
 
     edit_clean, edit_clean_twin (data.seed=1: the noise reference), edit_corrupt, diloco_clean,
     diloco_corrupt, edit_corrupt_noanomaly (sync.anomaly=false)
@@ -78,8 +79,10 @@ def run_one(args, name: str, method: str, corrupted: bool, extra: list[str]) -> 
     from edit_jax.presets import cpu
     from edit_jax.train import train
 
+    # The outer settings the experiment was run with (the presets' before the method comparison
+    # re-tuned them), pinned so this command keeps reproducing BUILD_NOTES' numbers.
     overrides = [f"eval_every={args.eval_every}", "checkpoint_every=0", "log_every=10", "sync.per_unit_metrics=true",
-                 *extra]
+                 "sync.outer_lr=0.8", "sync.outer_momentum=0.85", *extra]
     if corrupted:
         overrides.append(f"debug.corrupt=worker={WORKER},steps={args.window}")
     cfg = apply_overrides(cpu(method, steps=args.steps), overrides)
