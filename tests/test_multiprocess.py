@@ -153,7 +153,7 @@ def _records(run_dir):
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("method", ["edit", "diloco"])
+@pytest.mark.parametrize("method", ["edit", "diloco", "co2"])
 def test_two_processes_equal_one_program(tmp_path, method):
     """2 processes x 2 devices give the single-process 2 x 2 run's losses (every kind of step:
     HSDP warmup, local steps, and the method's sync)."""
