@@ -177,6 +177,13 @@ def test_two_processes_corrupt_the_same_rows(tmp_path):
             got.setdefault(r["step"], [None, None])[r["worker"]] = r["loss"]
     assert sorted(got) == sorted(want) == list(range(1, 9))
     np.testing.assert_allclose([got[k] for k in sorted(got)], [want[k] for k in sorted(want)], rtol=2e-5)
-    # Record 3 (step 2, clean) and record 4 (step 3, the first corrupted one) start from the same
-    # params as a clean run: the workers agree on clean rows, worker 1 is far worse on garbage.
-    assert abs(want[3][1] - want[3][0]) < 0.05 and want[4][1] - want[4][0] > 0.2, want
+    # Against the same run without garbage: records 1-3 (steps 0-2) are identical; record 4 (step
+    # 3, the first corrupted one) starts from the same params, so worker 0 (clean rows) has the
+    # clean run's loss and worker 1 (garbage) does not. (A margin between the two workers' losses
+    # depends on the corpus, which differs between Python versions.)
+    clean_cfg = load_config(os.path.join(REPO, "configs/tiny.py"),
+                            [o for o in TINY if "processes" not in o] + over[:-1])
+    clean = {r["step"]: r["replica_loss"] for r in train(clean_cfg, str(tmp_path / "clean"), progress=False,
+                                                         devices=jax.devices()[:4]).history}
+    np.testing.assert_array_equal([want[k] for k in (1, 2, 3)], [clean[k] for k in (1, 2, 3)])
+    assert want[4][0] == clean[4][0] and abs(want[4][1] - clean[4][1]) > 1e-3, (want[4], clean[4])
