@@ -417,8 +417,10 @@ def _validate_co2(s: SyncConfig) -> None:
     _require(s.co2_gap_penalty > 0, "sync.co2_gap_penalty", f"must be positive, got {s.co2_gap_penalty}")
     _require(s.co2_momentum_clip >= 0, "sync.co2_momentum_clip", f"must be >= 0 (0: off), got {s.co2_momentum_clip}")
     if s.method != "co2":
-        for key, val, default in [("co2_gap_penalty", s.co2_gap_penalty, 1.0), ("co2_momentum_clip", s.co2_momentum_clip, 0.0)]:
-            _require(val == default, f"sync.{key}", f"is used by method co2 only (method is {s.method!r}); got {val}")
+        for key in ("co2_gap_penalty", "co2_momentum_clip"):  # set away from SyncConfig's default: a mistake
+            val = getattr(s, key)
+            _require(val == getattr(SyncConfig, key), f"sync.{key}",
+                     f"is used by method co2 only (method is {s.method!r}); got {val}")
         return
     # CO2's stale sync is the whole model after the step, one all-reduce of the pending pseudo
     # gradients; the streaming, quantized and replica-sharded exchanges are not built for it.

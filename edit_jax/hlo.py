@@ -450,6 +450,7 @@ def operand_elements(record: dict) -> int:
     return total
 
 
-__all__ = ["COLLECTIVES", "RING_FORMULAS", "HloModule", "Instr", "parse_hlo", "upstream", "entry_parameters", "parse_replica_groups", "iota_groups",
+__all__ = ["COLLECTIVES", "RING_FORMULAS", "HloModule", "Instr", "parse_hlo", "upstream", "entry_parameters",
+           "parse_replica_groups", "iota_groups",
            "mesh_groups", "parse_pairs", "multiplicities", "hlo_collectives", "collective_totals", "crosses_replica",
            "replica_crossing", "operand_elements", "dtype_bytes", "parse_shapes", "shape_bytes"]

@@ -286,12 +286,12 @@ def stale_outer_step(pending_sum: Any, n_workers: int, local: Any, outer_params:
                      opt: optax.GradientTransformation, lam: float):
     """CO2's outer update of one unit (CO2.md section 1, step 3), on this device's blocks.
 
-    ``pending_sum`` is the sum over workers of the pseudo gradients a_{t-1} - x^i_{t-1} of the
-    previous round (all-reduced by the caller, independently of this round's steps). Returns
+    ``pending_sum`` is the sum over the ``n_workers`` workers of the pseudo gradients
+    a_{t-1} - x^i_{t-1} of the previous round (all-reduced by the caller, independently of this
+    round's steps); its mean is Delta_{t-1} = a_{t-1} - xbar_{t-1}. All-reducing a - x^i rather
+    than the parameters gives the same mean with one buffer fewer (CO2.md section 4). Returns
     (a_{t+1}, the optimizer state, this worker's new pending a_t - x^i_t, the step's input
-    Delta_{t-1} / Lambda_t). With
-    ``n_workers`` the mean: Delta_{t-1} = a_{t-1} - xbar_{t-1}. All-reducing a - x^i rather than the
-    parameters gives the same mean with one buffer fewer (CO2.md section 4)."""
+    Delta_{t-1} / Lambda_t)."""
     local = jax.tree.map(lambda x: x.astype(jnp.float32), local)
     avg = jax.tree.map(lambda x: x / n_workers, pending_sum)
     lam = staleness_gap_penalty(avg, lam)
