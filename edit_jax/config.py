@@ -36,6 +36,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     compute_dtype: str = "float32"  # "bfloat16" on GPU; params are always float32
     remat: bool = False  # recompute each layer in the backward pass (saves activation memory)
+    # Layers per iteration of the layer scan (lax.scan's unroll): 1 keeps one loop body; >= n_layers
+    # unrolls the stack completely (no per-layer slicing/stacking copies; longer compiles).
+    scan_unroll: int = 1
     init_std: float = 0.02
 
     @property
@@ -52,6 +55,10 @@ class MeshConfig:
     # per worker (multi-controller JAX), each owning its replica's `shard` devices (multihost.py).
     processes: int = 1
     heartbeat_seconds: int = 10  # a lost process ends the others after about this long
+    # One all-gather (and, in the backward, one reduce-scatter) per unit instead of one per
+    # parameter: sharding.gather_unit. Pays on XLA:CPU, which runs every collective as a
+    # rendezvous of threads; the GPU presets leave it to XLA's collective combiner.
+    fused_gather: bool = True
 
 
 @dataclass
@@ -342,7 +349,8 @@ def validate(cfg: Config) -> None:
                      ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
                      ("model.ffn_dim", m.ffn_dim), ("model.vocab_size", m.vocab_size), ("mesh.replica", mesh.replica),
                      ("mesh.shard", mesh.shard), ("data.seq_len", d.seq_len), ("log_every", cfg.log_every),
-                     ("eval_batches", cfg.eval_batches), ("sync.tau", s.tau), ("keep_checkpoints", cfg.keep_checkpoints)]:
+                     ("eval_batches", cfg.eval_batches), ("sync.tau", s.tau), ("keep_checkpoints", cfg.keep_checkpoints),
+                     ("model.scan_unroll", m.scan_unroll)]:
         _require(val > 0, key, f"must be positive, got {val}")
     for key, val in [("eval_every", cfg.eval_every), ("checkpoint_every", cfg.checkpoint_every),
                      ("optim.warmup_steps", o.warmup_steps), ("optim.decay_steps", o.decay_steps),

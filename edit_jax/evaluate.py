@@ -41,7 +41,8 @@ class Evaluator:
                 if over_outer and lay.outer_over_replica:  # θ̄ is split over replica too: reassemble
                     local = jax.tree.map(lambda x, d: jax.lax.all_gather(x, REPLICA, axis=d, tiled=True), local,
                                          {"root": dims["root"], "layers": lay.shard_dims["layers"]})
-                hook = lambda unit, xs, which: (gather_unit(unit, dims[which], dtype), None)  # noqa: E731
+                fused = cfg.mesh.fused_gather
+                hook = lambda unit, xs, which: (gather_unit(unit, dims[which], dtype, fused), None)  # noqa: E731
                 logits, _ = m.model.forward(cfg.model, local, batch[:, :-1], hook)
                 total = m.model.token_loss_sum(logits, batch[:, 1:])
                 count = jnp.float32(batch.shape[0] * (batch.shape[1] - 1))

@@ -123,14 +123,30 @@ def unit_dims(shard_dims: Any, stacked: bool) -> Any:
     return jax.tree.map(lambda d: d - 1 if stacked else d, shard_dims)
 
 
-def gather_unit(local: Any, dims: Any, dtype: Any = None) -> Any:
-    """All-gathers a unit's FSDP shards over ``shard`` (cast first so the gather moves ``dtype``)."""
-    def one(x, d):
-        if dtype is not None:
-            x = x.astype(dtype)
-        return jax.lax.all_gather(x, SHARD, axis=d, tiled=True)
+def gather_unit(local: Any, dims: Any, dtype: Any = None, fused: bool = False) -> Any:
+    """All-gathers a unit's FSDP shards over ``shard`` (cast first so the gather moves ``dtype``).
 
-    return jax.tree.map(one, local, dims)
+    ``fused``: one all-gather for the whole unit instead of one per leaf (a decoder layer has 9),
+    so its transpose in the backward is one reduce-scatter too. Each leaf's block is laid out with
+    its FSDP dim first and flattened, the blocks are concatenated, gathered as [S, total], then
+    cut back and each leaf's S blocks joined along its FSDP dim. It moves the same bytes as the
+    per-leaf gathers plus a local relayout; it pays where each collective has a fixed cost (XLA:CPU
+    does not combine all-gathers: every one is a rendezvous of the shard's threads; measured in
+    BUILD_NOTES section 6). GPU backends combine collectives themselves."""
+    leaves, treedef = jax.tree.flatten(local)
+    dim_list = treedef.flatten_up_to(dims)
+    if dtype is not None:
+        leaves = [x.astype(dtype) for x in leaves]
+    if not fused or len(leaves) < 2 or len({x.dtype for x in leaves}) > 1:
+        return treedef.unflatten([jax.lax.all_gather(x, SHARD, axis=d, tiled=True) for x, d in zip(leaves, dim_list)])
+    moved = [jnp.moveaxis(x, d, 0) for x, d in zip(leaves, dim_list)]  # FSDP dim first: [D/S, rest...]
+    full = jax.lax.all_gather(jnp.concatenate([m.reshape(-1) for m in moved]), SHARD, axis=0)  # [S, total]
+    out, start = [], 0
+    for m, d in zip(moved, dim_list):
+        piece = full[:, start:start + m.size].reshape((-1,) + m.shape[1:])  # shard-major: [D, rest...]
+        out.append(jnp.moveaxis(piece, 0, d))
+        start += m.size
+    return treedef.unflatten(out)
 
 
 def shard_sq_norm(tree: Any, axes: Any = SHARD) -> jax.Array:

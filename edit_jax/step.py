@@ -42,6 +42,7 @@ from edit_jax.family import model_family
 from edit_jax.fragments import fragment_layers, fragment_of_unit
 from edit_jax.methods import STEP_KINDS, split_kind
 from edit_jax.outer import sgd_trace, stale_outer_step, sync_unit
+from edit_jax.profile import SYNC_SCOPE
 from edit_jax.sharding import BATCH_SPEC, REPLICA, SHARD, gather_unit, named, replica_gather, shard_sq_norm
 from edit_jax.state import OuterState, StateLayout, TrainState, init_outer_opt_state
 
@@ -169,18 +170,20 @@ class Machinery:
         inputs, targets = batch[:, :-1], batch[:, 1:]
         dtype = jnp.dtype(cfg.model.compute_dtype)
         dims_of = self.layout.unit_dims
+        fused = cfg.mesh.fused_gather
         kind, group = split_kind(kind)
         sync_in_forward = kind == "sync_forward"
 
         def hook(unit, xs, which):
             if not sync_in_forward or xs is None:  # xs None: a unit outside the due group
-                return gather_unit(unit, dims_of[which], dtype), None
+                return gather_unit(unit, dims_of[which], dtype, fused), None
             outer_p, opt_st, det, *residual = xs
             rdims = dims_of[which] if self.layout.outer_over_replica else None
-            res = sync_unit(jax.lax.stop_gradient(unit), outer_p, opt_st, det, plan.penalty, self.layout.outer_opt, rdims,
-                            shares, self.compress, residual[0] if residual else None)
-            synced = _with_value(unit, _varying(res.params))
-            return gather_unit(synced, dims_of[which], dtype), res
+            with jax.named_scope(SYNC_SCOPE):  # the profile files these ops under "sync"
+                res = sync_unit(jax.lax.stop_gradient(unit), outer_p, opt_st, det, plan.penalty,
+                                self.layout.outer_opt, rdims, shares, self.compress, residual[0] if residual else None)
+                synced = _with_value(unit, _varying(res.params))
+            return gather_unit(synced, dims_of[which], dtype, fused), res
 
         hook_xs = None
         if sync_in_forward:
@@ -208,22 +211,24 @@ class Machinery:
         metrics = {}
         params, outer = state.params, state.outer
         opt_state = state.opt_state
-        if sync_in_forward and group is not None:
-            _, lo, hi = fragment_layers(self.groups, group)
-            params, outer, metrics = self._assemble_group_sync(state.params, state.outer, ys["root"],
-                                                               ys["layers"][1] if hi > lo else None, lo, hi)
-            opt_state, metrics["inner_reset"] = self._reset_nonfinite_workers(opt_state, metrics)
-        elif sync_in_forward:
-            params, outer, metrics = self._assemble_sync(state, ys["root"], ys["layers"])
-            opt_state, metrics["inner_reset"] = self._reset_nonfinite_workers(opt_state, metrics)
+        with jax.named_scope(SYNC_SCOPE):
+            if sync_in_forward and group is not None:
+                _, lo, hi = fragment_layers(self.groups, group)
+                params, outer, metrics = self._assemble_group_sync(state.params, state.outer, ys["root"],
+                                                                   ys["layers"][1] if hi > lo else None, lo, hi)
+                opt_state, metrics["inner_reset"] = self._reset_nonfinite_workers(opt_state, metrics)
+            elif sync_in_forward:
+                params, outer, metrics = self._assemble_sync(state, ys["root"], ys["layers"])
+                opt_state, metrics["inner_reset"] = self._reset_nonfinite_workers(opt_state, metrics)
         grad_norm = jnp.sqrt(shard_sq_norm(grads))
         updates, opt_state = self.layout.inner_opt.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        if kind == "local_then_sync" and plan.stale:
-            params, outer, metrics = self._sync_stale(params, outer)
-        elif kind == "local_then_sync":
-            params, outer, metrics = self._sync_whole(params, outer, shares, group)
-            opt_state, metrics["inner_reset"] = self._reset_nonfinite_workers(opt_state, metrics)
+        with jax.named_scope(SYNC_SCOPE):
+            if kind == "local_then_sync" and plan.stale:
+                params, outer, metrics = self._sync_stale(params, outer)
+            elif kind == "local_then_sync":
+                params, outer, metrics = self._sync_whole(params, outer, shares, group)
+                opt_state, metrics["inner_reset"] = self._reset_nonfinite_workers(opt_state, metrics)
         # Per-replica figures leave the step sharded over `replica` ([N] globally) and are averaged
         # on the host: a pmean here would put an all-reduce across replicas into every local step.
         metrics.update(loss=jax.lax.psum(loss, SHARD)[None], grad_norm=grad_norm[None])

@@ -72,6 +72,9 @@ def parse_args(argv=None):
                    help="section e: F:compress[+ef] rows")
     p.add_argument("--stream-train", default="all", help="section e: rows to train for the val loss ('all', 'none' "
                                                          "or a comma list like 1:none,1:int8)")
+    p.add_argument("--stream-seeds", default="0",
+                   help="section e: comma-separated seeds; each trained row runs once per seed and reports the "
+                        "mean val loss (and each seed's, paired with F=1 none of the same seed); default 0")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for every section (repeatable)")
     p.add_argument("--json", default=None,
@@ -533,23 +536,33 @@ def section_e(ctx: Ctx) -> dict:
     for row in rows_spec:
         o = out[row]
         if row in to_train:
-            ov = _stream_overrides(row, tau) + [f"steps={args.steps}", "eval_every=0", "checkpoint_every=0"]
-            t0 = time.perf_counter()
-            r = train(variant(cfg, *ov), run_dir=None, progress=False, devices=ctx.devices)
-            o.update(final_val_loss=r.final_val_loss, final_train_loss=r.final_loss, steps=r.steps, tokens=r.tokens,
-                     wall_seconds=time.perf_counter() - t0)
-            print(f"  [e] {row}: val_loss {r.final_val_loss:.4f} after {r.steps} steps", flush=True)
+            seeds = [int(x) for x in args.stream_seeds.split(",") if x.strip()]
+            per_seed, t0 = {}, time.perf_counter()
+            for seed in seeds:
+                ov = _stream_overrides(row, tau) + [f"steps={args.steps}", "eval_every=0", "checkpoint_every=0",
+                                                    f"seed={seed}"]
+                r = train(variant(cfg, *ov), run_dir=None, progress=False, devices=ctx.devices)
+                per_seed[seed] = {"val_loss": r.final_val_loss, "train_loss": r.final_loss}
+                print(f"  [e] {row} seed {seed}: val_loss {r.final_val_loss:.4f} after {r.steps} steps", flush=True)
+            vals = [v["val_loss"] for v in per_seed.values()]
+            o.update(final_val_loss=statistics.fmean(vals),
+                     val_loss_stdev=statistics.stdev(vals) if len(vals) > 1 else 0.0, per_seed=per_seed, steps=r.steps, tokens=r.tokens, wall_seconds=time.perf_counter() - t0)
     for row in rows_spec:
         o = out[row]
         ratio = lambda k: o[k] / today[k] if today else float("nan")  # noqa: E731
         val, base_val = o.get("final_val_loss"), (today or {}).get("final_val_loss")
         o["peak_ratio"], o["per_token_ratio"] = ratio("peak"), ratio("per_token_bytes")
         o["val_loss_rel"] = (val - base_val) / base_val if val is not None and base_val else None
+        if val is not None and base_val and len(o["per_seed"]) > 1:  # the same seed with and without the change
+            o["val_loss_rel_per_seed"] = {sd: (v["val_loss"] - today["per_seed"][sd]["val_loss"])
+                                          / today["per_seed"][sd]["val_loss"]
+                                          for sd, v in o["per_seed"].items() if sd in today["per_seed"]}
         table.append([row.split(":")[0], row.split(":")[1], " / ".join(f"{b:,.0f}" for b in o["sync_step_bytes"]),
                       f"{o['peak']:,.0f}", f"{o['peak_ratio']:.3f}", f"{o['per_token_bytes']:.2f}",
                       f"{o['per_token_ratio']:.3f}", ",".join(sorted({d for k, v in o["wire_dtypes"].items()
                                                                       if k != "local" for d in v})),
-                      f"{val:.4f}" if val is not None else "-",
+                      (f"{val:.4f}" + (f" ± {o['val_loss_stdev']:.4f}" if o.get("val_loss_stdev") else ""))
+                      if val is not None else "-",
                       f"{100 * o['val_loss_rel']:+.2f}%" if o["val_loss_rel"] is not None else "-"])
     common.print_table("e. Streaming (fragments) and compressed sync: bytes crossing `replica` and val loss",
                        ["F", "compress", "B per sync step (each group)", "peak B", "peak / today",
@@ -559,7 +572,8 @@ def section_e(ctx: Ctx) -> dict:
                        f"mesh {n_rep} x {n_shard}, {tokens_step} tokens per step. Bytes per device, ring formulas of "
                        "section a, read from the compiled sync_forward[@f] programs minus the local step's (0 here); "
                        "scalars (norms, weights, flags) included. Per token: a tau window (every group once) / "
-                       f"(tau x tokens per step). Val loss after {args.steps} steps, eval on θ̄ after a fresh sync.")
+                       f"(tau x tokens per step). Val loss after {args.steps} steps, eval on θ̄ after a fresh "
+                       f"sync, mean over seeds {args.stream_seeds}.")
     return {"tau": tau, "rows": out, "tokens_per_step": tokens_step}
 
 
