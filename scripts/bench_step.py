@@ -52,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=16, help="global batch in sequences; default 16")
     p.add_argument("--seq", type=int, default=128, help="sequence length; default 128")
     p.add_argument("--method", default="edit", choices=("baseline", "post_local_sgd", "diloco", "edit", "co2"),
-                   help="sync.method of the R x S worker; default edit")
+                   help="sync.method of the R x S configuration; default edit")
     p.add_argument("--kinds", default=None,
                    help="comma-separated step kinds to time; default: hsdp,local and the method's sync kind. "
                         "'one:local' and 'one:sync_forward' (method edit) time the branches of one compiled "
@@ -62,7 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=6, help="interleaved repetitions; default 6")
     p.add_argument("--steps-per-rep", type=int, default=3, help="timed steps per kind per repetition; default 3")
     p.add_argument("--resume-steps", type=int, default=1,
-                   help="untimed steps each time a (worker, kind) takes its turn, so caches and thread pools "
+                   help="untimed steps each time a (configuration, kind) takes its turn, so caches and thread pools "
                         "warmed by the previous one do not bias the first timed step; default 1")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="model.compute_dtype (params stay float32); default float32")
@@ -74,13 +74,13 @@ def parse_args(argv=None):
                    help="another checkout (a directory holding edit_jax/) whose R x S steps are timed in the same "
                         "interleaved run, e.g. a `git worktree` of the commit before a change")
     p.add_argument("--vs-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override of the 'vs' worker only (repeatable): an A/B of one setting in one run, "
-                        "e.g. --vs-set model.scan_unroll=4 (with or without --vs-src)")
+                   help="config override of the 'vs' configuration only (repeatable): an A/B of one setting in "
+                        "one run, e.g. --vs-set model.scan_unroll=4 (with or without --vs-src)")
     p.add_argument("--profile-steps", type=int, default=3, help="steps traced per kind (0: no profile); default 3")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s of ONE device, to report MFU = achieved / (peak x devices)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra config override for every worker (repeatable), e.g. --set model.scan_unroll=2")
+                   help="extra config override for every configuration (repeatable), e.g. --set model.scan_unroll=2")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=os.path.join(common.DEFAULT_JSON_DIR, "bench_step.json"),
                    help="where to write the JSON result; default runs/bench/bench_step.json")
@@ -379,11 +379,12 @@ def report(args, specs, infos, runs, samples, profiles, env, loads) -> dict:
     common.print_table(
         f"bench_step: {args.model} ({info['params']:,} params), {args.method}, mesh {mesh_txt} ({info['platform']}), "
         f"{args.batch} x {args.seq} tokens/step, {args.dtype}",
-        ["worker / kind", "median ms", "stdev ms", "tokens/s", "/ mesh hsdp", "/ mesh local", "/ vs-src same kind",
+        ["config / kind", "median ms", "stdev ms", "tokens/s", "/ mesh hsdp", "/ mesh local", "/ vs same kind",
          "first call s"] + (["MFU"] if args.peak_tflops else []), rows,
-        f"{args.reps} interleaved repetitions x {args.steps_per_rep} steps per (worker, kind); load average before/after "
-        f"{loads[0]} / {loads[1]} on {os.cpu_count()} CPUs. 'mesh' = this checkout on {mesh_txt}; '1x1' = one device "
-        f"in its own process" + (f"; 'vs' = {args.vs_src or 'this checkout'} {' '.join(args.vs_set)}" if "vs" in specs else "")
+        f"{args.reps} interleaved repetitions x {args.steps_per_rep} steps per (config, kind); load average "
+        f"before/after {loads[0]} / {loads[1]} on {os.cpu_count()} CPUs. 'mesh' = this checkout on {mesh_txt}; "
+        f"'1x1' = one device in its own process"
+        + (f"; 'vs' = {args.vs_src or 'this checkout'} {' '.join(args.vs_set)}" if "vs" in specs else "")
         + ". First call = compile + one step.")
     if derived:
         common.print_table("derived ratios (medians)", ["quantity", "value"],
@@ -394,10 +395,12 @@ def report(args, specs, infos, runs, samples, profiles, env, loads) -> dict:
         prow = [[k] + [f"{p['per_device_step_ms'][c]:.2f}" for c in CATEGORIES] + [f"{p['total_ms']:.1f}"]
                 for k, p in profiles.items()]
         common.print_table(f"profile: self time per device per step (ms), {args.profile_steps} traced steps per kind",
-                           ["worker/kind"] + list(CATEGORIES) + ["total"], prow,
-                           "On a CPU-emulated mesh the devices share the host's cores: 'collective' includes waiting at "
-                           "the rendezvous while other devices compute; the compute categories are the work.")
-    res = {"benchmark": "bench_step", "env": env, "loadavg": list(loads), "args": {k: v for k, v in vars(args).items() if k != "worker"},
+                           ["config/kind"] + list(CATEGORIES) + ["total"], prow,
+                           "Each op's time is its thread's wall time: on a CPU-emulated mesh 'collective' includes "
+                           "waiting at the rendezvous while other devices compute, and with more device threads than "
+                           "cores every column includes descheduled time. Compare kinds within one run.")
+    res = {"benchmark": "bench_step", "env": env, "loadavg": list(loads),
+           "args": {k: v for k, v in vars(args).items() if k != "worker"},
            "configs": {label: {"spec": specs[label], **infos[label]} for label in specs},
            "kinds": res_kinds, "derived": derived, "profiles": profiles}
     common.write_json(args.json, res)
