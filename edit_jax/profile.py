@@ -29,7 +29,7 @@ import os
 import re
 from collections import defaultdict
 
-from edit_jax.hlo import COLLECTIVES, parse_hlo
+from edit_jax.hlo import COLLECTIVES, HloModule, parse_hlo
 
 SYNC_SCOPE = "edit_sync"  # jax.named_scope of the sync's code (outer.py, step.py)
 CATEGORIES = ("matmul", "collective", "copy", "sync", "elementwise", "control", "other")
@@ -44,11 +44,18 @@ _COLLECTIVE_OPS = {op + sfx for op in COLLECTIVES for sfx in ("", "-start", "-do
 
 def op_categories(hlo_text: str) -> dict[str, str]:
     """Instruction name -> category, for every instruction of a compiled HLO module's text."""
-    mod = parse_hlo(hlo_text)
+    return _categories(parse_hlo(hlo_text))
+
+
+def _categories(mod: HloModule) -> dict[str, str]:
     fused_ops: dict[str, set[str]] = {name: {i.opcode for i in instrs} for name, instrs in mod.computations.items()}
+    callees: dict[int, list[str]] = defaultdict(list)  # id(instruction) -> the computations it calls
+    for edges in mod.calls.values():
+        for _, callee, ins in edges:
+            callees[id(ins)].append(callee)
 
     def contents(instr) -> set[str]:  # opcodes inside a fusion (recursively through nested fusions)
-        seen, todo, ops = set(), [c for k, c, i in mod.calls.get(instr.computation, []) if i is instr], set()
+        seen, todo, ops = set(), list(callees[id(instr)]), set()
         while todo:
             comp = todo.pop()
             if comp in seen:
@@ -122,8 +129,12 @@ def op_self_times(trace_path: str) -> list[tuple[str, str, float]]:
 
 def op_sources(hlo_text: str) -> dict[str, str]:
     """Instruction name -> the jax op path it came from (``metadata={op_name=...}``), where printed."""
+    return _sources(parse_hlo(hlo_text))
+
+
+def _sources(mod: HloModule) -> dict[str, str]:
     out = {}
-    for instrs in parse_hlo(hlo_text).computations.values():
+    for instrs in mod.computations.values():
         for ins in instrs:
             m = _OP_NAME_RE.search(ins.attrs)
             if m:
@@ -135,10 +146,11 @@ def summarize(trace_path: str, hlo_text: str, steps: int, top_n: int = 15) -> di
     """Per-step time by category, averaged over the devices that appear in the trace.
 
     Returns ``{"per_device_step_ms": {category: ms}, "total_ms", "share": {category: fraction},
-    "top_ops": [(name, category, ms per device-step, jax op path), ...]
-    (compute ops only), "devices", "unmatched_ops"}``. Ops
-    missing from ``hlo_text`` (another program traced alongside) count as ``other``."""
-    cats = op_categories(hlo_text)
+    "top_ops": [(name, category, ms per device-step, jax op path), ...] (compute ops only),
+    "devices", "unmatched_ops"}``. Ops missing from ``hlo_text`` (another program traced alongside)
+    count as ``other``."""
+    mod = parse_hlo(hlo_text)
+    cats = _categories(mod)
     times = op_self_times(trace_path)
     devices = sorted({d for d, _, _ in times})
     scale = 1e-3 / (max(1, len(devices)) * max(1, steps))  # µs summed over devices and steps -> ms per device-step
@@ -156,11 +168,11 @@ def summarize(trace_path: str, hlo_text: str, steps: int, top_n: int = 15) -> di
     # The costliest work (collectives left out: on an emulated mesh their time is mostly waiting).
     work = {n: t for n, t in per_op.items() if cats.get(n) not in ("collective", "control")}
     top = sorted(work.items(), key=lambda kv: -kv[1])[:top_n]
-    sources = op_sources(hlo_text)
+    sources = _sources(mod)
     return {"per_device_step_ms": {c: per_cat.get(c, 0.0) for c in CATEGORIES}, "total_ms": total,
             "share": {c: (per_cat.get(c, 0.0) / total if total else 0.0) for c in CATEGORIES},
             "top_ops": [(n, cats.get(n, "other"), t, sources.get(n, "")) for n, t in top], "devices": len(devices),
             "unmatched_ops": sorted(unmatched)[:20]}
 
 
-__all__ = ["CATEGORIES", "SYNC_SCOPE", "find_trace", "op_categories", "op_self_times", "summarize"]
+__all__ = ["CATEGORIES", "SYNC_SCOPE", "find_trace", "op_categories", "op_self_times", "op_sources", "summarize"]

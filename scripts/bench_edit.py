@@ -546,7 +546,8 @@ def section_e(ctx: Ctx) -> dict:
                 print(f"  [e] {row} seed {seed}: val_loss {r.final_val_loss:.4f} after {r.steps} steps", flush=True)
             vals = [v["val_loss"] for v in per_seed.values()]
             o.update(final_val_loss=statistics.fmean(vals),
-                     val_loss_stdev=statistics.stdev(vals) if len(vals) > 1 else 0.0, per_seed=per_seed, steps=r.steps, tokens=r.tokens, wall_seconds=time.perf_counter() - t0)
+                     val_loss_stdev=statistics.stdev(vals) if len(vals) > 1 else 0.0, per_seed=per_seed,
+                     steps=r.steps, tokens=r.tokens, wall_seconds=time.perf_counter() - t0)
     for row in rows_spec:
         o = out[row]
         ratio = lambda k: o[k] / today[k] if today else float("nan")  # noqa: E731

@@ -155,6 +155,7 @@ class Steps:
         self.params = model_lib.count_params(jax.eval_shape(lambda k: model_lib.init_params(cfg.model, k),
                                                             jax.random.key(0)))
         self.flops_per_token = model_lib.flops_per_token(cfg.model, cfg.data.seq_len)
+        self._one = None  # the one-program experiment, compiled on first use
         self.first_call_s = {}
         for kind in spec["kinds"]:  # the first call of each kind: compile + one step; then one warm step
             self.first_call_s[kind] = self.step(kind)
@@ -174,7 +175,7 @@ class Steps:
         runtime flag (``lax.cond``), against one program per kind (what the library does). Built
         from the machinery's step body; the local branch passes the outer state through and
         returns zeros for the sync figures, so both branches have one output type."""
-        if getattr(self, "_one", None) is None:
+        if self._one is None:
             import jax
             import jax.numpy as jnp
             from jax.sharding import PartitionSpec as P
@@ -211,9 +212,13 @@ class Steps:
         os.makedirs(log_dir, exist_ok=True)
         with self.jax.profiler.trace(log_dir, create_perfetto_trace=True):
             times = [self.step(kind) for _ in range(steps)]
+        if kind.startswith(ONE_PROGRAM):  # both branches live in the one program
+            lowered = self.one_program().lower(self.state, self.batch, kind == ONE_PROGRAM + "sync_forward")
+        else:
+            lowered = self.machinery.lowered(kind, self.state, self.batch)
         hlo_path = os.path.join(log_dir, "step.hlo.txt")
         with open(hlo_path, "w") as f:
-            f.write(self.machinery.lowered(kind, self.state, self.batch).compile().as_text())
+            f.write(lowered.compile().as_text())
         return {"times": times, "hlo": hlo_path}
 
     def info(self) -> dict:
@@ -328,9 +333,10 @@ def main(argv=None) -> dict:
                     continue  # another checkout: timed, not profiled (its HLO may predate the profile's categories)
                 d = os.path.join(trace_root, f"{label}_{kind}")
                 rep = runners[label].profile(kind, args.profile_steps, d)
+                trace = find_trace(d)
                 with open(rep["hlo"]) as f:
-                    profiles[f"{label}/{kind}"] = {"trace": find_trace(d), "step_times_s": rep["times"],
-                                                   **summarize(find_trace(d), f.read(), args.profile_steps)}
+                    profiles[f"{label}/{kind}"] = {"trace": trace, "step_times_s": rep["times"],
+                                                   **summarize(trace, f.read(), args.profile_steps)}
         infos = {label: r.info() for label, r in runners.items()}
     finally:
         for r in runners.values():
