@@ -35,6 +35,52 @@ if TYPE_CHECKING:
 
 # Kinds of compiled step (step.py). A schedule maps each inner step k to one of them.
 STEP_KINDS = ("hsdp", "local", "sync_forward", "local_then_sync")
+SYNC_KINDS = ("sync_forward", "local_then_sync")  # the kinds that run a sync (and may carry a group)
+
+
+@dataclass(frozen=True)
+class StepKind:
+    """One kind of compiled step: ``name`` in ``STEP_KINDS`` and, for a streaming sync
+    (``sync.fragments > 1``), the fragment ``group`` it syncs. ``str(kind)`` is the name records
+    and logs use (``"sync_forward@2"``); ``StepKind.parse`` reads it back."""
+
+    name: str
+    group: int | None = None
+
+    def __post_init__(self):
+        if self.name not in STEP_KINDS:
+            raise ValueError(f"unknown step kind {self.name!r}; expected one of {', '.join(STEP_KINDS)}")
+        if self.group is not None and (self.name not in SYNC_KINDS or self.group < 0):
+            raise ValueError(f"step kind {self.name!r}: a fragment group ({self.group}) is for the sync kinds "
+                             f"{', '.join(SYNC_KINDS)} only, and >= 0")
+
+    @property
+    def syncs(self) -> bool:
+        """Runs a sync over `replica` (and so reads and writes the outer state)."""
+        return self.name in SYNC_KINDS
+
+    @property
+    def crosses_replica(self) -> bool:
+        """Any value crosses `replica` in this step (gradients or pseudo gradients): every worker
+        must run it together. Only ``local`` steps stay within one worker."""
+        return self.name != "local"
+
+    def __str__(self) -> str:
+        return self.name if self.group is None else f"{self.name}@{self.group}"
+
+    @classmethod
+    def parse(cls, kind: "StepKind | str") -> "StepKind":
+        """``"sync_forward@2"`` -> StepKind("sync_forward", 2); a StepKind is returned as is."""
+        if isinstance(kind, StepKind):
+            return kind
+        name, _, group = str(kind).partition("@")
+        try:
+            return cls(name, int(group) if group else None)
+        except ValueError as e:
+            raise ValueError(f"step kind {kind!r}: {e}") from None
+
+
+HSDP, LOCAL = StepKind("hsdp"), StepKind("local")
 
 
 @dataclass(frozen=True)
@@ -117,15 +163,15 @@ class StepSchedule:
     tau: int
     fragments: int = field(default=1, kw_only=True)  # F > 1: staggered groups (fragments.py)
 
-    def kind(self, k: int) -> str:
+    def kind(self, k: int) -> StepKind:
         w = self.warmup
         if not self.uses_outer or k < w:
-            return "hsdp"
+            return HSDP
         if self.layerwise:  # the sync of the window [k - tau, k) runs inside step k's forward
             g = self.due_group(k - w)
-            return "local" if g is None else self.with_group("sync_forward", g)
+            return LOCAL if g is None else self.with_group("sync_forward", g)
         g = self.due_group(k + 1 - w)  # the same window, synced after step k - 1
-        return "local" if g is None else self.with_group("local_then_sync", g)
+        return LOCAL if g is None else self.with_group("local_then_sync", g)
 
     def due_group(self, j: int) -> int | None:
         """The fragment group whose sync is due at position ``j`` of the local phase (j = k - W for
@@ -136,9 +182,9 @@ class StepSchedule:
             return None
         return (j % tau) // (tau // f)
 
-    def with_group(self, kind: str, group: int) -> str:
-        """``"sync_forward"`` (F = 1: every unit) or ``"sync_forward@f"`` (group f only)."""
-        return kind if self.fragments == 1 else f"{kind}@{group}"
+    def with_group(self, name: str, group: int) -> StepKind:
+        """``sync_forward`` (F = 1: every unit) or ``sync_forward@f`` (group f only)."""
+        return StepKind(name, None if self.fragments == 1 else group)
 
     def init_outer_due(self, k: int) -> bool:
         """The first sync (k == W > 0) only sets θ̄ to the (identical) replicas' params."""
@@ -170,11 +216,11 @@ class TimeSchedule(StepSchedule):
     min_total_steps: int
     target_total_steps: int  # steps x workers: the global budget of inner steps (tokens / batch)
 
-    def kind(self, k: int) -> str:
-        return "hsdp" if k < self.warmup else "local"
+    def kind(self, k: int) -> StepKind:
+        return HSDP if k < self.warmup else LOCAL
 
-    def sync_kind(self) -> str:
-        return "sync_forward" if self.layerwise else "local_then_sync"
+    def sync_kind(self) -> StepKind:
+        return StepKind("sync_forward" if self.layerwise else "local_then_sync")
 
     def sync_due(self, now: float, last_sync: float) -> bool:
         return now - last_sync >= self.tau_time
@@ -190,12 +236,6 @@ class TimeSchedule(StepSchedule):
 
 
 Schedule = StepSchedule  # the protocol every schedule follows: kind, init_outer_due, outer_is_live
-
-
-def split_kind(kind: str) -> tuple[str, int | None]:
-    """``"sync_forward@2"`` -> ("sync_forward", 2); ``"local"`` -> ("local", None)."""
-    base, _, group = kind.partition("@")
-    return base, (int(group) if group else None)
 
 
 @dataclass(frozen=True)
@@ -245,5 +285,5 @@ def sync_fields_for(name: str) -> dict:
 
 
 __all__ = ["METHODS", "Method", "Plan", "OuterSpec", "MethodPlan", "StepSchedule", "TimeSchedule", "SyncDecision",
-           "Schedule", "STEP_KINDS", "split_kind",
+           "Schedule", "STEP_KINDS", "SYNC_KINDS", "StepKind", "HSDP", "LOCAL",
            "OUTER_OPTIMIZERS", "plan_for", "normalise", "method", "sync_fields_for"]

@@ -40,7 +40,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from edit_jax.config import Config
 from edit_jax.family import model_family
 from edit_jax.fragments import fragment_layers, fragment_of_unit
-from edit_jax.methods import STEP_KINDS, split_kind
+from edit_jax.methods import STEP_KINDS, StepKind
 from edit_jax.outer import sgd_trace, stale_outer_step, sync_unit
 from edit_jax.profile import SYNC_SCOPE
 from edit_jax.sharding import BATCH_SPEC, REPLICA, SHARD, gather_unit, named, replica_gather, shard_sq_norm
@@ -115,15 +115,16 @@ class Machinery:
 
     # -- the compiled steps -----------------------------------------------------------------------
 
-    def step_fn(self, kind: str):
-        """The jitted step ``(state, batch) -> (state, metrics)`` of ``kind`` (compiled once)."""
-        base, group = split_kind(kind)
-        if base not in STEP_KINDS or (group is not None) != (self.groups is not None and base in STEP_KINDS[2:]) \
-                or (group is not None and not 0 <= group < self.cfg.sync.fragments):
-            raise ValueError(f"unknown step kind {kind!r}; expected one of {STEP_KINDS} (sync kinds with '@f', "
-                             f"0 <= f < sync.fragments, when sync.fragments > 1)")
+    def step_fn(self, kind: StepKind | str):
+        """The jitted step ``(state, batch) -> (state, metrics)`` of ``kind`` (compiled once); a
+        string is parsed (``"local"``, ``"sync_forward@2"``)."""
+        kind = StepKind.parse(kind)
+        if (kind.group is not None) != (self.groups is not None and kind.syncs) \
+                or (kind.group is not None and not kind.group < self.cfg.sync.fragments):
+            raise ValueError(f"step kind {str(kind)!r} does not fit this config: expected one of {STEP_KINDS} (sync "
+                             f"kinds with '@f', 0 <= f < sync.fragments, when sync.fragments > 1)")
         if kind not in self._compiled:
-            uses_outer_here = base in ("sync_forward", "local_then_sync")
+            uses_outer_here = kind.syncs
             specs = self.state_specs if uses_outer_here else self.state_specs.replace(outer=None)
             metric_specs = {"loss": P(REPLICA), "grad_norm": P(REPLICA)}
             if uses_outer_here:
@@ -160,18 +161,18 @@ class Machinery:
             self._compiled[key] = jax.jit(lambda st, b: mapped(st.replace(outer=None), b))
         return self._compiled[key]
 
-    def lowered(self, kind: str, state, batch):
+    def lowered(self, kind: StepKind | str, state, batch):
         """The lowered (not executed) step, for HLO inspection and memory analysis."""
-        self.step_fn(kind)
-        return self._compiled[kind].lower(state, batch)
+        return self.step_fn(kind).lower(state, batch)
 
-    def _local_step(self, state: TrainState, batch: jax.Array, shares=None, *, kind: str):
+    def _local_step(self, state: TrainState, batch: jax.Array, shares=None, *, kind: StepKind | str):
         cfg, plan = self.cfg, self.plan
         inputs, targets = batch[:, :-1], batch[:, 1:]
         dtype = jnp.dtype(cfg.model.compute_dtype)
         dims_of = self.layout.unit_dims
         fused = cfg.mesh.fused_gather
-        kind, group = split_kind(kind)
+        # "grads_only" (grads_fn): the gradient path alone; else a StepKind, by name from here on
+        kind, group = (kind, None) if kind == "grads_only" else (StepKind.parse(kind).name, StepKind.parse(kind).group)
         sync_in_forward = kind == "sync_forward"
 
         def hook(unit, xs, which):

@@ -256,7 +256,7 @@ def _loss_divergence(metrics: dict, kind: str, step: int) -> str | None:
     is rolled back at its next sync)."""
     loss, gnorm = np.atleast_1d(np.asarray(metrics["loss"])), np.atleast_1d(np.asarray(metrics["grad_norm"]))
     ok = np.isfinite(loss) & np.isfinite(gnorm)
-    if (ok.all() if kind == "hsdp" else ok.any()):
+    if (ok.all() if str(kind) == "hsdp" else ok.any()):
         return None
     return (f"non-finite loss / gradient norm at step {step} (loss {_to_json(loss)}, grad norm {_to_json(gnorm)}); "
             "stopping")
@@ -428,7 +428,7 @@ def _train(cfg: Config, run_dir: str | None, *, progress: bool, devices: list | 
                 last_loss = float(np.mean(metrics["loss"]))  # per replica -> mean on the host
                 diverged = _loss_divergence(metrics, kind, k)
                 rec = {"step": k, "loss": last_loss, "grad_norm": float(np.mean(metrics["grad_norm"])),
-                       "tokens_per_s": tokens_per_step / dt, "step_time": dt, "kind": kind}
+                       "tokens_per_s": tokens_per_step / dt, "step_time": dt, "kind": str(kind)}
                 if cfg.mesh.replica > 1:
                     rec["replica_loss"] = _to_json(metrics["loss"])
                 if kinds_since_record - timed_kinds:  # a first step of a kind also compiled it

@@ -44,11 +44,8 @@ from edit_jax.checkpoint import Checkpointer, CheckpointError
 from edit_jax.config import Config, dumps, parse_slowdown
 from edit_jax.data.corrupt import corrupt_rows, parse_corrupt
 from edit_jax.evaluate import Evaluator
-from edit_jax.methods import TimeSchedule, plan_for, split_kind
+from edit_jax.methods import LOCAL, TimeSchedule, plan_for
 from edit_jax.step import Machinery
-
-GLOBAL_KINDS = ("hsdp", "sync_forward", "local_then_sync")
-
 
 def _set_step(state, step: int, shardings):
     """``state`` with its step counter and every inner optimizer step count set to ``step``: the
@@ -86,8 +83,8 @@ class Worker:
     def step(self, kind: str, state, rows: np.ndarray, shares=None):
         """One step of ``kind`` on this worker's ``rows`` of the global batch: (state, loss, grad norm,
         sync metrics or None)."""
-        if kind == "local":
-            state, metrics = self.loc.step_fn("local")(state, self.loc.put_batch(rows))
+        if not kind.crosses_replica:
+            state, metrics = self.loc.step_fn(kind)(state, self.loc.put_batch(rows))
             m = jax.device_get(metrics)
             return state, float(m["loss"][0]), float(m["grad_norm"][0]), None
         batch = multihost.global_batch(self.glob.mesh, rows, self.cfg.batch_size)
@@ -178,7 +175,7 @@ def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, ve
         dt = (now - last_record[0]) / max(k - last_record[1], 1)
         last_record[:] = [now, k]
         rec = {"step": k, "worker": me, "global_step": global_step, "loss": loss, "grad_norm": gnorm,
-               "tokens_per_s": tokens_per_worker_step / dt, "step_time": dt, "kind": kind, "time": now - t_start}
+               "tokens_per_s": tokens_per_worker_step / dt, "step_time": dt, "kind": str(kind), "time": now - t_start}
         own_log.write(rec)
         history.append(rec)
 
@@ -216,7 +213,7 @@ def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, ve
         """Testing knob: this worker's local steps take `slow` x as long (it sleeps (slow - 1) x the
         step's own time). Not the first local step (it compiled) and not global steps (their time
         is the slowest worker's anyway)."""
-        if slow <= 1.0 or kind != "local":
+        if slow <= 1.0 or str(kind) != "local":
             return
         paced[0] += 1
         if paced[0] > 1:
@@ -240,7 +237,7 @@ def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, ve
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}")
-            if split_kind(kind)[0] in GLOBAL_KINDS or k == in_step_end:  # a meeting: agree on stopping
+            if kind.crosses_replica or k == in_step_end:  # a meeting: agree on stopping
                 want = stop.signal is not None or (stop_after is not None and done_here >= stop_after)
                 agreed = multihost.exchange([int(want), int(time_up())])
                 if agreed[:, 0].any() and k < cfg.steps:
@@ -266,7 +263,7 @@ def train_workers(cfg: Config, run_dir: str | None, *, progress: bool = True, ve
             last_sync, since, syncs = time.monotonic(), 0, 0
             while True:
                 t0 = time.perf_counter()
-                state, loss, gnorm, _ = w.step("local", state, rows_for(k))
+                state, loss, gnorm, _ = w.step(LOCAL, state, rows_for(k))
                 pace("local", t0)
                 k += 1
                 since += 1

@@ -742,7 +742,7 @@ def test_hlo_local_step_has_no_cross_replica_collective(edit4):
 
 
 def step_kind(cfg, k):
-    return plan_for(cfg).schedule.kind(k)
+    return str(plan_for(cfg).schedule.kind(k))  # the kind's record name, e.g. "sync_forward@1"
 
 
 def init_outer_due(cfg, k):

@@ -88,7 +88,7 @@ def test_a_edit_config_rules():
     cfg = load_config(path, ["method=a_edit", "mesh.processes=2", "sync.tau_time=30", "sync.warmup_steps=4"])
     sched = plan_for(cfg).schedule
     assert isinstance(sched, TimeSchedule) and sched.target_total_steps == cfg.steps * 2
-    assert [sched.kind(k) for k in range(6)] == ["hsdp"] * 4 + ["local"] * 2 and sched.init_outer_due(4)
+    assert [str(sched.kind(k)) for k in range(6)] == ["hsdp"] * 4 + ["local"] * 2 and sched.init_outer_due(4)
 
 
 def test_step_weights_mix_against_numpy():

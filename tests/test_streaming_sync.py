@@ -31,7 +31,7 @@ from edit_jax.outer import Penalty
 from edit_jax.sharding import REPLICA, SHARD, make_mesh
 from edit_jax import hlo
 from edit_jax.fragments import balanced_groups, fragment_of_unit, unit_param_counts
-from edit_jax.methods import plan_for, split_kind
+from edit_jax.methods import StepKind, plan_for
 from edit_jax.state import state_shapes
 from edit_jax.step import Machinery
 from test_edit_sync import (BASE, BASE4, PERM, Ref, _assert_det_close, _assert_tree_close, _batch, _cfg,
@@ -41,7 +41,7 @@ from test_edit_sync import (BASE, BASE4, PERM, Ref, _assert_det_close, _assert_t
 
 
 def step_kind(cfg, k):
-    return plan_for(cfg).schedule.kind(k)
+    return str(plan_for(cfg).schedule.kind(k))  # the kind's record name, e.g. "sync_forward@1"
 
 N4, S2 = 4, 2
 EDIT4 = [*BASE4, "sync.method=edit", "sync.anomaly_alpha=0.3", "sync.temperature=0.5", "sync.clip_threshold=0.2",
@@ -101,7 +101,7 @@ def test_staggered_schedule(method):
             due = [f for f in range(frags) if j > 0 and j % tau == f * tau // frags]
             want = "local" if not due else (base_kind if frags == 1 else f"{base_kind}@{due[0]}")
             assert kinds[k] == want, (frags, k)
-        groups = [split_kind(x)[1] for x in kinds if x.startswith(base_kind)]
+        groups = [StepKind.parse(x).group for x in kinds if x.startswith(base_kind)]
         # Round robin over the groups: each group once per τ window.
         assert groups[:2 * frags] == ([None] * 2 if frags == 1 else list(range(1, frags)) + [0] + list(range(1, frags)) + [0])
     # F = 1 is exactly the schedule of before (test_edit_sync.test_step_kind_schedule's numbers).
@@ -187,7 +187,7 @@ def test_staggered_steps_match_numpy_reference(method):
         batch = m.put_batch(_batch(k, cfg))
         before = _host(got)
         got, metrics = m.step_fn(kind)(got, batch)
-        base, group = split_kind(kind)
+        base, group = StepKind.parse(kind).name, StepKind.parse(kind).group
         if base == "sync_forward":
             ref, info = _np_group_sync(ref, m, group, r)
         ref = _host(m.step_fn("local")(_put(m, ref), batch)[0])
