@@ -15,8 +15,11 @@ never deleted before a newer one exists. Checkpoints that fail verification are 
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import shutil
+import zlib
 from typing import Any
 
 import jax
@@ -35,6 +38,29 @@ STRUCTURAL_KEYS = ["model.vocab_size", "model.d_model", "model.n_layers", "model
 
 class CheckpointError(RuntimeError):
     """A checkpoint exists but cannot be used; it is left untouched."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A checkpoint could not be written (disk full, permissions, ...); earlier ones are intact."""
+
+
+def _save_reason(e: BaseException) -> str:
+    """The cause of a failed save in a few words: a full disk is named as such."""
+    cause, seen = e, 0
+    while cause is not None and seen < 20:  # the OSError may be wrapped several times
+        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            return "no space left on the device"
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    text = " ".join(str(e).split())
+    if "RESOURCE_EXHAUSTED" in text or "No space left" in text or "ENOSPC" in text:
+        return "no space left on the device"
+    return _brief(e)
+
+
+def data_checksum(data_state: dict) -> int:
+    """A checksum of the data-stream state (JSON, keys sorted): a resume depends on every byte
+    of it (the step, the seed), so it is verified like the arrays."""
+    return zlib.crc32(json.dumps(data_state, sort_keys=True).encode())
 
 
 class UnreadableCheckpointError(CheckpointError):
@@ -81,10 +107,16 @@ class Checkpointer:
         if int(step) in self.manager.all_steps():  # e.g. a signal right after a periodic save
             return
         meta = {"config": to_dict(cfg), "step": int(step), "state_format": STATE_FORMAT,
-                "checksums": state_checksums(state)}
-        self.manager.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
-        self.manager.wait_until_finished()
+                "checksums": state_checksums(state), "data_checksum": data_checksum(data_state)}
+        try:
+            self.manager.save(int(step), args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - orbax / TensorStore wrap OS errors in many types
+            raise CheckpointSaveError(f"could not save checkpoint {os.path.join(self.directory, str(step))}: "
+                                      f"{_save_reason(e)}. Earlier checkpoints are intact "
+                                      f"({', '.join(map(str, self.all_steps())) or 'none'}); fix that and re-run "
+                                      "the same command to resume") from e
         self._rotate(int(step), meta["checksums"])
 
     def _rotate(self, new_step: int, checksums: dict) -> None:
@@ -114,16 +146,32 @@ class Checkpointer:
                 f"{len(bad)} array(s) ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}) "
                 "differ from those recorded when it was saved")
 
-    def set_aside(self, step: int, where: str = "checkpoints.bad") -> str:
-        """Moves checkpoint ``step`` to ``RUN_DIR/<where>/<step>`` (never deletes it); returns the new path."""
+    def verify_data(self, step: int, data_state: dict, meta: dict | None = None) -> None:
+        """Raises ``UnreadableCheckpointError`` if the data-stream state differs from the one saved
+        (checkpoints written before this checksum existed pass)."""
+        meta = self.read_meta(step) if meta is None else meta
+        saved = meta.get("data_checksum")
+        if saved is not None and saved != data_checksum(data_state):
+            raise UnreadableCheckpointError(
+                f"checkpoint {os.path.join(self.directory, str(step))} is damaged: its data-stream state "
+                f"{json.dumps(data_state, sort_keys=True)[:200]} differs from the one recorded when it was saved")
+
+    def set_aside(self, step: int, where: str = "checkpoints.bad", move: bool = True) -> str:
+        """Moves checkpoint ``step`` to ``RUN_DIR/<where>/<step>`` (never deletes it); returns the new
+        path. ``move=False`` (the other processes of a multi-process run, whose process 0 moves it)
+        only names the path. Call ``reload`` after the moves."""
         dest_dir = os.path.join(os.path.dirname(self.directory), where)
-        os.makedirs(dest_dir, exist_ok=True)
         dest, i = os.path.join(dest_dir, str(step)), 1
         while os.path.exists(dest):
             dest, i = os.path.join(dest_dir, f"{step}.{i}"), i + 1
-        shutil.move(os.path.join(self.directory, str(step)), dest)
-        self.manager.reload()
+        if move:
+            os.makedirs(dest_dir, exist_ok=True)
+            shutil.move(os.path.join(self.directory, str(step)), dest)
         return dest
+
+    def reload(self) -> None:
+        """Re-reads the list of checkpoints on disk (after ``set_aside``)."""
+        self.manager.reload()
 
     def read_meta(self, step: int) -> dict:
         path = os.path.join(self.directory, str(step))
@@ -154,6 +202,7 @@ class Checkpointer:
             raise UnreadableCheckpointError(f"checkpoint {path} could not be restored: {_brief(e)}. "
                                             "It was left untouched; move it away to start over.") from e
         self.verify(step, out["state"])
+        self.verify_data(step, out["data"])
         return out["state"], out["data"]
 
     def restore_host(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
@@ -174,6 +223,7 @@ class Checkpointer:
         finally:
             reader.close()
         self.verify(step, out["state"])
+        self.verify_data(step, out["data"])
         return out["state"], out["data"]
 
     def close(self) -> None:

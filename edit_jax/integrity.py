@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from edit_jax.multihost import local_value
+from edit_jax.multihost import host_value, local_value
 
 _GOLDEN = np.uint32(0x9E3779B1)  # Knuth's multiplicative hash constant (odd)
 
@@ -124,8 +124,8 @@ def finite_report(state: Any) -> dict[str, np.ndarray]:
     ([N] bools), the inner optimizer's shared scalars and the outer state (θ̄, trace, detectors)
     as one bool each. One jitted reduction; only these few bools leave the device."""
     n = jax.tree.leaves(state.params)[0].shape[0]
-    got = jax.device_get(_finite_fn(n)(_on_device(state)))
-    return {k: np.asarray(got[k]) for k in ("params", "opt_state", "opt_state (shared)", "outer")}
+    got = _finite_fn(n)(_on_device(state))  # host_value: also when the state spans several processes
+    return {k: host_value(got[k]) for k in ("params", "opt_state", "opt_state (shared)", "outer")}
 
 
 def nonfinite_parts(report: dict[str, np.ndarray]) -> list[str]:

@@ -126,6 +126,35 @@ def local_value(x) -> np.ndarray:
     return np.asarray(x.addressable_shards[0].data)
 
 
+def host_value(x) -> np.ndarray:
+    """The whole value of ``x`` on this host, whatever its sharding: a host or fully addressable
+    array as it is, a replicated one from this process's copy, and one split over several
+    processes (a per-replica metric [N]) gathered from all of them (a collective: every process
+    must call it)."""
+    if not hasattr(x, "addressable_shards") or x.is_fully_addressable:
+        return np.asarray(x)
+    if x.sharding.is_fully_replicated:
+        return local_value(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def host_values(tree: Any) -> Any:
+    """``host_value`` of every leaf (the metrics of a step)."""
+    import jax
+
+    return jax.tree.map(host_value, tree)
+
+
+def barrier() -> None:
+    """Waits until every process gets here (a no-op with one process)."""
+    import jax
+
+    if jax.process_count() > 1:
+        exchange([0])
+
+
 def exchange(values) -> np.ndarray:
     """Every process's ``values`` (a 1-D int64 vector), stacked [N, len]: identical on all."""
     from jax.experimental import multihost_utils
@@ -133,5 +162,12 @@ def exchange(values) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(np.asarray(values, dtype=np.int64)))
 
 
+def exchange_floats(values) -> np.ndarray:
+    """``exchange`` for float64 values (sent as their bit patterns, so NaN and inf survive)."""
+    bits = np.asarray(values, dtype=np.float64).view(np.int64)
+    return exchange(bits).view(np.float64)
+
+
 __all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "launched_worker", "initialize", "check_runtime",
-           "meshes", "local_config", "to_global", "to_local", "global_batch", "local_value", "exchange"]
+           "meshes", "local_config", "to_global", "to_local", "global_batch", "local_value", "host_value", "host_values",
+           "barrier", "exchange", "exchange_floats"]

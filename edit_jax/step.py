@@ -40,7 +40,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from edit_jax.config import Config
 from edit_jax.family import model_family
 from edit_jax.fragments import fragment_layers, fragment_of_unit
-from edit_jax.methods import STEP_KINDS, StepKind
+from edit_jax.methods import STEP_KINDS, StepKind, plan_for
 from edit_jax.outer import sgd_trace, stale_outer_step, sync_unit
 from edit_jax.profile import SYNC_SCOPE
 from edit_jax.sharding import BATCH_SPEC, REPLICA, SHARD, gather_unit, named, replica_gather, shard_sq_norm
@@ -99,6 +99,11 @@ class Machinery:
         # Streaming sync: group of each unit (None: one group, every unit syncs together).
         self.groups = fragment_of_unit(self.cfg) if self.plan.uses_outer and self.cfg.sync.fragments > 1 else None
         self._compiled: dict[str, Any] = {}
+        self.schedule = plan_for(self.cfg).schedule  # TODO(merge): from the MethodPlan passed in
+
+    @classmethod
+    def for_config(cls, cfg: Config, mesh: Mesh) -> "Machinery":
+        return cls(cfg, mesh)
 
     def abstract_state(self) -> TrainState:
         return self.layout.abstract_state()
