@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from edit_jax.config import Config, ConfigError, require
+
 ENV_COORDINATOR = "EDIT_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "EDIT_JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "EDIT_JAX_PROCESS_ID"
@@ -135,3 +137,55 @@ def exchange(values) -> np.ndarray:
 
 __all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "launched_worker", "initialize", "check_runtime",
            "meshes", "local_config", "to_global", "to_local", "global_batch", "local_value", "exchange"]
+
+
+# ----------------------------------------------------------------------------- config rules
+
+
+def parse_slowdown(text: str) -> dict[int, float]:
+    """``"1:2.0,3:1.5"`` -> {1: 2.0, 3: 1.5}; raises ValueError on a malformed entry."""
+    out: dict[int, float] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        worker, factor = item.split(":")
+        out[int(worker)] = float(factor)
+        if out[int(worker)] < 1.0 or int(worker) < 0:
+            raise ValueError(item)
+    return out
+
+
+def validate(cfg: Config) -> None:
+    """The config's multi-process rules: ``mesh.processes``, A-EDiT's timing fields, what one process
+    per worker does not support, and ``debug.slowdown``. No JAX: checked before JAX starts."""
+    mesh, s = cfg.mesh, cfg.sync
+    require(mesh.processes in (1, mesh.replica), "mesh.processes",
+            f"must be 1 (one program drives every replica) or mesh.replica={mesh.replica} (one process per "
+            f"worker), got {mesh.processes}")
+    require(mesh.heartbeat_seconds >= 1, "mesh.heartbeat_seconds", f"must be >= 1, got {mesh.heartbeat_seconds}")
+    require(s.tau_time > 0, "sync.tau_time", f"must be positive, got {s.tau_time}")
+    require(s.min_total_steps >= 1, "sync.min_total_steps", f"must be >= 1, got {s.min_total_steps}")
+    require(0.0 <= s.step_weight_ratio <= 1.0, "sync.step_weight_ratio", f"must be in [0, 1], got {s.step_weight_ratio}")
+    if s.method == "a_edit":
+        require(mesh.processes == mesh.replica and mesh.replica > 1, "mesh.processes",
+                f"method a_edit runs one process per worker: set mesh.processes=mesh.replica={mesh.replica} "
+                f"(with mesh.replica >= 2), got {mesh.processes}")
+    if mesh.processes > 1:
+        require(s.outer_sharding == "shard", "sync.outer_sharding",
+                "multi-process runs keep the outer state sharded over `shard` only; 'replica_shard' needs "
+                "mesh.processes=1")
+        require(not s.cpu_offload, "sync.cpu_offload", "not supported with mesh.processes > 1 yet")
+        require(not mesh.placement, "mesh.placement", "a device order applies to one program's devices; "
+                "with mesh.processes > 1 each process owns its replica's devices")
+        require(not cfg.log.tensorboard, "log.tensorboard", "not supported with mesh.processes > 1 yet "
+                "(metrics.jsonl holds every worker's records)")
+    try:
+        slow = parse_slowdown(cfg.debug.slowdown)
+    except ValueError:
+        raise ConfigError(f"config key 'debug.slowdown': expected WORKER:FACTOR[,WORKER:FACTOR] with FACTOR >= 1, "
+                          f"got {cfg.debug.slowdown!r}") from None
+    if slow:
+        require(mesh.processes > 1, "debug.slowdown", "slows a worker process: needs mesh.processes > 1")
+        require(max(slow) < mesh.replica, "debug.slowdown",
+                f"worker {max(slow)} does not exist (mesh.replica={mesh.replica})")
+
+
+__all__ += ["parse_slowdown", "validate"]

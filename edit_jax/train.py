@@ -33,7 +33,7 @@ import numpy as np
 
 from edit_jax import data as data_lib
 from edit_jax.checkpoint import Checkpointer, CheckpointError, UnreadableCheckpointError, steps_on_disk
-from edit_jax.config import Config, ConfigError, dumps, validate
+from edit_jax.config import Config, ConfigError, dumps
 from edit_jax.data.corrupt import corrupt_batch, parse_corrupt
 from edit_jax.evaluate import Evaluator
 from edit_jax.integrity import finite_report, nonfinite_parts
@@ -42,6 +42,7 @@ from edit_jax.runlock import RunLock, check_writable
 from edit_jax.sharding import make_mesh
 from edit_jax.state import STATE_FORMAT, TrainState, legacy_state_shapes, state_shapes
 from edit_jax.step import Machinery
+from edit_jax.validate import validate
 
 
 MAX_IN_FLIGHT = 2  # steps the loop may run ahead of the device (see the loop)

@@ -41,10 +41,11 @@ import numpy as np
 from edit_jax import data as data_lib
 from edit_jax import multihost
 from edit_jax.checkpoint import Checkpointer, CheckpointError
-from edit_jax.config import Config, dumps, parse_slowdown
+from edit_jax.config import Config, dumps
 from edit_jax.data.corrupt import corrupt_rows, parse_corrupt
 from edit_jax.evaluate import Evaluator
 from edit_jax.methods import LOCAL, TimeSchedule, plan_for
+from edit_jax.multihost import parse_slowdown
 from edit_jax.step import Machinery
 
 def _set_step(state, step: int, shardings):
