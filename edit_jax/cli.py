@@ -36,7 +36,7 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=100 mesh.replica=4")
     args = parser.parse_intermixed_args(argv)  # overrides may come before and after the options
 
-    from edit_jax.config import ConfigError, load_config  # no JAX import: devices are not set yet
+    from edit_jax.validate import ConfigError, load_config  # no JAX backend yet: devices are not set
 
     try:
         cfg = load_config(args.config, args.overrides)

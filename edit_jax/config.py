@@ -1,8 +1,14 @@
-"""Typed configuration: nested dataclasses, dotted overrides, validation before any work.
+"""Typed configuration: nested dataclasses, dotted overrides, serialisation, checks of its own fields.
 
 A config file is a Python file with a ``get_config()`` function returning a ``Config``.
 Overrides are ``key=value`` strings with dotted keys (``mesh.replica=4``, ``steps=100``);
 values are parsed according to the field's declared type. Every error names the key.
+
+This module is a leaf: it imports nothing from ``edit_jax``, so every part of the package can
+import it. ``check_fields`` checks what the fields say on their own (ranges, finiteness,
+divisibility by the mesh); a rule that needs a part of the package (the method table, the data
+sources, ...) lives with that part as its ``validate(cfg)``. ``edit_jax.validate`` runs them all:
+its ``load_config`` is ``read_config`` here plus every check.
 """
 
 from __future__ import annotations
@@ -276,15 +282,14 @@ def from_dict(d: dict, cls=Config, prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
-def load_config(path: str | None, overrides: list[str] = ()) -> Config:
-    """Loads ``path`` (a Python file with ``get_config()``, or a preset name) and applies overrides."""
+def read_config(path: str | None, overrides: list[str] = ()) -> Config:
+    """Loads ``path`` (a Python file with ``get_config()``, or a preset name) and applies overrides,
+    unchecked: ``edit_jax.validate.load_config`` is this plus every check."""
     if path is None:
         cfg = Config()
     else:
         cfg = _load_file(_resolve_config_path(path))
-    cfg = apply_overrides(cfg, list(overrides))
-    validate(cfg)
-    return cfg
+    return apply_overrides(cfg, list(overrides))
 
 
 def _resolve_config_path(path: str) -> str:
@@ -323,10 +328,11 @@ def _load_file(path: str) -> Config:
     return cfg
 
 
-# ----------------------------------------------------------------------------- validation
+# ----------------------------------------------------------------------------- checks of the fields
 
 
-def _require(cond: bool, key: str, msg: str) -> None:
+def require(cond: bool, key: str, msg: str) -> None:
+    """Raises ``ConfigError`` naming ``key`` unless ``cond``: the one form of every config check."""
     if not cond:
         raise ConfigError(f"config key '{key}': {msg}")
 
@@ -338,11 +344,13 @@ def _require_finite(obj, prefix: str = "") -> None:
         if dataclasses.is_dataclass(val):
             _require_finite(val, key + ".")
         elif isinstance(val, float):
-            _require(math.isfinite(val), key, f"must be a finite number, got {val}")
+            require(math.isfinite(val), key, f"must be a finite number, got {val}")
 
 
-def validate(cfg: Config) -> None:
-    """Checks every constraint that can be checked without devices or data."""
+def check_fields(cfg: Config) -> None:
+    """Checks what the fields say on their own: finiteness, ranges, and divisibility (heads, batch,
+    FSDP shards). The rules that ask a part of the package are that part's ``validate``
+    (``edit_jax.validate`` runs this first, then them)."""
     m, mesh, d, o, s = cfg.model, cfg.mesh, cfg.data, cfg.optim, cfg.sync
     _require_finite(cfg)
     for key, val in [("steps", cfg.steps), ("batch_size", cfg.batch_size), ("model.d_model", m.d_model),
@@ -351,149 +359,50 @@ def validate(cfg: Config) -> None:
                      ("mesh.shard", mesh.shard), ("data.seq_len", d.seq_len), ("log_every", cfg.log_every),
                      ("eval_batches", cfg.eval_batches), ("sync.tau", s.tau), ("keep_checkpoints", cfg.keep_checkpoints),
                      ("model.scan_unroll", m.scan_unroll)]:
-        _require(val > 0, key, f"must be positive, got {val}")
+        require(val > 0, key, f"must be positive, got {val}")
     for key, val in [("eval_every", cfg.eval_every), ("checkpoint_every", cfg.checkpoint_every),
                      ("optim.warmup_steps", o.warmup_steps), ("optim.decay_steps", o.decay_steps),
                      ("optim.weight_decay", o.weight_decay), ("optim.grad_clip", o.grad_clip),
                      ("sync.warmup_steps", s.warmup_steps)]:
-        _require(val >= 0, key, f"must be >= 0, got {val}")
-    _require(m.d_model % m.n_heads == 0, "model.n_heads", f"must divide model.d_model={m.d_model}, got {m.n_heads}")
-    _require(m.head_dim % 2 == 0, "model.n_heads", f"head dim d_model/n_heads={m.head_dim} must be even for rotary embeddings")
-    _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", f"must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
-    _require(m.compute_dtype in ("float32", "bfloat16", "float16"), "model.compute_dtype",
-             f"expected float32, bfloat16 or float16, got {m.compute_dtype!r}")
+        require(val >= 0, key, f"must be >= 0, got {val}")
+    require(m.d_model % m.n_heads == 0, "model.n_heads", f"must divide model.d_model={m.d_model}, got {m.n_heads}")
+    require(m.head_dim % 2 == 0, "model.n_heads", f"head dim d_model/n_heads={m.head_dim} must be even for rotary embeddings")
+    require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", f"must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
+    require(m.compute_dtype in ("float32", "bfloat16", "float16"), "model.compute_dtype",
+            f"expected float32, bfloat16 or float16, got {m.compute_dtype!r}")
     workers = mesh.replica * mesh.shard
-    _require(cfg.batch_size % workers == 0, "batch_size",
-             f"global batch {cfg.batch_size} must be divisible by mesh.replica x mesh.shard = "
-             f"{mesh.replica} x {mesh.shard} = {workers}")
+    require(cfg.batch_size % workers == 0, "batch_size",
+            f"global batch {cfg.batch_size} must be divisible by mesh.replica x mesh.shard = "
+            f"{mesh.replica} x {mesh.shard} = {workers}")
     # Every parameter is FSDP-sharded over `shard` along one of its dims (see sharding.py).
     for key, dim in [("model.d_model", m.d_model), ("model.ffn_dim", m.ffn_dim), ("model.vocab_size", m.vocab_size)]:
-        _require(dim % mesh.shard == 0, key, f"must be divisible by mesh.shard={mesh.shard} (FSDP shards it), got {dim}")
-    from edit_jax.data.sources import SOURCES  # noqa: PLC0415 - the data package imports this module
-
-    _require(d.source in SOURCES, "data.source", f"expected one of {', '.join(SOURCES)}; got {d.source!r}")
-    _require(not SOURCES[d.source].needs_paths or len(d.paths) > 0, "data.paths",
-             f"data.source={d.source!r} needs at least one path or glob")
-    _require(0.0 < d.val_fraction < 1.0, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
-    _require(d.token_dtype in ("uint16", "uint32", "int32"), "data.token_dtype",
-             f"expected uint16, uint32 or int32, got {d.token_dtype!r}")
-    _require(o.lr > 0, "optim.lr", f"must be positive, got {o.lr}")
-    _require(cfg.max_seconds >= 0, "max_seconds", f"must be >= 0 (0: no time limit), got {cfg.max_seconds}")
-    _require(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
-    _require(0.0 <= o.b1 < 1.0, "optim.b1", f"must be in [0, 1), got {o.b1}")
-    _require(0.0 <= o.b2 < 1.0, "optim.b2", f"must be in [0, 1), got {o.b2}")
-    from edit_jax.family import FAMILIES  # noqa: PLC0415 - both import this module (and not JAX)
-    from edit_jax.methods import METHODS, OUTER_OPTIMIZERS  # noqa: PLC0415
-
-    _require(m.family in FAMILIES, "model.family", f"expected one of {', '.join(FAMILIES)}; got {m.family!r}")
-    _require(s.method in METHODS, "sync.method", f"expected one of {', '.join(METHODS)}; got {s.method!r}")
-    _require(s.outer_optimizer in OUTER_OPTIMIZERS, "sync.outer_optimizer",
-             f"expected one of {', '.join(OUTER_OPTIMIZERS)}; got {s.outer_optimizer!r}")
-    _require(0.0 <= s.outer_b2 < 1.0, "sync.outer_b2", f"must be in [0, 1), got {s.outer_b2}")
-    _require(s.outer_lr > 0, "sync.outer_lr", f"must be positive, got {s.outer_lr}")
-    _require(0.0 <= s.outer_momentum < 1.0, "sync.outer_momentum", f"must be in [0, 1), got {s.outer_momentum}")
-    _require(0.0 < s.anomaly_alpha <= 1.0, "sync.anomaly_alpha", f"must be in (0, 1], got {s.anomaly_alpha}")
-    _require(s.anomaly_warmup >= 2, "sync.anomaly_warmup", f"must be >= 2 (the z-score window needs an unbiased std), got {s.anomaly_warmup}")
-    _require(s.anomaly_threshold > 0, "sync.anomaly_threshold", f"must be positive, got {s.anomaly_threshold}")
-    _require(s.temperature > 0, "sync.temperature", f"must be positive, got {s.temperature}")
-    _require(s.clip_threshold > 0, "sync.clip_threshold", f"must be positive, got {s.clip_threshold}")
-    _require(s.outer_sharding in ("shard", "replica_shard"), "sync.outer_sharding",
-             f"expected 'shard' or 'replica_shard', got {s.outer_sharding!r}")
-    _require(s.fragments >= 1, "sync.fragments", f"must be >= 1, got {s.fragments}")
-    _require(s.tau % s.fragments == 0, "sync.fragments", f"must divide sync.tau={s.tau}, got {s.fragments}")
-    _require(s.fragments <= 1 + m.n_layers, "sync.fragments",
-             f"must be <= the number of units (1 + model.n_layers = {1 + m.n_layers}), got {s.fragments}")
-    _require(s.compress in COMPRESS, "sync.compress", f"expected one of {', '.join(COMPRESS)}; got {s.compress!r}")
-    _require(not s.error_feedback or s.compress != "none", "sync.error_feedback",
-             "needs a lossy sync.compress (bf16 or int8); with compress=none there is no residual")
-    _require(s.compress == "none" or s.outer_sharding == "shard", "sync.compress",
-             f"{s.compress!r} needs sync.outer_sharding='shard' (with 'replica_shard' the exchange moves θ_i, not "
-             "the pseudo gradient)")
-    _require(s.fragments == 1 or s.method != "a_edit", "sync.fragments",
-             "staggered fragments follow the step count (every tau steps); method a_edit syncs by wall clock")
-    _validate_co2(s)
-    if mesh.placement:
-        _require(os.path.isfile(mesh.placement), "mesh.placement", f"file {mesh.placement!r} not found")
-    _validate_processes(cfg)
-    _validate_corrupt(cfg)
-    if cfg.log.tensorboard:
-        _require(importlib.util.find_spec("tensorboardX") is not None, "log.tensorboard",
-                 "needs the tensorboardX package: pip install edit-jax[tensorboard] (or pip install tensorboardX)")
-
-
-def _validate_co2(s: SyncConfig) -> None:
-    _require(s.co2_gap_penalty > 0, "sync.co2_gap_penalty", f"must be positive, got {s.co2_gap_penalty}")
-    _require(s.co2_momentum_clip >= 0, "sync.co2_momentum_clip", f"must be >= 0 (0: off), got {s.co2_momentum_clip}")
-    if s.method != "co2":
-        for key in ("co2_gap_penalty", "co2_momentum_clip"):  # set away from SyncConfig's default: a mistake
-            val = getattr(s, key)
-            _require(val == getattr(SyncConfig, key), f"sync.{key}",
-                     f"is used by method co2 only (method is {s.method!r}); got {val}")
-        return
-    # CO2's stale sync is the whole model after the step, one all-reduce of the pending pseudo
-    # gradients; the streaming, quantized and replica-sharded exchanges are not built for it.
-    _require(s.fragments == 1, "sync.fragments", f"method co2 syncs every unit together; got {s.fragments}")
-    _require(s.compress == "none", "sync.compress", f"method co2 exchanges float32 pseudo gradients; got {s.compress!r}")
-    _require(s.outer_sharding == "shard", "sync.outer_sharding",
-             f"method co2 needs 'shard' (the outer state is not split over replica); got {s.outer_sharding!r}")
-
-
-def parse_slowdown(text: str) -> dict[int, float]:
-    """``"1:2.0,3:1.5"`` -> {1: 2.0, 3: 1.5}; raises ValueError on a malformed entry."""
-    out: dict[int, float] = {}
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        worker, factor = item.split(":")
-        out[int(worker)] = float(factor)
-        if out[int(worker)] < 1.0 or int(worker) < 0:
-            raise ValueError(item)
-    return out
-
-
-def _validate_processes(cfg: Config) -> None:
-    mesh, s = cfg.mesh, cfg.sync
-    _require(mesh.processes in (1, mesh.replica), "mesh.processes",
-             f"must be 1 (one program drives every replica) or mesh.replica={mesh.replica} (one process per "
-             f"worker), got {mesh.processes}")
-    _require(mesh.heartbeat_seconds >= 1, "mesh.heartbeat_seconds", f"must be >= 1, got {mesh.heartbeat_seconds}")
-    _require(s.tau_time > 0, "sync.tau_time", f"must be positive, got {s.tau_time}")
-    _require(s.min_total_steps >= 1, "sync.min_total_steps", f"must be >= 1, got {s.min_total_steps}")
-    _require(0.0 <= s.step_weight_ratio <= 1.0, "sync.step_weight_ratio", f"must be in [0, 1], got {s.step_weight_ratio}")
-    if s.method == "a_edit":
-        _require(mesh.processes == mesh.replica and mesh.replica > 1, "mesh.processes",
-                 f"method a_edit runs one process per worker: set mesh.processes=mesh.replica={mesh.replica} "
-                 f"(with mesh.replica >= 2), got {mesh.processes}")
-    if mesh.processes > 1:
-        _require(s.outer_sharding == "shard", "sync.outer_sharding",
-                 "multi-process runs keep the outer state sharded over `shard` only; 'replica_shard' needs "
-                 "mesh.processes=1")
-        _require(not s.cpu_offload, "sync.cpu_offload", "not supported with mesh.processes > 1 yet")
-        _require(not mesh.placement, "mesh.placement", "a device order applies to one program's devices; "
-                 "with mesh.processes > 1 each process owns its replica's devices")
-        _require(not cfg.log.tensorboard, "log.tensorboard", "not supported with mesh.processes > 1 yet "
-                 "(metrics.jsonl holds every worker's records)")
-    try:
-        slow = parse_slowdown(cfg.debug.slowdown)
-    except ValueError:
-        raise ConfigError(f"config key 'debug.slowdown': expected WORKER:FACTOR[,WORKER:FACTOR] with FACTOR >= 1, "
-                          f"got {cfg.debug.slowdown!r}") from None
-    if slow:
-        _require(mesh.processes > 1, "debug.slowdown", "slows a worker process: needs mesh.processes > 1")
-        _require(max(slow) < mesh.replica, "debug.slowdown",
-                 f"worker {max(slow)} does not exist (mesh.replica={mesh.replica})")
-
-
-def _validate_corrupt(cfg: Config) -> None:
-    from edit_jax.data.corrupt import parse_corrupt  # noqa: PLC0415 - the data package imports this module
-
-    try:
-        spec = parse_corrupt(cfg.debug.corrupt)
-    except ValueError as e:
-        raise ConfigError(f"config key 'debug.corrupt': expected worker=W,steps=A-B (0 <= A <= B, inner steps "
-                          f"0-based, both included), got {cfg.debug.corrupt!r}: {e}") from None
-    if spec is not None:
-        _require(spec.worker < cfg.mesh.replica, "debug.corrupt",
-                 f"worker {spec.worker} does not exist (workers 0..{cfg.mesh.replica - 1}, mesh.replica="
-                 f"{cfg.mesh.replica})")
+        require(dim % mesh.shard == 0, key, f"must be divisible by mesh.shard={mesh.shard} (FSDP shards it), got {dim}")
+    require(0.0 < d.val_fraction < 1.0, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
+    require(o.lr > 0, "optim.lr", f"must be positive, got {o.lr}")
+    require(cfg.max_seconds >= 0, "max_seconds", f"must be >= 0 (0: no time limit), got {cfg.max_seconds}")
+    require(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
+    require(0.0 <= o.b1 < 1.0, "optim.b1", f"must be in [0, 1), got {o.b1}")
+    require(0.0 <= o.b2 < 1.0, "optim.b2", f"must be in [0, 1), got {o.b2}")
+    require(0.0 <= s.outer_b2 < 1.0, "sync.outer_b2", f"must be in [0, 1), got {s.outer_b2}")
+    require(s.outer_lr > 0, "sync.outer_lr", f"must be positive, got {s.outer_lr}")
+    require(0.0 <= s.outer_momentum < 1.0, "sync.outer_momentum", f"must be in [0, 1), got {s.outer_momentum}")
+    require(0.0 < s.anomaly_alpha <= 1.0, "sync.anomaly_alpha", f"must be in (0, 1], got {s.anomaly_alpha}")
+    require(s.anomaly_warmup >= 2, "sync.anomaly_warmup", f"must be >= 2 (the z-score window needs an unbiased std), got {s.anomaly_warmup}")
+    require(s.anomaly_threshold > 0, "sync.anomaly_threshold", f"must be positive, got {s.anomaly_threshold}")
+    require(s.temperature > 0, "sync.temperature", f"must be positive, got {s.temperature}")
+    require(s.clip_threshold > 0, "sync.clip_threshold", f"must be positive, got {s.clip_threshold}")
+    require(s.outer_sharding in ("shard", "replica_shard"), "sync.outer_sharding",
+            f"expected 'shard' or 'replica_shard', got {s.outer_sharding!r}")
+    require(s.fragments >= 1, "sync.fragments", f"must be >= 1, got {s.fragments}")
+    require(s.tau % s.fragments == 0, "sync.fragments", f"must divide sync.tau={s.tau}, got {s.fragments}")
+    require(s.fragments <= 1 + m.n_layers, "sync.fragments",
+            f"must be <= the number of units (1 + model.n_layers = {1 + m.n_layers}), got {s.fragments}")
+    require(s.compress in COMPRESS, "sync.compress", f"expected one of {', '.join(COMPRESS)}; got {s.compress!r}")
+    require(not s.error_feedback or s.compress != "none", "sync.error_feedback",
+            "needs a lossy sync.compress (bf16 or int8); with compress=none there is no residual")
+    require(s.compress == "none" or s.outer_sharding == "shard", "sync.compress",
+            f"{s.compress!r} needs sync.outer_sharding='shard' (with 'replica_shard' the exchange moves θ_i, not "
+            "the pseudo gradient)")
 
 
 def dumps(cfg: Config) -> str:
@@ -505,5 +414,5 @@ def replace(cfg, **kw):
 
 
 __all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "DebugConfig", "LogConfig", "ConfigError",
-           "load_config", "apply_overrides", "validate", "to_dict", "from_dict", "dumps"]
+           "read_config", "apply_overrides", "check_fields", "require", "to_dict", "from_dict", "dumps"]
 

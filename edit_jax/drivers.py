@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from edit_jax import multihost
-from edit_jax.config import Config, parse_slowdown
+from edit_jax.multihost import parse_slowdown
 from edit_jax.data.corrupt import CorruptSpec, corrupt_rows
 from edit_jax.data.streams import TrainStream
 from edit_jax.methods import LOCAL, StepKind, TimeSchedule

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from edit_jax.config import Config, ModelConfig
+from edit_jax.trained import TrainedModelError, load_tokenizer, load_trained, tokenizer_file
 
 DTYPES = ("float32", "bfloat16", "float16")
 WRITTEN = ("config.json", "model.safetensors", "tokenizer.json", "edit_jax_export.json")
@@ -144,8 +145,6 @@ def write_export(out: str, cfg: Config, params: Any, *, dtype: str = "float32", 
 def export_run(run_dir: str, out: str, *, step: int | None = None, dtype: str = "float32",
                tokenizer: str | None = None, force: bool = False) -> list[str]:
     """Exports checkpoint ``step`` (default: the latest) of ``run_dir`` into ``out``."""
-    from edit_jax.trained import load_tokenizer, load_trained, tokenizer_file
-
     if dtype not in DTYPES:  # before reading anything
         raise ExportError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     check_out(out, force)
@@ -171,8 +170,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json to ship instead of the run's data.tokenizer")
     parser.add_argument("--force", action="store_true", help="write into a non-empty --out")
     args = parser.parse_args(argv)
-
-    from edit_jax.trained import TrainedModelError
 
     try:
         written = export_run(args.run_dir, args.out, step=args.step, dtype=args.dtype, tokenizer=args.tokenizer,

@@ -13,7 +13,8 @@ the step code reaches the model only through it:
 
 The hook is where FSDP gathers a unit and where EDiT syncs it, so any model with this contract
 trains with every method. To add a family: a module with those three functions and one line in
-``FAMILIES``. This module does not import JAX (configs are validated before JAX starts).
+``FAMILIES``. This module does not import JAX (configs are validated, ``validate`` below, before
+JAX starts).
 """
 
 from __future__ import annotations
@@ -21,14 +22,22 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from edit_jax.config import Config, require
+
 FAMILIES = {"llama": "edit_jax.model"}
 
 
 def model_family(name: str) -> ModuleType:
-    """The module of family ``name`` (validated by ``config.validate``)."""
+    """The module of family ``name`` (checked by ``validate``)."""
     if name not in FAMILIES:
         raise KeyError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
     return importlib.import_module(FAMILIES[name])
 
 
-__all__ = ["FAMILIES", "model_family"]
+def validate(cfg: Config) -> None:
+    """``model.family`` names a family of ``FAMILIES``."""
+    require(cfg.model.family in FAMILIES, "model.family",
+            f"expected one of {', '.join(FAMILIES)}; got {cfg.model.family!r}")
+
+
+__all__ = ["FAMILIES", "model_family", "validate"]

@@ -18,20 +18,20 @@ fixes are written as they take effect, so ``config.json`` says what ran), the li
 changed (announced by ``train``), and the ``Schedule`` the training loop queries each step.
 
 To add a method: one ``Method`` row in ``METHODS`` (and, if it needs a new kind of step, the step
-body in ``step.py`` and a ``Schedule`` that returns it).
+body in ``step.py`` and a ``Schedule`` that returns it). The config rules that ask this table (a
+known method and outer optimizer, what each method allows) are ``validate`` at the end.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from edit_jax.config import Config
+from edit_jax.config import Config, SyncConfig, require
 
-# No JAX import here: config.validate asks this table before JAX starts (outer.py is loaded lazily).
-if TYPE_CHECKING:
-    from edit_jax.outer import Penalty
+# No JAX import here: configs are validated (``validate`` below) before JAX starts. The static
+# facts of a plan (``Penalty``, ``OuterSpec``) live here; outer.py builds the machinery from them.
 
 # Kinds of compiled step (step.py). A schedule maps each inner step k to one of them.
 STEP_KINDS = ("hsdp", "local", "sync_forward", "local_then_sync")
@@ -130,6 +130,31 @@ class OuterSpec:
     nesterov: bool = True
     b2: float = 0.95  # Adam only
     momentum_clip: float = 0.0  # > 0 (CO2): the stored momentum is clamped to [-phi, phi] element-wise
+
+
+@dataclass(frozen=True)
+class Penalty:
+    """Which parts of the pseudo-gradient penalty are on, and their constants (static; outer.py
+    applies them)."""
+
+    anomaly: bool = True
+    alpha: float = 0.02
+    warmup: int = 10  # K
+    threshold: float = 3.0  # delta
+    weighting: bool = True
+    temperature: float = 1.0
+    clip: bool = True
+    clip_threshold: float = 10.0  # phi
+    step_weight_ratio: float = 0.0  # rho (A-EDiT): mixes each worker's share of the steps into its weight
+
+    @staticmethod
+    def off() -> "Penalty":
+        return Penalty(anomaly=False, weighting=False, clip=False)
+
+    @staticmethod
+    def from_config(s: SyncConfig) -> "Penalty":
+        return Penalty(s.anomaly, s.anomaly_alpha, s.anomaly_warmup, s.anomaly_threshold, s.weighting,
+                       s.temperature, s.clip, s.clip_threshold, s.step_weight_ratio)
 
 
 @dataclass(frozen=True)
@@ -263,8 +288,6 @@ def normalise(cfg: Config) -> tuple[Config, tuple[tuple[str, Any, Any], ...]]:
 
 def plan_for(cfg: Config) -> MethodPlan:
     """The plan, normalised config and schedule of ``cfg`` (validated already)."""
-    from edit_jax.outer import Penalty  # noqa: PLC0415 - see the import note above
-
     cfg, changed = normalise(cfg)
     m, s = method(cfg.sync.method), cfg.sync
     penalty = Penalty.from_config(s) if m.penalty else Penalty.off()
@@ -284,6 +307,38 @@ def sync_fields_for(name: str) -> dict:
     return dict(method(name).fixed)
 
 
-__all__ = ["METHODS", "Method", "Plan", "OuterSpec", "MethodPlan", "StepSchedule", "TimeSchedule", "SyncDecision",
+# ----------------------------------------------------------------------------- config rules
+
+
+def validate(cfg: Config) -> None:
+    """The config's rules that ask the method table: a known ``sync.method`` and
+    ``sync.outer_optimizer``, and what a method allows (A-EDiT and fragments, CO2's fields)."""
+    s = cfg.sync
+    require(s.method in METHODS, "sync.method", f"expected one of {', '.join(METHODS)}; got {s.method!r}")
+    require(s.outer_optimizer in OUTER_OPTIMIZERS, "sync.outer_optimizer",
+            f"expected one of {', '.join(OUTER_OPTIMIZERS)}; got {s.outer_optimizer!r}")
+    require(s.fragments == 1 or s.method != "a_edit", "sync.fragments",
+            "staggered fragments follow the step count (every tau steps); method a_edit syncs by wall clock")
+    _validate_co2(s)
+
+
+def _validate_co2(s: SyncConfig) -> None:
+    require(s.co2_gap_penalty > 0, "sync.co2_gap_penalty", f"must be positive, got {s.co2_gap_penalty}")
+    require(s.co2_momentum_clip >= 0, "sync.co2_momentum_clip", f"must be >= 0 (0: off), got {s.co2_momentum_clip}")
+    if s.method != "co2":
+        for key in ("co2_gap_penalty", "co2_momentum_clip"):  # set away from SyncConfig's default: a mistake
+            val = getattr(s, key)
+            require(val == getattr(SyncConfig, key), f"sync.{key}",
+                    f"is used by method co2 only (method is {s.method!r}); got {val}")
+        return
+    # CO2's stale sync is the whole model after the step, one all-reduce of the pending pseudo
+    # gradients; the streaming, quantized and replica-sharded exchanges are not built for it.
+    require(s.fragments == 1, "sync.fragments", f"method co2 syncs every unit together; got {s.fragments}")
+    require(s.compress == "none", "sync.compress", f"method co2 exchanges float32 pseudo gradients; got {s.compress!r}")
+    require(s.outer_sharding == "shard", "sync.outer_sharding",
+            f"method co2 needs 'shard' (the outer state is not split over replica); got {s.outer_sharding!r}")
+
+
+__all__ = ["METHODS", "Method", "Plan", "OuterSpec", "Penalty", "MethodPlan", "StepSchedule", "TimeSchedule", "SyncDecision",
            "Schedule", "STEP_KINDS", "SYNC_KINDS", "StepKind", "HSDP", "LOCAL",
-           "OUTER_OPTIMIZERS", "plan_for", "normalise", "method", "sync_fields_for"]
+           "OUTER_OPTIMIZERS", "plan_for", "normalise", "method", "sync_fields_for", "validate"]

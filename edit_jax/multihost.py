@@ -25,10 +25,17 @@ process within about that time when one is lost, instead of a hang.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from edit_jax.config import Config, ConfigError, require
+from edit_jax.sharding import BATCH_SPEC, REPLICA, SHARD, MeshError, named
 
 ENV_COORDINATOR = "EDIT_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "EDIT_JAX_NUM_PROCESSES"
@@ -44,8 +51,6 @@ def launched_worker() -> int | None:
 def initialize(heartbeat_seconds: int, from_cluster_env: bool = False) -> None:
     """Joins the other processes (before anything asks JAX for devices). Uses the launcher's
     environment variables, or with ``from_cluster_env`` whatever ``jax.distributed`` detects."""
-    import jax
-
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
     timeouts = dict(heartbeat_timeout_seconds=int(heartbeat_seconds),
                     shutdown_timeout_seconds=max(int(heartbeat_seconds), 5), initialization_timeout=120)
@@ -58,9 +63,6 @@ def initialize(heartbeat_seconds: int, from_cluster_env: bool = False) -> None:
 
 def check_runtime(cfg) -> None:
     """Raises MeshError unless this is one of ``mesh.replica`` processes with ``mesh.shard`` devices each."""
-    import jax
-
-    from edit_jax.sharding import MeshError
 
     n, s = cfg.mesh.replica, cfg.mesh.shard
     if jax.process_count() != n:
@@ -74,10 +76,7 @@ def check_runtime(cfg) -> None:
 
 def meshes(cfg):
     """(global mesh (N, S), local mesh (1, S)); row i of the global mesh is process i's devices."""
-    import jax
-    from jax.sharding import Mesh
 
-    from edit_jax.sharding import REPLICA, SHARD
 
     order = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     grid = np.array(order, dtype=object).reshape(cfg.mesh.replica, cfg.mesh.shard)
@@ -88,7 +87,6 @@ def meshes(cfg):
 
 def local_config(cfg):
     """The config of one worker's own program: one replica and its rows of the global batch."""
-    import dataclasses
 
     return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, replica=1, processes=1),
                                batch_size=cfg.batch_size // cfg.mesh.replica)
@@ -96,25 +94,18 @@ def local_config(cfg):
 
 def to_global(local: Any, global_abstract: Any) -> Any:
     """A local-mesh state as global arrays (``global_abstract``: shapes and shardings)."""
-    import jax
-
     return jax.tree.map(lambda x, a: jax.make_array_from_single_device_arrays(
         a.shape, a.sharding, [s.data for s in x.addressable_shards]), local, global_abstract)
 
 
 def to_local(global_state: Any, local_abstract: Any) -> Any:
     """This process's part of a global state, on the local mesh."""
-    import jax
-
     return jax.tree.map(lambda x, a: jax.make_array_from_single_device_arrays(
         a.shape, a.sharding, [s.data for s in x.addressable_shards]), global_state, local_abstract)
 
 
 def global_batch(mesh, local_rows: np.ndarray, global_rows: int):
     """The global batch [B, T+1] of which this process holds rows [i B/N, (i+1) B/N)."""
-    import jax
-
-    from edit_jax.sharding import BATCH_SPEC, named
 
     return jax.make_array_from_process_local_data(named(mesh, BATCH_SPEC), np.asarray(local_rows),
                                                   (global_rows,) + local_rows.shape[1:])
@@ -135,29 +126,23 @@ def host_value(x) -> np.ndarray:
         return np.asarray(x)
     if x.sharding.is_fully_replicated:
         return local_value(x)
-    from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def host_values(tree: Any) -> Any:
     """``host_value`` of every leaf (the metrics of a step)."""
-    import jax
-
     return jax.tree.map(host_value, tree)
 
 
 def barrier() -> None:
     """Waits until every process gets here (a no-op with one process)."""
-    import jax
-
     if jax.process_count() > 1:
         exchange([0])
 
 
 def exchange(values) -> np.ndarray:
     """Every process's ``values`` (a 1-D int64 vector), stacked [N, len]: identical on all."""
-    from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(np.asarray(values, dtype=np.int64)))
 
@@ -171,3 +156,55 @@ def exchange_floats(values) -> np.ndarray:
 __all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "launched_worker", "initialize", "check_runtime",
            "meshes", "local_config", "to_global", "to_local", "global_batch", "local_value", "host_value", "host_values",
            "barrier", "exchange", "exchange_floats"]
+
+
+# ----------------------------------------------------------------------------- config rules
+
+
+def parse_slowdown(text: str) -> dict[int, float]:
+    """``"1:2.0,3:1.5"`` -> {1: 2.0, 3: 1.5}; raises ValueError on a malformed entry."""
+    out: dict[int, float] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        worker, factor = item.split(":")
+        out[int(worker)] = float(factor)
+        if out[int(worker)] < 1.0 or int(worker) < 0:
+            raise ValueError(item)
+    return out
+
+
+def validate(cfg: Config) -> None:
+    """The config's multi-process rules: ``mesh.processes``, A-EDiT's timing fields, what one process
+    per worker does not support, and ``debug.slowdown``. No JAX: checked before JAX starts."""
+    mesh, s = cfg.mesh, cfg.sync
+    require(mesh.processes in (1, mesh.replica), "mesh.processes",
+            f"must be 1 (one program drives every replica) or mesh.replica={mesh.replica} (one process per "
+            f"worker), got {mesh.processes}")
+    require(mesh.heartbeat_seconds >= 1, "mesh.heartbeat_seconds", f"must be >= 1, got {mesh.heartbeat_seconds}")
+    require(s.tau_time > 0, "sync.tau_time", f"must be positive, got {s.tau_time}")
+    require(s.min_total_steps >= 1, "sync.min_total_steps", f"must be >= 1, got {s.min_total_steps}")
+    require(0.0 <= s.step_weight_ratio <= 1.0, "sync.step_weight_ratio", f"must be in [0, 1], got {s.step_weight_ratio}")
+    if s.method == "a_edit":
+        require(mesh.processes == mesh.replica and mesh.replica > 1, "mesh.processes",
+                f"method a_edit runs one process per worker: set mesh.processes=mesh.replica={mesh.replica} "
+                f"(with mesh.replica >= 2), got {mesh.processes}")
+    if mesh.processes > 1:
+        require(s.outer_sharding == "shard", "sync.outer_sharding",
+                "multi-process runs keep the outer state sharded over `shard` only; 'replica_shard' needs "
+                "mesh.processes=1")
+        require(not s.cpu_offload, "sync.cpu_offload", "not supported with mesh.processes > 1 yet")
+        require(not mesh.placement, "mesh.placement", "a device order applies to one program's devices; "
+                "with mesh.processes > 1 each process owns its replica's devices")
+        require(not cfg.log.tensorboard, "log.tensorboard", "not supported with mesh.processes > 1 yet "
+                "(metrics.jsonl holds every worker's records)")
+    try:
+        slow = parse_slowdown(cfg.debug.slowdown)
+    except ValueError:
+        raise ConfigError(f"config key 'debug.slowdown': expected WORKER:FACTOR[,WORKER:FACTOR] with FACTOR >= 1, "
+                          f"got {cfg.debug.slowdown!r}") from None
+    if slow:
+        require(mesh.processes > 1, "debug.slowdown", "slows a worker process: needs mesh.processes > 1")
+        require(max(slow) < mesh.replica, "debug.slowdown",
+                f"worker {max(slow)} does not exist (mesh.replica={mesh.replica})")
+
+
+__all__ += ["parse_slowdown", "validate"]

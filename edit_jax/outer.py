@@ -14,7 +14,6 @@ The test's z uses the statistics before the update; the z appended to the window
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -23,7 +22,7 @@ import optax
 from flax import struct
 
 from edit_jax.compress import compressed_weighted_sum
-from edit_jax.config import SyncConfig
+from edit_jax.methods import Penalty  # the static switches, part of a method's plan (re-exported here)
 from edit_jax.sharding import REPLICA, SHARD, replica_gather, shard_sq_norm
 
 
@@ -40,30 +39,6 @@ class Detector:
     def zeros(shape: tuple[int, ...], window: int) -> "Detector":
         return Detector(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
                         jnp.zeros(shape, jnp.int32), jnp.zeros(shape + (window,), jnp.float32))
-
-
-@dataclass(frozen=True)
-class Penalty:
-    """Which parts of the pseudo-gradient penalty are on, and their constants (static)."""
-
-    anomaly: bool = True
-    alpha: float = 0.02
-    warmup: int = 10  # K
-    threshold: float = 3.0  # delta
-    weighting: bool = True
-    temperature: float = 1.0
-    clip: bool = True
-    clip_threshold: float = 10.0  # phi
-    step_weight_ratio: float = 0.0  # rho (A-EDiT): mixes each worker's share of the steps into its weight
-
-    @staticmethod
-    def off() -> "Penalty":
-        return Penalty(anomaly=False, weighting=False, clip=False)
-
-    @staticmethod
-    def from_config(s: SyncConfig) -> "Penalty":
-        return Penalty(s.anomaly, s.anomaly_alpha, s.anomaly_warmup, s.anomaly_threshold, s.weighting,
-                       s.temperature, s.clip, s.clip_threshold, s.step_weight_ratio)
 
 
 def outer_optimizer(lr: float, momentum: float, nesterov: bool = True) -> optax.GradientTransformation:

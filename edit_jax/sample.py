@@ -27,6 +27,7 @@ import numpy as np
 
 from edit_jax.config import ModelConfig
 from edit_jax.decode import forward_cached, init_cache
+from edit_jax.trained import TrainedModelError, load_tokenizer, load_trained
 
 
 def choose(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, vocab_limit: int) -> jax.Array:
@@ -136,8 +137,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json to use instead of the run's data.tokenizer")
     parser.add_argument("--no-eos-stop", action="store_true", help="do not stop at the end-of-document token")
     args = parser.parse_args(argv)
-
-    from edit_jax.trained import TrainedModelError, load_tokenizer, load_trained
 
     try:
         model = load_trained(args.run_dir, args.step)

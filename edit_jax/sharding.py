@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from edit_jax.config import MeshConfig
+from edit_jax.placement import load_device_order
 
 REPLICA, SHARD = "replica", "shard"
 
@@ -42,8 +43,6 @@ def make_mesh(mesh_cfg: MeshConfig, devices: list | None = None, device_order: l
     n, s = mesh_cfg.replica, mesh_cfg.shard
     devices = list(jax.devices() if devices is None else devices)
     if device_order is None and mesh_cfg.placement:
-        from edit_jax.placement import load_device_order
-
         device_order = load_device_order(mesh_cfg.placement, len(devices), (n, s))
     if len(devices) != n * s:
         platform = devices[0].platform if devices else "none"

@@ -17,12 +17,17 @@ writes from a background thread and flushes every ``FLUSH_SECS`` seconds, so a d
 live run a few seconds behind; the files are complete when training returns. On resume from step K, ``purge_step=K + 1``
 tells TensorBoard to drop what earlier event files hold past K (``metrics.jsonl`` drops those
 records too; they are redone).
+
+``validate`` checks, with the rest of the config, that tensorboardX is installed when asked for.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import numbers
 from typing import Iterator
+
+from edit_jax.config import Config, require
 
 _SKIP = ("step", "sync", "kind", "includes_compile")
 FLUSH_SECS = 5
@@ -90,4 +95,11 @@ class TeeLog:
         self.tb.close()
 
 
-__all__ = ["TensorBoardWriter", "TeeLog", "record_scalars", "record_group"]
+def validate(cfg: Config) -> None:
+    """``log.tensorboard`` needs tensorboardX: said before the run starts, not at its first record."""
+    if cfg.log.tensorboard:
+        require(importlib.util.find_spec("tensorboardX") is not None, "log.tensorboard",
+                "needs the tensorboardX package: pip install edit-jax[tensorboard] (or pip install tensorboardX)")
+
+
+__all__ = ["TensorBoardWriter", "TeeLog", "record_scalars", "record_group", "validate"]

@@ -22,10 +22,11 @@ import sys
 import jax
 
 from edit_jax.checkpoint import CheckpointError, steps_on_disk
-from edit_jax.config import Config, validate
+from edit_jax.config import Config
 from edit_jax.loop import TrainResult, run
 from edit_jax.resume import DivergedError
 from edit_jax.runlock import RunLock, check_writable
+from edit_jax.validate import validate
 
 
 class _StopFlag:

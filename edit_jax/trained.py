@@ -25,6 +25,8 @@ import jax
 import numpy as np
 
 from edit_jax.config import Config, ConfigError, from_dict
+from edit_jax.data import DataError, make_tokenizer
+from edit_jax.state import state_shapes
 
 
 class TrainedModelError(RuntimeError):
@@ -61,8 +63,6 @@ def load_trained(run_dir: str, step: int | None = None) -> TrainedModel:
     """Reads the model params of checkpoint ``step`` (default: the latest) of ``run_dir``."""
     import orbax.checkpoint as ocp
 
-    from edit_jax.state import state_shapes
-
     directory, steps = checkpoint_steps(run_dir)
     if step is None:
         step = steps[-1]
@@ -96,8 +96,6 @@ def load_trained(run_dir: str, step: int | None = None) -> TrainedModel:
 def load_tokenizer(cfg: Config, override: str | None = None):
     """The run's tokenizer (``data.tokenizer``: "byte" or a tokenizer.json path as given at training
     time, relative to the current dir), or ``override``; checked against the model's vocabulary."""
-    from edit_jax.data import DataError, make_tokenizer
-
     spec = override or cfg.data.tokenizer
     if spec != "byte" and not os.path.isfile(spec):
         hint = "" if override else " (the run's data.tokenizer, relative to the current directory)"

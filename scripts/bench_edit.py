@@ -95,8 +95,9 @@ def parse_args(argv=None):
 
 
 def base_config(args):
-    from edit_jax.config import apply_overrides, load_config, validate
+    from edit_jax.config import apply_overrides
     from edit_jax.model import preset
+    from edit_jax.validate import load_config, validate
 
     ov = []
     for flag, key in [("replica", "mesh.replica"), ("shard", "mesh.shard"), ("batch", "batch_size"),
@@ -114,7 +115,8 @@ def base_config(args):
 
 
 def variant(cfg, *overrides):
-    from edit_jax.config import apply_overrides, validate
+    from edit_jax.config import apply_overrides
+    from edit_jax.validate import validate
 
     out = apply_overrides(cfg, list(overrides))
     validate(out)
@@ -585,7 +587,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     # Loading the config imports jax (configs import edit_jax.model) but creates no backend; XLA_FLAGS is
     # read when the first backend is created, so setting the device count after this still works.
-    from edit_jax.config import load_config
+    from edit_jax.validate import load_config
 
     pre = load_config(args.config, [])
     n_dev = (args.replica or pre.mesh.replica) * (args.shard or pre.mesh.shard)

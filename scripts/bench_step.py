@@ -138,6 +138,10 @@ class Steps:
         model_lib = importlib.import_module(f"{pkg}.model")
         sharding = importlib.import_module(f"{pkg}.sharding")
         step_mod = importlib.import_module(f"{pkg}.step")
+        try:  # every check: edit_jax.validate, or config.validate in a tree from before it (--vs-src)
+            validate = importlib.import_module(f"{pkg}.validate").validate
+        except ModuleNotFoundError:
+            validate = config.validate
         cfg = config.Config(
             model=model_lib.preset(spec["model"], compute_dtype=spec["dtype"], remat=spec["remat"]),
             mesh=config.MeshConfig(replica=spec["replica"], shard=spec["shard"]),
@@ -145,7 +149,7 @@ class Steps:
             sync=config.SyncConfig(method=spec["method"], tau=spec["tau"], warmup_steps=0),
             steps=1000, batch_size=spec["batch"], seed=spec["seed"])
         cfg = config.apply_overrides(cfg, list(spec["overrides"]))
-        config.validate(cfg)
+        validate(cfg)
         self.spec, self.cfg, self.jax = spec, cfg, jax
         self.machinery = step_mod.Machinery(cfg, sharding.make_mesh(cfg.mesh, devices))
         self.state = self.machinery.init_state(cfg.seed)

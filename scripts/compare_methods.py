@@ -38,9 +38,9 @@ os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={2 *
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO) if REPO not in sys.path else None
 
-from edit_jax.config import validate  # noqa: E402
 from edit_jax.presets import cpu  # noqa: E402
 from edit_jax.train import DivergedError, train  # noqa: E402
+from edit_jax.validate import validate  # noqa: E402
 
 METHODS = ("baseline", "post_local_sgd", "diloco", "edit", "co2")
 SWEPT = ("diloco", "edit", "co2")

@@ -6,7 +6,7 @@ import os, time, shutil
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
-from edit_jax.config import load_config
+from edit_jax.validate import load_config
 from edit_jax.sharding import make_mesh
 from edit_jax.step import Machinery
 from edit_jax.integrity import finite_report, state_checksums

@@ -75,9 +75,10 @@ def window_bounds(text: str) -> tuple[int, int]:
 
 def run_one(args, name: str, method: str, corrupted: bool, extra: list[str]) -> dict:
     """One ``train`` run in a fresh run dir; its records as plain lists."""
-    from edit_jax.config import apply_overrides, validate  # noqa: PLC0415 - after ensure_cpu_devices
+    from edit_jax.config import apply_overrides  # noqa: PLC0415 - after ensure_cpu_devices
     from edit_jax.presets import cpu
     from edit_jax.train import train
+    from edit_jax.validate import validate
 
     # The outer settings the experiment was run with (the presets' before the method comparison
     # re-tuned them), pinned so this command keeps reproducing BUILD_NOTES' numbers.

@@ -5,9 +5,10 @@ import os
 import jax
 import numpy as np
 
-from edit_jax.config import Config, DataConfig, MeshConfig, OptimConfig, SyncConfig, validate
+from edit_jax.config import Config, DataConfig, MeshConfig, OptimConfig, SyncConfig
 from edit_jax.model import preset
 from edit_jax.sharding import make_mesh
+from edit_jax.validate import validate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 
 from edit_jax import hlo
-from edit_jax.config import ConfigError, validate
+from edit_jax.config import ConfigError
 from edit_jax.methods import OuterSpec, plan_for
 from edit_jax.outer import make_outer_optimizer, sgd_trace, stale_outer_step
 from edit_jax.presets import cpu, paper
 from edit_jax.step import Machinery
+from edit_jax.validate import validate
 from tests.helpers import mesh_for, random_batch, tiny_config
 
 # ----------------------------------------------------------------------------- worked example

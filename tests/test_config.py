@@ -5,8 +5,9 @@ import os
 
 import pytest
 
-from edit_jax.config import Config, ConfigError, apply_overrides, from_dict, load_config, to_dict
+from edit_jax.config import Config, ConfigError, apply_overrides, from_dict, to_dict
 from edit_jax.model import count_params
+from edit_jax.validate import load_config
 from tests.helpers import REPO
 
 

@@ -10,11 +10,12 @@ import jax
 import numpy as np
 import pytest
 
-from edit_jax.config import ConfigError, apply_overrides, load_config, validate
+from edit_jax.config import ConfigError, apply_overrides
 from edit_jax.data.corrupt import CorruptSpec, corrupt_batch, corrupt_rows, garbage_rows, parse_corrupt
 from edit_jax.sharding import make_mesh
 from edit_jax.step import Machinery
 from edit_jax.train import train
+from edit_jax.validate import load_config, validate
 from tests.helpers import REPO, tiny_config
 
 

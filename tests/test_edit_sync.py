@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from edit_jax.config import MeshConfig, load_config
+from edit_jax.config import MeshConfig
 from edit_jax.optim import lr_schedule
 from edit_jax.outer import (Detector, Penalty, detector_step, detector_test, outer_optimizer, sgd_trace, sync_unit,
                              with_sgd_trace, worker_weights)
@@ -37,6 +37,7 @@ from edit_jax.sharding import REPLICA, make_mesh
 from edit_jax import hlo
 from edit_jax.methods import plan_for
 from edit_jax.step import Machinery
+from edit_jax.validate import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "tiny.py")

@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 
 from edit_jax.checkpoint import Checkpointer, CheckpointError
-from edit_jax.config import ConfigError, load_config
+from edit_jax.config import ConfigError
 from edit_jax.integrity import checksum_mismatches, finite_report, nonfinite_parts, state_checksums
 from edit_jax.runlock import LOCK_NAME, RunDirError, RunLock, RunLockError
 from edit_jax.state import state_shapes
 from edit_jax.train import DivergedError, train
+from edit_jax.validate import load_config
 from tests.helpers import REPO, tiny_config
 
 TINY = os.path.join(REPO, "configs", "tiny.py")

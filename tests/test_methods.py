@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from edit_jax.config import ConfigError, load_config
+from edit_jax.config import ConfigError
 from edit_jax.methods import METHODS, OuterSpec, plan_for
 from edit_jax.outer import Detector, Penalty, make_outer_optimizer, sync_unit
 from edit_jax.presets import cpu
 from edit_jax.sharding import REPLICA, make_mesh
 from edit_jax.config import MeshConfig
 from edit_jax.train import train
+from edit_jax.validate import load_config
 from tests.helpers import REPO, tiny_config
 
 

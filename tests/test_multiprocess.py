@@ -17,12 +17,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from edit_jax import hlo, multihost
-from edit_jax.config import ConfigError, MeshConfig, load_config
+from edit_jax.config import ConfigError, MeshConfig
 from edit_jax.methods import TimeSchedule, plan_for
 from edit_jax.outer import Penalty, mix_step_weights
 from edit_jax.sharding import make_mesh
 from edit_jax.step import Machinery
 from edit_jax.train import train
+from edit_jax.validate import load_config
 from tests.helpers import REPO
 
 FLAGS = ["--config", "configs/tiny.py", "--no-progress"]

@@ -10,7 +10,8 @@ import struct
 
 import pytest
 
-from edit_jax.config import Config, ConfigError, apply_overrides, from_dict, to_dict, validate
+from edit_jax.config import Config, ConfigError, apply_overrides, from_dict, to_dict
+from edit_jax.validate import validate
 from tests.trained_runs import edit_run
 
 pytest.importorskip("tensorboardX")

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from edit_jax.checkpoint import CheckpointError
-from edit_jax.config import ConfigError, load_config
+from edit_jax.config import ConfigError
 from edit_jax.train import train
+from edit_jax.validate import load_config
 from tests.helpers import REPO, tiny_config
 
 

@@ -13,6 +13,7 @@ sees the same garbage as an uninterrupted one. Only the batch handed to the step
 never the stream or its state (``TrainStream`` recomputes batch k from k alone), so checkpoints
 and resumes stay exact. Used to test loss-spike suppression (scripts/spike_experiment.py): a
 worker with corrupted data should produce anomalous pseudo gradients that EDiT's detector flags.
+``validate`` checks the knob with the rest of the config, before any work.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from edit_jax.config import Config, ConfigError, require
 
 _TAG = 0xC0FFEE  # separates this knob's random stream from every other use of the seed
 
@@ -36,7 +39,7 @@ class CorruptSpec:
 
 def parse_corrupt(text: str) -> CorruptSpec | None:
     """``"worker=1,steps=100-129"`` -> CorruptSpec(1, 100, 129); ``""`` -> None. Raises ValueError
-    (with what was wrong) on a malformed spec; range checks against the mesh are config.validate's."""
+    (with what was wrong) on a malformed spec; range checks against the mesh are ``validate``'s."""
     if not text.strip():
         return None
     fields: dict[str, str] = {}
@@ -62,6 +65,19 @@ def parse_corrupt(text: str) -> CorruptSpec | None:
     if a > b:
         raise ValueError(f"empty step window {a}-{b} (A must be <= B)")
     return CorruptSpec(worker, a, b)
+
+
+def validate(cfg: Config) -> None:
+    """``debug.corrupt`` parses (``parse_corrupt``) and names an existing worker."""
+    try:
+        spec = parse_corrupt(cfg.debug.corrupt)
+    except ValueError as e:
+        raise ConfigError(f"config key 'debug.corrupt': expected worker=W,steps=A-B (0 <= A <= B, inner steps "
+                          f"0-based, both included), got {cfg.debug.corrupt!r}: {e}") from None
+    if spec is not None:
+        require(spec.worker < cfg.mesh.replica, "debug.corrupt",
+                f"worker {spec.worker} does not exist (workers 0..{cfg.mesh.replica - 1}, mesh.replica="
+                f"{cfg.mesh.replica})")
 
 
 def garbage_rows(shape: tuple[int, int], vocab: int, seed: int, step: int, worker: int) -> np.ndarray:
@@ -95,4 +111,4 @@ def corrupt_batch(batch: np.ndarray, spec: CorruptSpec | None, step: int, num_re
     return out
 
 
-__all__ = ["CorruptSpec", "parse_corrupt", "garbage_rows", "corrupt_rows", "corrupt_batch"]
+__all__ = ["CorruptSpec", "parse_corrupt", "validate", "garbage_rows", "corrupt_rows", "corrupt_batch"]

@@ -8,7 +8,8 @@
 * ``cli``: ``edit-jax placement ...`` (arguments only; the work is in ``report``).
 
 The training side only needs ``load_device_order``: it reads the ``--json`` file written by
-``edit-jax placement`` and returns the device order for ``Mesh(devices[order].reshape(shape))``.
+``edit-jax placement`` and returns the device order for ``Mesh(devices[order].reshape(shape))``;
+``validate`` checks ``mesh.placement`` with the rest of the config, before any device exists.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from __future__ import annotations
 import json
 import os
 
+from edit_jax.config import Config, require
 from edit_jax.placement.topology import PlacementError
 
-__all__ = ["PlacementError", "load_device_order"]
+__all__ = ["PlacementError", "load_device_order", "validate"]
 
 
 def load_device_order(path: str, num_devices: int, mesh_shape: tuple[int, int]) -> list[int]:
@@ -57,3 +59,10 @@ def load_device_order(path: str, num_devices: int, mesh_shape: tuple[int, int]) 
         if not isinstance(recorded, list) or tuple(recorded) != shape:
             raise PlacementError(f"{where}: mesh_shape {recorded} does not match the requested {list(shape)}")
     return list(order)
+
+
+def validate(cfg: Config) -> None:
+    """``mesh.placement``, when set, is an existing file (``load_device_order`` reads it once the
+    devices are known)."""
+    if cfg.mesh.placement:
+        require(os.path.isfile(cfg.mesh.placement), "mesh.placement", f"file {cfg.mesh.placement!r} not found")

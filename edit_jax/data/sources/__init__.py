@@ -1,12 +1,13 @@
 """Data sources and their registry. ``SOURCES`` maps each ``data.source`` name to a ``Source``: a
 ``load(tokenizer, files, data_config) -> SourceResult`` function and whether it reads
-``data.paths``. ``load_corpus`` and config validation both ask this registry.
+``data.paths``. ``load_corpus`` and config validation (``validate`` below) both ask this registry.
 
 To add a source: one module in this folder with a ``load`` function, and one line in ``SOURCES``.
 """
 
 from __future__ import annotations
 
+from edit_jax.config import Config, require
 from edit_jax.data.sources import parquet, stdlib, text, tokens
 from edit_jax.data.sources.base import Source, SourceResult
 
@@ -17,4 +18,16 @@ SOURCES: dict[str, Source] = {
     "parquet": Source(parquet.load),
 }
 
-__all__ = ["SOURCES", "Source", "SourceResult"]
+
+def validate(cfg: Config) -> None:
+    """``data.source`` is a source of ``SOURCES``, given the paths it needs; ``data.token_dtype``
+    is a dtype the ``tokens`` source reads."""
+    d = cfg.data
+    require(d.source in SOURCES, "data.source", f"expected one of {', '.join(SOURCES)}; got {d.source!r}")
+    require(not SOURCES[d.source].needs_paths or len(d.paths) > 0, "data.paths",
+            f"data.source={d.source!r} needs at least one path or glob")
+    require(d.token_dtype in tokens.TOKEN_DTYPES, "data.token_dtype",
+            f"expected {', '.join(tokens.TOKEN_DTYPES[:-1])} or {tokens.TOKEN_DTYPES[-1]}, got {d.token_dtype!r}")
+
+
+__all__ = ["SOURCES", "Source", "SourceResult", "validate"]

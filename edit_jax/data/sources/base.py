@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
+from edit_jax.config import DataConfig
 from edit_jax.data.errors import DataError
-
-if TYPE_CHECKING:
-    from edit_jax.config import DataConfig
 
 
 @dataclass

@@ -12,6 +12,8 @@ import numpy as np
 from edit_jax.data.errors import DataError
 from edit_jax.data.sources.base import SourceResult
 
+TOKEN_DTYPES = ("uint16", "uint32", "int32")  # the data.token_dtype values a raw .bin file may hold
+
 
 def _load_token_file(path: str, token_dtype: str) -> np.ndarray:
     ext = os.path.splitext(path)[1].lower()

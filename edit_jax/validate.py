@@ -1,0 +1,54 @@
+"""A whole config checked before any work: every rule, composed from the parts that own them.
+
+    cfg = load_config("configs/demo.py", ["steps=100", "method=diloco"])  # read, then validate
+
+``config.py`` is a leaf (dataclasses, parsing, overrides, serialisation); its ``check_fields``
+checks what the fields say on their own. A rule that needs a part of the package lives with that
+part as its ``validate(cfg)``, next to what it checks against:
+
+- ``data.sources``: ``data.source`` (the ``SOURCES`` registry), ``data.paths``, ``data.token_dtype``;
+- ``family``: ``model.family``;
+- ``methods``: ``sync.method``, ``sync.outer_optimizer``, what a method allows (A-EDiT, CO2);
+- ``placement``: the ``mesh.placement`` file;
+- ``multihost``: ``mesh.processes`` and the multi-process rules, ``debug.slowdown``;
+- ``data.corrupt``: ``debug.corrupt``;
+- ``tensorboard``: ``log.tensorboard`` (tensorboardX installed).
+
+``validate`` runs ``check_fields`` first (so a part may assume ranges hold, e.g. ``mesh.replica
+> 0``), then each part in that order; the first broken rule raises ``ConfigError`` naming its key.
+To add a check: a field-only one goes into ``config.check_fields``; one that asks a part goes into
+that part's ``validate`` (a new part: a ``validate(cfg)`` there and one line below).
+
+Nothing here needs devices or data, or starts a JAX backend: ``edit-jax train`` validates before
+it sets the CPU device count (importing the data package imports JAX, which reads the count only
+when its first backend starts; tests/test_imports.py checks this).
+"""
+
+from __future__ import annotations
+
+from edit_jax import config, family, methods, multihost, placement, tensorboard
+from edit_jax.config import Config, ConfigError
+from edit_jax.data import corrupt, sources
+
+
+def validate(cfg: Config) -> None:
+    """Checks every constraint that can be checked without devices or data."""
+    config.check_fields(cfg)
+    sources.validate(cfg)
+    family.validate(cfg)
+    methods.validate(cfg)
+    placement.validate(cfg)
+    multihost.validate(cfg)
+    corrupt.validate(cfg)
+    tensorboard.validate(cfg)
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+    """Loads ``path`` (a Python file with ``get_config()``, or a preset name), applies overrides and
+    validates the result."""
+    cfg = config.read_config(path, overrides)
+    validate(cfg)
+    return cfg
+
+
+__all__ = ["validate", "load_config", "ConfigError"]
