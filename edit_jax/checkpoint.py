@@ -113,11 +113,21 @@ class Checkpointer:
                 state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
             self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - orbax / TensorStore wrap OS errors in many types
+            self._remove_partial(int(step))
             raise CheckpointSaveError(f"could not save checkpoint {os.path.join(self.directory, str(step))}: "
                                       f"{_save_reason(e)}. Earlier checkpoints are intact "
                                       f"({', '.join(map(str, self.all_steps())) or 'none'}); fix that and re-run "
                                       "the same command to resume") from e
         self._rotate(int(step), meta["checksums"])
+
+    def _remove_partial(self, step: int) -> None:
+        """After a failed save: orbax's unfinished temporary dir of ``step`` (never a finished
+        checkpoint) is removed, so that it takes no space and no later run trips over it."""
+        if jax.process_index() != 0 or not os.path.isdir(self.directory):
+            return
+        for name in os.listdir(self.directory):
+            if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def _rotate(self, new_step: int, checksums: dict) -> None:
         """Deletes checkpoints beyond the newest ``keep``, once ``new_step`` is finalised and its

@@ -15,9 +15,30 @@ run, 5 a worker process was lost (mesh.processes > 1; launch.py), 130 stopped by
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_LOCKED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
+
+
+ENV_DEBUG = "EDIT_JAX_DEBUG"
+
+
+def _quiet_library_reports() -> None:
+    """Errors that edit-jax reports itself as one line are also logged by the library threads that
+    met them: orbax logs its failed save thread's traceback (absl ERROR), and TensorStore callbacks
+    arriving after orbax closed its event loop print "Event loop is closed" tracebacks. Those go
+    (``--debug`` keeps them); any other unraisable exception is still printed."""
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
+    default = sys.unraisablehook
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(unraisable.exc_value):
+            return
+        default(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def _train(argv: list[str]) -> int:
@@ -33,8 +54,16 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--restore-step", type=int, default=None,
                         help="resume from this checkpoint instead of the newest (newer ones are moved to "
                         "RUN_DIR/checkpoints.aside/, not deleted)")
+    parser.add_argument("--debug", action="store_true",
+                        help=f"show what the libraries report themselves (orbax's thread errors, the runtime's logs "
+                             f"and native dumps of worker processes; also {ENV_DEBUG}=1) besides edit-jax's one-line "
+                             "messages")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. steps=100 mesh.replica=4")
     args = parser.parse_intermixed_args(argv)  # overrides may come before and after the options
+    if args.debug:
+        os.environ[ENV_DEBUG] = "1"  # worker processes inherit it
+    elif os.environ.get(ENV_DEBUG, "") in ("", "0"):
+        _quiet_library_reports()
 
     from edit_jax.validate import ConfigError, load_config  # no JAX backend yet: devices are not set
 
@@ -43,8 +72,6 @@ def _train(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"edit-jax: bad config: {e}", file=sys.stderr)
         return 2
-    import os
-
     from edit_jax import multihost
     from edit_jax.sharding import set_cpu_device_count
 
@@ -59,17 +86,34 @@ def _train(argv: list[str]) -> int:
         set_cpu_device_count(cfg.mesh.replica * cfg.mesh.shard)
 
     run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
+    code = _train_and_report(cfg, run_dir, args)
+    if cfg.mesh.processes > 1 and code not in (EXIT_OK, EXIT_INTERRUPTED):
+        # A worker that failed leaves at once: JAX's shutdown barrier would wait for peers that may
+        # be inside a collective this process never joins (then the coordination service aborts
+        # them with a native dump). The launcher passes this code on and stops the others.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _train_and_report(cfg, run_dir: str, args) -> int:
+    """Runs ``train`` and turns its outcome into one line and an exit code (module docstring)."""
+    import jax
+
     from edit_jax.checkpoint import CheckpointError
     from edit_jax.data import DataError
     from edit_jax.placement import PlacementError
     from edit_jax.runlock import RunDirError, RunLockError
     from edit_jax.sharding import MeshError
     from edit_jax.train import DivergedError, train
+    from edit_jax.validate import ConfigError
 
     try:
         result = train(cfg, run_dir, progress=not args.no_progress, verbose=True, restore_step=args.restore_step)
     except RunLockError as e:
-        print(f"edit-jax: {e}", file=sys.stderr)
+        if not getattr(e, "quiet", False):
+            print(f"edit-jax: {e}", file=sys.stderr)
         return EXIT_LOCKED
     except DivergedError as e:
         print(f"edit-jax: diverged: {e}", file=sys.stderr)
@@ -80,7 +124,7 @@ def _train(argv: list[str]) -> int:
         kind = next((v for t, v in kind.items() if isinstance(e, t)), type(e).__name__)
         print(f"edit-jax: {kind} error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if cfg.mesh.processes > 1 and multihost.launched_worker() not in (None, 0):
+    if cfg.mesh.processes > 1 and jax.process_index() != 0:
         return EXIT_INTERRUPTED if result.interrupted else EXIT_OK  # the summary is process 0's to print
     if result.already_finished:
         print(f"edit-jax: already finished at step {result.steps}; nothing done; run dir {run_dir}")

@@ -148,9 +148,11 @@ def exchange(values) -> np.ndarray:
 
 
 def exchange_floats(values) -> np.ndarray:
-    """``exchange`` for float64 values (sent as their bit patterns, so NaN and inf survive)."""
-    bits = np.asarray(values, dtype=np.float64).view(np.int64)
-    return exchange(bits).view(np.float64)
+    """``exchange`` for float64 values, sent as their bit patterns (so NaN and inf survive) in int32
+    halves: without jax_enable_x64 JAX carries int64 as int32."""
+    bits = np.ascontiguousarray(np.asarray(values, dtype=np.float64)).view(np.int32)
+    got = np.asarray(multihost_utils.process_allgather(bits), dtype=np.int32)
+    return np.ascontiguousarray(got).view(np.float64)
 
 
 __all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "launched_worker", "initialize", "check_runtime",
@@ -188,14 +190,21 @@ def validate(cfg: Config) -> None:
                 f"method a_edit runs one process per worker: set mesh.processes=mesh.replica={mesh.replica} "
                 f"(with mesh.replica >= 2), got {mesh.processes}")
     if mesh.processes > 1:
-        require(s.outer_sharding == "shard", "sync.outer_sharding",
-                "multi-process runs keep the outer state sharded over `shard` only; 'replica_shard' needs "
-                "mesh.processes=1")
-        require(not s.cpu_offload, "sync.cpu_offload", "not supported with mesh.processes > 1 yet")
+        # The lock-step methods run one program over the global mesh whatever the process count, so
+        # everything a single process supports holds. A-EDiT's asynchronous phase moves the state
+        # between each worker's own mesh and the global one by reference (to_local / to_global):
+        # that needs the outer state on the devices and split over `shard` only.
+        if s.method == "a_edit":
+            require(s.outer_sharding == "shard", "sync.outer_sharding",
+                    "method a_edit keeps the outer state sharded over `shard` only (each worker holds a whole "
+                    "copy between syncs); 'replica_shard' is for the lock-step methods")
+            require(not s.cpu_offload, "sync.cpu_offload", "not supported with method a_edit (each worker's state "
+                    "moves between its own mesh and the global one by reference)")
+        # A device order permutes one program's devices freely; with one process per worker each
+        # process owns its replica's devices, so which devices form a replica is decided by which
+        # host runs which worker (the launcher), not by a device order.
         require(not mesh.placement, "mesh.placement", "a device order applies to one program's devices; "
                 "with mesh.processes > 1 each process owns its replica's devices")
-        require(not cfg.log.tensorboard, "log.tensorboard", "not supported with mesh.processes > 1 yet "
-                "(metrics.jsonl holds every worker's records)")
     try:
         slow = parse_slowdown(cfg.debug.slowdown)
     except ValueError:

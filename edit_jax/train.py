@@ -14,7 +14,6 @@ Re-running on the same run dir resumes.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
@@ -25,7 +24,8 @@ from edit_jax.checkpoint import CheckpointError, steps_on_disk
 from edit_jax.config import Config
 from edit_jax.loop import TrainResult, run
 from edit_jax.resume import DivergedError
-from edit_jax.runlock import RunLock, check_writable
+from edit_jax import multihost
+from edit_jax.runlock import RunLock, RunLockError, check_writable
 from edit_jax.validate import validate
 
 
@@ -101,18 +101,40 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
     ``DivergedError`` (non-finite state; nothing non-finite saved) besides the input errors.
     """
     validate(cfg)
-    lead = jax.process_index() == 0 if cfg.mesh.processes > 1 else True
+    multi = cfg.mesh.processes > 1
+    lead = jax.process_index() == 0 if multi else True
     say = _sayer(progress, verbose) if lead else (lambda msg: None)
     with _StopFlag() as stop:  # for the whole call: a Ctrl-C while compiling or evaluating is a clean stop
         if run_dir:
             check_writable(run_dir)
-        with RunLock(run_dir, say) if run_dir and lead else contextlib.nullcontext():
+        lock = _take_lock(run_dir, say, lead, multi) if run_dir else None
+        try:
             if run_dir and restore_step is None:  # every process sees the same answer on disk
                 done = _finished_result(run_dir, cfg, say)
                 if done is not None:
                     return done
             return run(cfg, run_dir, stop=stop, say=say, progress=progress, devices=devices, stop_after=stop_after,
                        restore_step=restore_step)
+        finally:
+            if lock is not None:
+                lock.release()
+
+
+def _take_lock(run_dir: str, say, lead: bool, multi: bool) -> RunLock | None:
+    """Process 0 takes the run dir's lock; with several processes the others learn at once whether
+    it did, and stop with it (quietly: its message says why) instead of waiting in a collective."""
+    lock, error = None, None
+    if lead:
+        try:
+            lock = RunLock(run_dir, say).acquire()
+        except RunLockError as e:
+            error = e
+    if multi and not multihost.exchange([int(error is None)]).all() and error is None:
+        error = RunLockError(f"run dir {run_dir!r}: process 0 could not lock it")
+        error.quiet = True  # process 0 reports it
+    if error is not None:
+        raise error
+    return lock
 
 
 __all__ = ["train", "TrainResult", "CheckpointError", "DivergedError"]

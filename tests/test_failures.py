@@ -7,6 +7,9 @@ test_detector_zero_sigma_is_no_evidence)."""
 
 import json
 import os
+import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,39 +57,6 @@ def _host_state(run_dir, step, cfg):
 # ----------------------------------------------------------------------------- 1. divergence
 
 
-def test_divergence_saves_no_nonfinite_checkpoint_and_keeps_good_ones(tmp_path):
-    """The issue's run (lr 1e6, checkpoint every 2 steps, a record every 10): the state goes
-    non-finite at step 4 while the loss is still finite. Before, checkpoints 6 and 8 were all-NaN
-    and 2 and 4 rotated away. Now: DivergedError naming the step and the parts, and only
-    checkpoint 2 (finite) on disk. (Its params are finite but already blown up by lr 1e6: a rerun
-    with a sane lr resumes from it and stops again with the same message; finiteness is all a
-    checkpoint is checked for.)"""
-    cfg = load_config(TINY, ["method=edit", "steps=40", "checkpoint_every=2", "log_every=10", "optim.lr=1e6",
-                             "data.seq_len=32"])
-    with pytest.raises(DivergedError, match=r"non-finite values at step 4 in params of workers 0, 1.*"
-                                            r"Last good checkpoint: 2 \(kept\)"):
-        train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
-    assert _steps(tmp_path) == [2]
-    host = _host_state(tmp_path, 2, cfg)
-    assert all(np.isfinite(x).all() for x in jax.tree.leaves(host) if np.issubdtype(x.dtype, np.floating))
-    print("max |param| in checkpoint 2:", max(float(np.abs(x).max()) for x in jax.tree.leaves(host.params)))
-
-
-def test_divergence_exit_code_and_message_from_cli(tmp_path):
-    """The CLI exits with 3 (not 130 as for Ctrl-C) and says what went non-finite, in one line."""
-    proc = subprocess.run([sys.executable, "-m", "edit_jax", "train", "--config", "configs/tiny.py", "--run-dir",
-                           str(tmp_path), "--no-progress", "method=edit", "steps=40", "checkpoint_every=3",
-                           "log_every=1", "optim.lr=1e6", "data.seq_len=32"],
-                          cwd=REPO, env=_cli_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 3, proc.stderr[-2000:]
-    assert "diverged: non-finite loss / gradient norm at step" in proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert all(s % 3 == 0 for s in _steps(tmp_path))  # nothing written past the divergence
-    for s in _steps(tmp_path):
-        host = _host_state(tmp_path, s, load_config(TINY, ["method=edit", "steps=40", "data.seq_len=32"]))
-        assert all(np.isfinite(x).all() for x in jax.tree.leaves(host) if np.issubdtype(x.dtype, np.floating))
-
-
 def test_finite_report_names_parts_and_workers():
     cfg = tiny_config(2, 4, method="edit")
     state = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state_shapes(cfg))
@@ -109,25 +79,6 @@ def _flip_bytes_in_largest_array_file(ckpt_dir, n=64):
         f.seek(-len(raw), os.SEEK_CUR)
         f.write(bytes(b ^ 0xFF for b in raw))
     return victim
-
-
-def test_bit_flipped_checkpoint_is_refused_moved_aside_and_older_one_used(tmp_path, capfd):
-    """Invert 64 bytes inside the largest array file of the newest checkpoint. Before, it restored
-    with garbage values and training went on. Now the checksum in its metadata does not match:
-    the run says so, moves it to checkpoints.bad/ (not deleted) and resumes from the older one."""
-    cfg = tiny_config(2, 4, steps=4, checkpoint_every=2, keep_checkpoints=3)
-    train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
-    assert _steps(tmp_path) == [2, 4]
-    _flip_bytes_in_largest_array_file(tmp_path / "checkpoints" / "4")
-    cfg.steps = 6
-    capfd.readouterr()
-    result = train(cfg, str(tmp_path), progress=False, verbose=True, devices=devs(cfg))
-    err = capfd.readouterr().err
-    assert result.resumed_from == 2 and result.steps == 6 and np.isfinite(result.final_loss)
-    assert "checkpoints/4 is damaged: the checksums of" in err and "falling back to step 2" in err, err
-    assert _steps(tmp_path, "checkpoints.bad") == [4]  # kept for inspection
-    assert _steps(tmp_path) == [2, 4, 6]  # 4 redone from 2 (and it verifies)
-    _host_state(tmp_path, 4, cfg)
 
 
 def test_restore_step_flag_and_all_bad(tmp_path):
@@ -161,20 +112,12 @@ def test_checksum_catches_one_changed_element_and_swaps():
 # ----------------------------------------------------------------------------- 3. the run dir lock
 
 
-def test_second_run_on_a_run_dir_is_refused(tmp_path):
-    """While a run holds the run dir (here: this process, through the same lock), a second run
-    via the CLI exits 4 with a message naming the holder, and writes nothing."""
+def test_second_run_in_process_is_refused(tmp_path):
+    """The Python API: ``train`` on a run dir another run holds raises RunLockError, writes nothing."""
     with RunLock(str(tmp_path)):
-        rec = json.load(open(tmp_path / LOCK_NAME))
-        assert rec["pid"] == os.getpid()
-        proc = subprocess.run([sys.executable, "-m", "edit_jax", "train", "--config", "configs/tiny.py",
-                               "--run-dir", str(tmp_path), "--no-progress", "steps=2"],
-                              cwd=REPO, env=_cli_env(), capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 4, proc.stderr[-2000:]
-        assert "is in use by another run" in proc.stderr and f"pid {os.getpid()}" in proc.stderr
-        assert sorted(os.listdir(tmp_path)) == [LOCK_NAME]
-        with pytest.raises(RunLockError):  # in-process too
+        with pytest.raises(RunLockError):
             train(tiny_config(steps=1), str(tmp_path), progress=False)
+        assert sorted(os.listdir(tmp_path)) == [LOCK_NAME]
     assert not (tmp_path / LOCK_NAME).exists()  # released and removed
 
 
@@ -203,60 +146,6 @@ def test_read_only_run_dir_is_one_message(tmp_path):
     os.chmod(tmp_path / "metrics.jsonl", 0o444)
     with pytest.raises(RunDirError, match="metrics.jsonl"):
         train(tiny_config(steps=1), str(tmp_path), progress=False)
-
-
-@pytest.mark.parametrize("signals", [1, 2])
-def test_ctrl_c_while_compiling_is_a_clean_stop(tmp_path, signals):
-    """SIGINT right after config.json is written (the state is being created and the first step
-    compiled): before, a KeyboardInterrupt traceback and then a segfault. Now one signal stops
-    cleanly before the first step; a second exits at once; exit 130 either way, no traceback."""
-    proc = subprocess.Popen([sys.executable, "-m", "edit_jax", "train", "--config", "configs/tiny.py", "--run-dir",
-                             str(tmp_path), "--no-progress", "steps=5", "method=edit"],
-                            cwd=REPO, env=_cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 120
-        while not (tmp_path / "config.json").exists():
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()
-            time.sleep(0.02)
-        for _ in range(signals):
-            os.kill(proc.pid, signal.SIGINT)
-            time.sleep(0.2)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 130, err[-2000:]
-    assert "Traceback" not in err
-    if signals == 1:
-        assert "stopped before the first step" in err or "checkpoint saved" in err, err
-    else:
-        assert "second signal" in err, err
-    assert not (tmp_path / LOCK_NAME).exists() or signals == 2  # a hard exit leaves a stale lock, taken over later
-
-
-def test_ctrl_c_during_final_evaluation_finishes_cleanly(tmp_path):
-    """SIGINT once the last training record is written, while the final evaluation (300 batches)
-    runs: before, a KeyboardInterrupt traceback and no final checkpoint. Now the evaluation
-    finishes, the final checkpoint is saved and the run exits 0, no traceback."""
-    proc = subprocess.Popen([sys.executable, "-m", "edit_jax", "train", "--config", "configs/tiny.py", "--run-dir",
-                             str(tmp_path), "--no-progress", "steps=3", "log_every=1", "eval_batches=300",
-                             "data.seq_len=32"],
-                            cwd=REPO, env=_cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline, metrics = time.time() + 120, tmp_path / "metrics.jsonl"
-        while not (metrics.exists() and '"step": 3,' in metrics.read_text()):
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
-    assert "during the final evaluation" in err and _steps(tmp_path) == [3]
-    assert '"val_loss"' in metrics.read_text()
 
 
 def test_offloaded_outer_state_is_checked_and_verified(tmp_path):
@@ -314,15 +203,6 @@ def test_missing_config_lists_each_path_once(monkeypatch):
     assert str(e.value).count("nope.py") == 1, str(e.value)
 
 
-def test_rerunning_a_finished_run_writes_nothing(tmp_path):
-    cfg = tiny_config(2, 4, steps=2)
-    train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
-    before = {name: open(tmp_path / name, "rb").read() for name in ("metrics.jsonl", "config.json")}
-    result = train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
-    assert result.already_finished and result.steps == 2
-    assert {name: open(tmp_path / name, "rb").read() for name in before} == before
-
-
 def test_checkpoint_error_message_is_short(tmp_path):
     """A damaged checkpoint's message is a line, not the 2 KB TensorStore spec dump."""
     cfg = tiny_config(2, 4, steps=2)
@@ -333,3 +213,191 @@ def test_checkpoint_error_message_is_short(tmp_path):
     with pytest.raises(CheckpointError) as e:
         train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
     assert "checkpoints/2" in str(e.value) and len(str(e.value)) < 700, len(str(e.value))
+
+
+# ----------------------------------------------------------------------------- every mode: 1 and 2 processes
+# The same faults through the CLI, with one process driving the 2 x 2 mesh and with one process
+# per worker (mesh.processes=2, launch.py): one training loop, so every guarantee holds in both.
+
+
+MODES = {1: ["mesh.replica=2", "mesh.shard=2"], 2: ["mesh.replica=2", "mesh.shard=2", "mesh.processes=2"]}
+
+
+def _cmd(run_dir, processes, *overrides, flags=()):
+    return [sys.executable, "-m", "edit_jax", "train", "--config", "configs/tiny.py", "--run-dir", str(run_dir),
+            "--no-progress", *flags, *MODES[processes], "data.seq_len=32", "batch_size=8", *overrides]
+
+
+def _cli(run_dir, processes, *overrides, flags=(), timeout=300):
+    """Runs the CLI; (exit code, stdout + stderr). A session of its own, killed by group on the way out."""
+    proc = subprocess.Popen(_cmd(run_dir, processes, *overrides, flags=flags), cwd=REPO, env=_cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        _kill_group(proc)
+    return proc.returncode, out
+
+
+def _kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _clean(out: str, processes: int):
+    """What a user must never see, and each message once."""
+    assert "Traceback" not in out and "Fatal Python error" not in out and "*** " not in out, out[-3000:]
+    assert "[Gloo]" not in out, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("edit-jax:") and "started 2 worker" not in line]
+    assert len(lines) == len(set(lines)), f"a message printed more than once ({processes} processes): {out[-3000:]}"
+
+
+def _all_finite(run_dir, step):
+    host = _host_state(run_dir, step, load_config(TINY, MODES[1] + ["method=edit", "data.seq_len=32", "batch_size=8"]))
+    return all(np.isfinite(x).all() for x in jax.tree.leaves(host) if np.issubdtype(x.dtype, np.floating))
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_divergence_exits_3_and_keeps_the_good_checkpoint(tmp_path, processes):
+    """lr 1e6, a checkpoint every 2 steps, a record every 10: the state goes non-finite at step 4
+    while the loss is still finite. Exit 3 naming the step and the parts, only the finite
+    checkpoint 2 on disk (before the one loop, 2 processes trained on to "train loss nan",
+    checkpointed NaN states and rotated the good one away)."""
+    code, out = _cli(tmp_path, processes, "method=edit", "steps=12", "checkpoint_every=2", "log_every=10",
+                     "optim.lr=1e6")
+    assert code == 3, out[-3000:]
+    assert re.search(r"diverged: non-finite values at step 4 in params of workers 0, 1.*Last good checkpoint: 2 "
+                     r"\(kept\)", out), out[-3000:]
+    _clean(out, processes)
+    assert _steps(tmp_path) == [2] and _all_finite(tmp_path, 2)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_damaged_checkpoint_falls_back_and_restore_step_moves_newer_aside(tmp_path, processes):
+    """64 inverted bytes in the newest checkpoint's largest array file: the run says so, moves it to
+    checkpoints.bad/ (not deleted) and resumes from the older one (before, 2 processes stopped
+    with exit 2 and advised a rerun that failed the same way). Then --restore-step 4 resumes
+    from 4 and moves the newer 6 to checkpoints.aside/."""
+    over = ["method=edit", "checkpoint_every=2", "keep_checkpoints=3", "sync.tau=2", "log_every=1"]
+    code, out = _cli(tmp_path, processes, "steps=4", *over)
+    assert code == 0 and _steps(tmp_path) == [2, 4], out[-3000:]
+    _flip_bytes_in_largest_array_file(tmp_path / "checkpoints" / "4")
+    code, out = _cli(tmp_path, processes, "steps=6", *over)
+    assert code == 0, out[-3000:]
+    assert re.search(r"checkpoints/4 (is damaged|could not be restored).*falling back to step 2", out), out[-3000:]
+    assert "resumed from" in out and "checkpoints/2" in out
+    _clean(out, processes)
+    assert _steps(tmp_path, "checkpoints.bad") == [4] and _steps(tmp_path) == [2, 4, 6]
+    code, out = _cli(tmp_path, processes, "steps=6", *over, flags=["--restore-step", "4"])
+    assert code == 0, out[-3000:]
+    assert "moved newer checkpoint 6" in out and _steps(tmp_path, "checkpoints.aside") == [6]
+    assert _steps(tmp_path) == [2, 4, 6]  # 6 redone from 4
+    _clean(out, processes)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_second_run_on_a_run_dir_exits_4(tmp_path, processes):
+    """While a run holds the run dir (here: this process, through the same lock), a second run
+    exits 4 with one message naming the holder, at once, and writes nothing (before, a second
+    2-process launcher ended after 19 s with exit 5 and "Shutdown barrier ... failed")."""
+    with RunLock(str(tmp_path)):
+        t0 = time.time()
+        code, out = _cli(tmp_path, processes, "steps=2")
+        assert code == 4, out[-3000:]
+        assert "is in use by another run" in out and f"pid {os.getpid()}" in out
+        assert time.time() - t0 < 60
+        _clean(out, processes)
+        assert sorted(os.listdir(tmp_path)) == [LOCK_NAME]
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.parametrize("signals", [1, 2])
+def test_ctrl_c_while_compiling_is_a_clean_stop(tmp_path, processes, signals):
+    """SIGINT right after config.json is written (the state is being created and the first step
+    compiled): one signal stops cleanly before the first step; a second exits at once; exit 130
+    either way, no traceback (a 2-process launcher passes the signal on to its workers)."""
+    proc = subprocess.Popen(_cmd(tmp_path, processes, "steps=5", "method=edit"), cwd=REPO, env=_cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "config.json").exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.02)
+        for _ in range(signals):
+            os.kill(proc.pid, signal.SIGINT)
+            time.sleep(0.2)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 130, out[-3000:]
+    _clean(out, processes)
+    if signals == 1:
+        assert "stopped before the first step" in out or "checkpoint saved" in out, out
+    else:
+        assert "second signal" in out, out
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_ctrl_c_during_final_evaluation_finishes_cleanly(tmp_path, processes):
+    """SIGINT once the last training record is written, while the final evaluation (300 batches)
+    runs: the evaluation finishes, the final checkpoint is saved and the run exits 0, no traceback
+    (before, 2 processes ended with exit 5, tracebacks and no final checkpoint)."""
+    proc = subprocess.Popen(_cmd(tmp_path, processes, "steps=3", "log_every=1", "eval_batches=300"), cwd=REPO,
+                            env=_cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline, metrics = time.time() + 120, tmp_path / "metrics.jsonl"
+        while not (metrics.exists() and '"step": 3,' in metrics.read_text()):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 0, out[-3000:]
+    _clean(out, processes)
+    assert "during the final evaluation" in out and _steps(tmp_path) == [3]
+    assert '"val_loss"' in metrics.read_text()
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_rerunning_a_finished_run_writes_nothing(tmp_path, processes):
+    code, out = _cli(tmp_path, processes, "steps=2")
+    assert code == 0, out[-3000:]
+    before = {name: open(tmp_path / name, "rb").read() for name in ("metrics.jsonl", "config.json")}
+    code, out = _cli(tmp_path, processes, "steps=2")
+    assert code == 0 and "already finished at step 2" in out, out[-3000:]
+    assert {name: open(tmp_path / name, "rb").read() for name in before} == before
+    _clean(out, processes)
+
+
+def _can_mount_tmpfs() -> bool:
+    probe = subprocess.run(["unshare", "-Urm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                           capture_output=True) if shutil.which("unshare") else None
+    return probe is not None and probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare -Urm and tmpfs (a private full disk)")
+@pytest.mark.parametrize("processes", [1, 2])
+def test_full_disk_during_a_save_is_one_message(tmp_path, processes):
+    """The run dir on a small private tmpfs; once checkpoint 2 exists a filler takes the rest of
+    the space, so saving 4 fails. One line naming the checkpoint and the cause, exit 2, checkpoint
+    2 intact (before: orbax's RESOURCE_EXHAUSTED traceback, 244-307 lines)."""
+    disk, run_dir, out_dir = tmp_path / "disk", tmp_path / "disk" / "run", tmp_path / "after"
+    disk.mkdir()
+    cmd = " ".join(shlex.quote(c) for c in _cmd(run_dir, processes, "method=edit", "steps=6", "checkpoint_every=2",
+                                                "keep_checkpoints=5"))
+    script = (f"mount -t tmpfs -o size=48m tmpfs {disk} && mkdir -p {run_dir} && "
+              f"(while [ ! -d {run_dir}/checkpoints/2 ]; do sleep 0.1; done; "
+              f"dd if=/dev/zero of={disk}/fill bs=1M >/dev/null 2>&1) & "
+              f"{cmd}; rc=$?; cp -r {run_dir} {out_dir}; exit $rc")
+    proc = subprocess.run(["unshare", "-Urm", "sh", "-c", script], cwd=REPO, env=_cli_env(), capture_output=True,
+                          text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert re.search(r"could not save checkpoint \S+/checkpoints/4: no space left on the device\. Earlier "
+                     r"checkpoints are intact \(2\)", out), out[-3000:]
+    _clean(out, processes)
+    assert _steps(out_dir) == [2] and _all_finite(out_dir, 2)

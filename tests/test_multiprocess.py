@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from edit_jax import hlo, multihost
 from edit_jax.config import ConfigError, MeshConfig
+from edit_jax.drivers import WorkerSteps
 from edit_jax.methods import TimeSchedule, plan_for
 from edit_jax.outer import Penalty, mix_step_weights
 from edit_jax.sharding import make_mesh
@@ -36,25 +37,27 @@ TINY = ["mesh.replica=2", "mesh.shard=2", "mesh.processes=2", "batch_size=8", "d
 def _simulate(step_times, tau_time, min_total, target, horizon=100.0):
     """Workers on a fake clock: each takes local steps of its own duration; at its due point it
     enters the meeting, which happens when the last worker arrives; every worker then gets the
-    same decision from the exchanged counts. Returns the meetings."""
+    same decision from the exchanged counts. The counts are the drivers' own bookkeeping
+    (drivers.WorkerSteps). Returns the meetings: (time, steps since the last sync that ran, decision)."""
     sched = TimeSchedule(True, True, 0, 1, tau_time, min_total, target)
     n = len(step_times)
-    clock, last, since, done = [0.0] * n, 0.0, [0] * n, [0] * n
+    workers = [WorkerSteps(0) for _ in range(n)]
+    clock, last = [0.0] * n, 0.0
     meetings = []
     while max(clock) < horizon:
-        for i in range(n):  # each worker steps until its own timer says a sync is due
+        for i, w in enumerate(workers):  # each worker steps until its own timer says a sync is due
             while not sched.sync_due(clock[i], last):
                 clock[i] += step_times[i]
-                since[i] += 1
-                done[i] += 1
+                w.step()
         meet = max(clock)  # the meeting starts when the last worker enters it
+        since, done = [w.since_sync for w in workers], [w.done for w in workers]
         decisions = [sched.decide(list(since), list(done)) for _ in range(n)]  # one per worker
         assert all(d == decisions[0] for d in decisions)
         d = decisions[0]
-        meetings.append((meet, list(since), d))
-        if d.run:
-            done = [x + 1 for x in done]  # the sync is a step on every worker
-        clock, last, since = [meet] * n, meet, [0] * n
+        meetings.append((meet, since, d))
+        for w in workers:
+            w.after_meeting(d.run)
+        clock, last = [meet] * n, meet
         if d.finished:
             break
     return meetings
@@ -70,12 +73,33 @@ def test_agreement_rule_on_a_fake_clock():
     assert means == sorted(means) and means[0] == round(15 / 2)  # the mean of the workers' steps
     # Too few steps since the last sync: skipped (every worker sees the same total), timer reset.
     slow = _simulate([6.0, 6.0], tau_time=5.0, min_total=3, target=10_000, horizon=60)
-    assert slow and all(not d.run and since == [1, 1] for _, since, d in slow)
+    assert slow and not slow[0][2].run and slow[0][1] == [1, 1]
     # The global budget (steps x N) ends training at the meeting that reaches it.
     end = _simulate([1.0, 2.0], tau_time=10.0, min_total=1, target=60)
     assert end[-1][2].finished and end[-1][2].run
     assert not any(d.finished for _, _, d in end[:-1])
-    assert sum(sum(s) for _, s, _ in end) >= 60 > sum(sum(s) for _, s, _ in end[:-1])
+
+
+def test_skipped_meetings_accumulate_steps_since_the_last_sync():
+    """Issue 18's case: step times 1 s and 2 s, tau_time 10 s, min_total_steps 20. Each meeting
+    sees 10 + 5 = 15 new steps. The steps since the last sync that RAN count (the reference's
+    rule): the first meeting skips (15 < 20), the second syncs (30 steps: 20 + 10), and so on at
+    every other meeting, with shares from all 30 steps. Resetting the count at skipped meetings
+    (the old rule) never synced."""
+    meetings = _simulate([1.0, 2.0], tau_time=10.0, min_total=20, target=10_000, horizon=80)
+    runs = [d.run for _, _, d in meetings]
+    assert runs[:8] == [False, True] * 4, runs
+    for _, since, d in meetings:
+        if d.run:
+            assert since == [20, 10]
+            np.testing.assert_allclose(d.shares, [2 / 3, 1 / 3])
+        else:
+            assert since == [10, 5]
+    # A skipped meeting whose workers run unequal shares: the shares count every step since the
+    # last sync, not only those since the skipped meeting.
+    uneven = _simulate([1.0, 3.0], tau_time=6.0, min_total=10, target=10_000, horizon=40)
+    first_run = next((since, d) for _, since, d in uneven if d.run)
+    assert first_run[0] == [12, 4] and np.allclose(first_run[1].shares, [0.75, 0.25]), first_run
 
 
 def test_a_edit_config_rules():
@@ -164,10 +188,7 @@ def test_two_processes_equal_one_program(tmp_path, method):
     cfg = load_config(os.path.join(REPO, "configs/tiny.py"), [o for o in TINY if "processes" not in o] + over)
     single = train(cfg, str(tmp_path / "sp"), progress=False, devices=jax.devices()[:4])
     want = {r["step"]: r["replica_loss"] for r in single.history}
-    got = {}
-    for r in _records(tmp_path / "mp"):
-        if "worker" in r and "loss" in r:
-            got.setdefault(r["step"], [None, None])[r["worker"]] = r["loss"]
+    got = {r["step"]: r["replica_loss"] for r in _records(tmp_path / "mp") if "loss" in r}
     assert sorted(got) == sorted(want) == list(range(1, 9))
     np.testing.assert_allclose([got[k] for k in sorted(got)], [want[k] for k in sorted(want)], rtol=2e-5)
     vals = [r["val_loss"] for r in _records(tmp_path / "mp") if "val_loss" in r]
@@ -217,3 +238,34 @@ def test_killed_worker_stops_the_others_and_the_rerun_resumes(tmp_path):
     code, out = _run_cli(tmp_path, *[o if not o.startswith("steps=") else "steps=10" for o in over])
     assert code == 0, out[-3000:]
     assert "resumed from" in out
+
+
+def test_hung_worker_is_named_and_ends_the_run(tmp_path):
+    """A worker stopped with SIGSTOP (hung): the healthy one's coordination client gives up after
+    mesh.heartbeat_seconds and aborts. The run ends within seconds with exit 5, one message naming
+    the hung worker (before: "worker 0 stopped with signal 6", the healthy one, after a native
+    stack dump), and no dump or runtime log line reaches the user."""
+    over = ["method=edit", "steps=400", "sync.tau=2", "checkpoint_every=4", "eval_every=0", "mesh.heartbeat_seconds=5"]
+    cmd = [sys.executable, "-m", "edit_jax", "train", *FLAGS, "--run-dir", str(tmp_path), *TINY, *over]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (tmp_path / "checkpoints" / "4").is_dir() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        assert (tmp_path / "checkpoints" / "4").is_dir(), "no checkpoint appeared"
+        pids = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                               text=True).stdout.split()]
+        assert len(pids) == 2
+        stopped_at = time.time()
+        os.kill(pids[1], signal.SIGSTOP)
+        out, _ = proc.communicate(timeout=90)
+        took = time.time() - stopped_at
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 5 and took < 45, (proc.returncode, took, out[-2000:])
+    assert f"worker 1 (pid {pids[1]}) stopped responding" in out, out[-2000:]
+    assert "worker 0" not in out and "*** " not in out and "Terminating process" not in out, out[-2000:]
+    assert not any(line[:1] in "IWEF" and line[1:5].isdigit() for line in out.splitlines()), out[-2000:]
+    for pid in pids:  # every worker is gone
+        assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
