@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from edit_jax.methods import plan_for
 from edit_jax.multihost import local_value
 from edit_jax.sharding import BATCH_SPEC, REPLICA, SHARD, gather_unit
 from edit_jax.state import TrainState
@@ -24,7 +23,7 @@ class Evaluator:
 
     def __init__(self, machinery: Machinery):
         self.m = machinery
-        self.schedule = plan_for(machinery.cfg).schedule
+        self.schedule = machinery.schedule
         self._compiled: dict[bool, object] = {}
 
     def loss_fn(self, over_outer: bool):

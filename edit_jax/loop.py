@@ -78,7 +78,7 @@ def run(cfg: Config, run_dir: str | None, *, stop, say: Callable[[str], None], p
         mesh = multihost.meshes(cfg)[0]
     else:
         mesh = make_mesh(cfg.mesh, devices)
-    machinery = Machinery(cfg, mesh)  # checks the layout against the mesh (no compilation yet)
+    machinery = Machinery(method_plan, mesh)  # checks the layout against the mesh (no compilation yet)
     corpus = load_corpus(cfg.data)
     check_model_vocab(corpus, cfg.model.vocab_size)
     stream = make_train_stream(corpus, cfg.data.seq_len, cfg.batch_size, cfg.mesh.replica, cfg.data.seed)

@@ -17,9 +17,10 @@ the static ``Plan`` the compiled steps need, the *normalised* config (the sync f
 fixes are written as they take effect, so ``config.json`` says what ran), the list of fields it
 changed (announced by ``train``), and the ``Schedule`` the training loop queries each step.
 
-To add a method: one ``Method`` row in ``METHODS`` (and, if it needs a new kind of step, the step
-body in ``step.py`` and a ``Schedule`` that returns it). The config rules that ask this table (a
-known method and outer optimizer, what each method allows) are ``validate`` at the end.
+To add a method: one ``Method`` row in ``METHODS`` (and, if it needs a new kind of sync, its pure
+function in ``sync.py`` called from the step body in ``step.py``; a new kind of step, a
+``Schedule`` that returns it). The config rules that ask this
+table (a known method and outer optimizer, what each method allows) are ``validate`` at the end.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class Method:
     fixed: dict = field(default_factory=dict)  # sync fields this method sets whatever the config says
     penalty: bool = False  # EDiT's penalty (anomaly elimination, weighting, clipping) is configurable
     time_based: bool = False  # syncs due by wall clock (TimeSchedule), not every tau steps
-    stale: bool = False  # CO2: the outer step applies the previous round's all-reduce (step._sync_stale)
+    stale: bool = False  # CO2: the outer step applies the previous round's all-reduce (sync.sync_stale)
 
 
 _NO_PENALTY = dict(anomaly=False, weighting=False, clip=False)

@@ -31,7 +31,7 @@ from collections import defaultdict
 
 from edit_jax.hlo import COLLECTIVES, HloModule, parse_hlo
 
-SYNC_SCOPE = "edit_sync"  # jax.named_scope of the sync's code (outer.py, step.py)
+SYNC_SCOPE = "edit_sync"  # jax.named_scope of the sync's code (outer.py and sync.py, as step.py calls them)
 CATEGORIES = ("matmul", "collective", "copy", "sync", "elementwise", "control", "other")
 
 _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')

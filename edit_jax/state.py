@@ -1,7 +1,7 @@
 """The train state, its layout on the (replica, shard) mesh, creation, host offload, and the maps
 from saved states (other worker counts, the pre-``opt_state`` format) onto this run's layout.
 
-``StateLayout`` is built once per (config, mesh): every spec and sharding the steps, checkpoints
+``StateLayout`` is built once per (method plan, mesh): every spec and sharding the steps, checkpoints
 and evaluation use comes from it, so nothing else derives a layout (EDIT.md, "State and where it
 lives"; the rules themselves are in ``sharding.py``):
 
@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from edit_jax.config import Config, ConfigError
 from edit_jax.family import model_family
-from edit_jax.methods import Plan, plan_for
+from edit_jax.methods import MethodPlan, Plan, plan_for
 from edit_jax.optim import inner_optimizer
 from edit_jax.outer import Detector, make_outer_optimizer, sgd_trace, with_sgd_trace
 from edit_jax.sharding import REPLICA, named, outer_specs, param_shard_dims, replica_specs, unit_dims
@@ -117,11 +117,13 @@ def state_shapes(cfg: Config) -> TrainState:
 
 
 class StateLayout:
-    """Every spec and sharding of the state for one (config, mesh), derived once."""
+    """Every spec and sharding of the state for one (method plan, mesh), derived once.
+    ``method_plan`` is ``methods.plan_for(cfg)``; ``.cfg`` (normalised), ``.plan`` and ``.schedule``
+    are its."""
 
-    def __init__(self, cfg: Config, mesh: Mesh):
-        mp = plan_for(cfg)
-        self.cfg, self.plan, self.mesh = mp.cfg, mp.plan, mesh
+    def __init__(self, method_plan: MethodPlan, mesh: Mesh):
+        cfg = method_plan.cfg
+        self.cfg, self.plan, self.schedule, self.mesh = cfg, method_plan.plan, method_plan.schedule, mesh
         self.n, self.s = cfg.mesh.replica, cfg.mesh.shard
         self.inner_opt = inner_optimizer(cfg.optim, cfg.steps)
         self.outer_opt = make_outer_optimizer(self.plan.outer)
@@ -176,8 +178,9 @@ class StateLayout:
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state: the restore target of a checkpoint."""
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            state_shapes(self.cfg), self.state_shardings)
+        shapes = jax.eval_shape(partial(make_state, self.cfg, self.plan), jax.random.key(0))
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                            self.state_shardings)
 
     def init_state(self, seed: int) -> TrainState:
         return jax.jit(partial(make_state, self.cfg, self.plan), out_shardings=self.state_shardings)(

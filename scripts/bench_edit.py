@@ -149,7 +149,7 @@ class Ctx:
 
         if name not in self._mach:
             cfg = variant(self.cfg, *variants(self.args)[name][0])
-            self._mach[name] = Machinery(cfg, make_mesh(cfg.mesh, self.devices))
+            self._mach[name] = Machinery.for_config(cfg, make_mesh(cfg.mesh, self.devices))
         return self._mach[name]
 
     def compiled(self, name, kind):
@@ -202,7 +202,7 @@ def verify_group_ids(n_rep, n_shard, devices) -> dict:
     out = {"device_order": order}
     for label, dev_order in [("identity", None), ("interleaved", order)]:
         mesh = make_mesh(cfg.mesh, devices, dev_order)
-        m = Machinery(cfg, mesh)
+        m = Machinery.for_config(cfg, mesh)
         batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.data.seq_len + 1), jnp.int32, sharding=named(mesh, BATCH_SPEC))
         parsed = hlo.hlo_collectives(m.lowered("hsdp", m.abstract_state(), batch).compile().as_text(),
                                         (n_rep, n_shard), cfg.model.n_layers)
@@ -513,7 +513,7 @@ def section_e(ctx: Ctx) -> dict:
     out, table = {}, []
     for row in rows_spec:
         run_cfg = variant(cfg, *_stream_overrides(row, tau))
-        m = Machinery(run_cfg, make_mesh(run_cfg.mesh, ctx.devices))
+        m = Machinery.for_config(run_cfg, make_mesh(run_cfg.mesh, ctx.devices))
         batch = jax.ShapeDtypeStruct((run_cfg.batch_size, run_cfg.data.seq_len + 1), jnp.int32,
                                      sharding=named(m.mesh, BATCH_SPEC))
         state = m.abstract_state()

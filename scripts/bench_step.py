@@ -151,7 +151,9 @@ class Steps:
         cfg = config.apply_overrides(cfg, list(spec["overrides"]))
         validate(cfg)
         self.spec, self.cfg, self.jax = spec, cfg, jax
-        self.machinery = step_mod.Machinery(cfg, sharding.make_mesh(cfg.mesh, devices))
+        # A checkout from before Machinery.for_config took the config itself.
+        make = getattr(step_mod.Machinery, "for_config", step_mod.Machinery)
+        self.machinery = make(cfg, sharding.make_mesh(cfg.mesh, devices))
         self.state = self.machinery.init_state(cfg.seed)
         tokens = np.random.default_rng(spec["seed"]).integers(0, min(cfg.model.vocab_size, 257),
                                                               (cfg.batch_size, cfg.data.seq_len + 1), dtype=np.int32)

@@ -12,7 +12,7 @@ from edit_jax.step import Machinery
 from edit_jax.integrity import finite_report, state_checksums
 from edit_jax.checkpoint import Checkpointer
 cfg = load_config("configs/demo.py", ["method=edit"])
-m = Machinery(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
+m = Machinery.for_config(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
 state = m.init_state(0)
 n = sum(x.size for x in jax.tree.leaves(state))
 def t(f, reps=5):

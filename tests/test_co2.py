@@ -99,7 +99,7 @@ CO2_SYNC = {"co2_momentum_clip": 3e-4, "co2_gap_penalty": 2.0, "outer_lr": 0.7, 
 @pytest.fixture(scope="module")
 def co2_2x2():
     cfg = tiny_config(2, 2, "co2", sync=CO2_SYNC, steps=6)
-    return cfg, Machinery(cfg, mesh_for(cfg))
+    return cfg, Machinery.for_config(cfg, mesh_for(cfg))
 
 
 def _f64(tree):
@@ -173,7 +173,7 @@ def test_co2_evaluation_model_is_the_flush(co2_2x2):
 def _bulk_exchanges_depend_on_batch(cfg) -> list[bool]:
     """For each large collective across `replica` in the sync step's compiled program: does it
     depend (transitively) on the step's batch?"""
-    m = Machinery(cfg, mesh_for(cfg))
+    m = Machinery.for_config(cfg, mesh_for(cfg))
     state = m.init_state(0)
     text = m.lowered("local_then_sync", state, m.put_batch(random_batch(cfg, 0))).compile().as_text()
     per_device_batch = (cfg.batch_size // (cfg.mesh.replica * cfg.mesh.shard), cfg.data.seq_len + 1)

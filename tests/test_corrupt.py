@@ -114,7 +114,7 @@ def test_put_batch_puts_replica_rows_on_replica_devices(replica, shard):
     devices = [jax.devices()[i] for i in np.random.default_rng(1).permutation(8)]
     mesh = make_mesh(cfg.mesh, devices)
     batch = np.repeat(np.arange(cfg.batch_size, dtype=np.int32)[:, None], cfg.data.seq_len + 1, axis=1)
-    arr = Machinery(cfg, mesh).put_batch(batch)
+    arr = Machinery.for_config(cfg, mesh).put_batch(batch)
     per = cfg.batch_size // replica
     row_of = {d: r for r in range(replica) for d in mesh.devices[r]}
     for piece in arr.addressable_shards:

@@ -345,7 +345,7 @@ def edit4():
     cfg = _cfg(*BASE4, "sync.method=edit", "sync.anomaly_alpha=0.3", "sync.temperature=0.5",
                "sync.clip_threshold=0.2", "sync.outer_lr=0.7", "sync.outer_momentum=0.8")
     mesh = make_mesh(cfg.mesh, jax.devices()[8:16], device_order=PERM)
-    m = Machinery(cfg, mesh)
+    m = Machinery.for_config(cfg, mesh)
     return m, _host(m.init_state(0))
 
 
@@ -475,7 +475,7 @@ def test_outer_state_layouts_match_numpy_reference(edit4, layout):
     m0, init = edit4
     cfg = _cfg(*BASE4, "sync.method=edit", "sync.anomaly_alpha=0.3", "sync.temperature=0.5",
                "sync.clip_threshold=0.2", "sync.outer_lr=0.7", "sync.outer_momentum=0.8", layout)
-    m = Machinery(cfg, m0.mesh)
+    m = Machinery.for_config(cfg, m0.mesh)
     start = _crafted_state(m, init)
     r = _ref_of(cfg)
     synced, metrics = _host(m.sync_fn()(_put(m, start)))
@@ -627,8 +627,8 @@ def test_edit_with_one_replica_equals_adamw():
                     "sync.anomaly=false", "sync.weighting=false", "sync.clip=false")
     base_cfg = _cfg(*common, "sync.method=baseline")
     devices = jax.devices()[16:18]
-    e = Machinery(edit_cfg, make_mesh(edit_cfg.mesh, devices))
-    b = Machinery(base_cfg, make_mesh(base_cfg.mesh, devices))
+    e = Machinery.for_config(edit_cfg, make_mesh(edit_cfg.mesh, devices))
+    b = Machinery.for_config(base_cfg, make_mesh(base_cfg.mesh, devices))
     steps = 6
     edit_kinds = [step_kind(edit_cfg, k) for k in range(steps)]
     assert edit_kinds == ["local"] + ["sync_forward"] * (steps - 1)
@@ -647,7 +647,7 @@ def test_edit_with_one_replica_equals_adamw():
 def test_post_local_sgd_sync_is_replica_mean(edit4, diverged):
     m, _ = edit4
     cfg = _cfg(*BASE4, "sync.method=post_local_sgd")
-    post = Machinery(cfg, m.mesh)
+    post = Machinery.for_config(cfg, m.mesh)
     synced, metrics = _host(post.sync_fn()(_put(post, diverged)))
     mean = jax.tree.map(lambda x: np.asarray(x, np.float64).mean(0), diverged.params)
     _assert_tree_close(synced.outer.params, mean, "θ̄ = mean of the replicas", rtol=1e-5, atol=1e-7)
@@ -661,9 +661,9 @@ def test_diloco_sync_equals_edit_layerwise_without_penalty(edit4, diverged):
     (penalty off, same η and μ) give the same θ̄ and trace, equal to the NumPy reference."""
     m, _ = edit4
     outer = ["sync.outer_lr=0.7", "sync.outer_momentum=0.8"]
-    diloco = Machinery(_cfg(*BASE4, "sync.method=diloco", *outer), m.mesh)
-    edit_off = Machinery(_cfg(*BASE4, "sync.method=edit", *outer, "sync.anomaly=false", "sync.weighting=false",
-                              "sync.clip=false"), m.mesh)
+    diloco = Machinery.for_config(_cfg(*BASE4, "sync.method=diloco", *outer), m.mesh)
+    edit_off = Machinery.for_config(_cfg(*BASE4, "sync.method=edit", *outer, "sync.anomaly=false",
+                                         "sync.weighting=false", "sync.clip=false"), m.mesh)
     rng = np.random.default_rng(3)
     start = diverged.replace(outer=diverged.outer.with_trace(jax.tree.map(
         lambda x: (0.003 * rng.standard_normal(x.shape)).astype(np.float32), diverged.outer.params)))

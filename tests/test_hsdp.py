@@ -16,7 +16,7 @@ from tests.helpers import mesh_for, random_batch, tiny_config
 @pytest.fixture(scope="module")
 def setup():
     cfg = tiny_config(2, 4)
-    m = Machinery(cfg, mesh_for(cfg))
+    m = Machinery.for_config(cfg, mesh_for(cfg))
     return cfg, m, m.init_state(0)
 
 
@@ -57,7 +57,7 @@ def _single_device_reference(cfg, params, batch):
 @pytest.mark.parametrize("replica,shard", [(2, 4), (4, 2), (1, 8)])
 def test_hsdp_loss_and_grads_equal_single_device(replica, shard):
     cfg = tiny_config(replica, shard)
-    m = Machinery(cfg, mesh_for(cfg))
+    m = Machinery.for_config(cfg, mesh_for(cfg))
     state = m.init_state(0)
     batch = random_batch(cfg, 1)
     loss, grads = m.grads_fn(True)(state, m.put_batch(batch))
@@ -72,7 +72,7 @@ def test_hsdp_loss_and_grads_equal_single_device(replica, shard):
 
 def test_local_grads_are_per_replica_means():
     cfg = tiny_config(2, 4)
-    m = Machinery(cfg, mesh_for(cfg))
+    m = Machinery.for_config(cfg, mesh_for(cfg))
     state = m.init_state(0)
     batch = random_batch(cfg, 2)
     _, grads = m.grads_fn(False)(state, m.put_batch(batch))
@@ -91,7 +91,7 @@ def test_hsdp_step_matches_single_device_adamw():
     from edit_jax.optim import lr_schedule
 
     cfg = tiny_config(2, 4, optim={"grad_clip": 0.5, "lr": 1e-2})
-    m = Machinery(cfg, mesh_for(cfg))
+    m = Machinery.for_config(cfg, mesh_for(cfg))
     state = m.init_state(0)
     params0 = jax.tree.map(lambda x: np.asarray(x)[0], state.params)
     opt = optax.chain(optax.clip_by_global_norm(0.5),

@@ -143,7 +143,7 @@ def test_local_program_stays_on_the_workers_devices():
                       ["method=edit", "mesh.replica=2", "mesh.shard=2", "mesh.processes=2", "batch_size=8",
                        "data.seq_len=32"])
     local_cfg = multihost.local_config(cfg)
-    m = Machinery(local_cfg, make_mesh(local_cfg.mesh, jax.devices()[:2]))
+    m = Machinery.for_config(local_cfg, make_mesh(local_cfg.mesh, jax.devices()[:2]))
     batch = np.zeros((local_cfg.batch_size, 33), np.int32)
     text = m.lowered("local", m.abstract_state(), m.put_batch(batch)).compile().as_text()
     recs = hlo.hlo_collectives(text, (1, 2), default_trip=cfg.model.n_layers)["collectives"]

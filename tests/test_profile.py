@@ -112,7 +112,7 @@ def test_real_trace_of_local_and_sync_steps(tmp_path):
     import jax
 
     cfg = tiny_config(2, 2, method="edit")
-    m = Machinery(cfg, mesh_for(cfg))
+    m = Machinery.for_config(cfg, mesh_for(cfg))
     state, batch = m.init_state(0), m.put_batch(random_batch(cfg))
     out = {}
     for kind in ("local", "sync_forward"):

@@ -8,6 +8,8 @@ import dataclasses
 import jax
 import numpy as np
 
+from edit_jax.evaluate import Evaluator
+from edit_jax.methods import plan_for
 from edit_jax.step import Machinery
 from tests.helpers import mesh_for, random_batch, tiny_config
 
@@ -16,11 +18,27 @@ def _buffers(tree):
     return [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
 
 
+def test_machinery_takes_the_method_plan():
+    """The caller computes the plan once and passes it in: the machinery's (and its layout's) cfg,
+    plan and schedule are the plan's, the config as the method table normalised it, not a second
+    normalisation of their own; ``for_config`` builds the same; the evaluator asks the machinery
+    for the schedule."""
+    cfg = tiny_config(2, 2, method="diloco", sync={"layerwise": True, "anomaly": True})  # diloco fixes both off
+    mp = plan_for(cfg)
+    m = Machinery(mp, mesh_for(cfg))
+    assert m.cfg is mp.cfg and m.plan is mp.plan and m.schedule is mp.schedule
+    assert m.layout.cfg is mp.cfg and m.layout.plan is mp.plan
+    assert (m.cfg.sync.layerwise, m.cfg.sync.anomaly, cfg.sync.layerwise) == (False, False, True)
+    other = Machinery.for_config(cfg, mesh_for(cfg))
+    assert (other.cfg, other.plan, other.schedule) == (mp.cfg, mp.plan, mp.schedule)
+    assert Evaluator(m).schedule is mp.schedule
+
+
 def test_every_step_donates_its_state():
     """Every kind comes from ``Machinery.step_fn`` (one jit with ``donate_argnums=0``); checked on a
     local step and on the sync step, whose program also consumes and returns the outer state."""
     cfg = tiny_config(2, 2, method="edit")
-    m = Machinery(cfg, mesh_for(cfg))
+    m = Machinery.for_config(cfg, mesh_for(cfg))
     state, batch = m.init_state(0), m.put_batch(random_batch(cfg))
     for kind in ("local", "sync_forward"):
         fn = m.step_fn(kind)
@@ -43,7 +61,7 @@ def test_scan_unroll_changes_no_number(kind="sync_forward"):
     results = []
     for unroll in (1, 3):
         cfg = tiny_config(2, 2, method="edit", model={"n_layers": 3, "scan_unroll": unroll})
-        m = Machinery(cfg, mesh_for(cfg))
+        m = Machinery.for_config(cfg, mesh_for(cfg))
         state, batch = m.init_state(0), m.put_batch(random_batch(cfg))
         losses = []
         for _ in range(3):
@@ -108,7 +126,7 @@ def test_fused_gather_one_collective_per_unit():
     for fused in (True, False):
         cfg = tiny_config(2, 2, method="edit")
         cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, fused_gather=fused))
-        m = Machinery(cfg, mesh_for(cfg))
+        m = Machinery.for_config(cfg, mesh_for(cfg))
         state, batch = m.abstract_state(), m.put_batch(random_batch(cfg))
         parsed = hlo.hlo_collectives(m.lowered("local", state, batch).compile().as_text(), (2, 2))
         count = {}

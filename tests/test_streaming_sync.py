@@ -172,7 +172,7 @@ def test_staggered_steps_match_numpy_reference(method):
     extra = [] if method == "edit" else ["sync.layerwise=false", "sync.anomaly=false", "sync.weighting=false",
                                          "sync.clip=false"]
     cfg = _cfg(*EDIT4, f"sync.method={method}", *extra, "sync.tau=4", "sync.fragments=2")
-    m = Machinery(cfg, _mesh(cfg))
+    m = Machinery.for_config(cfg, _mesh(cfg))
     assert m.groups == (0, 0, 1, 1)
     r = _ref_of(cfg)
     if method == "diloco":  # DiLoCo's plan is Penalty.off(): its detector (unused) runs with the defaults
@@ -233,7 +233,7 @@ def test_hlo_staggered_sync_step_carries_only_its_group():
     device, 2(N−1)/N x 4 B x |group f|/S; the two groups add up to the F = 1 sync step."""
     cfg1 = _cfg(*EDIT4, "sync.tau=4")
     cfg2 = _cfg(*EDIT4, "sync.tau=4", "sync.fragments=2")
-    m1, m2 = Machinery(cfg1, _mesh(cfg1)), Machinery(cfg2, _mesh(cfg2))
+    m1, m2 = Machinery.for_config(cfg1, _mesh(cfg1)), Machinery.for_config(cfg2, _mesh(cfg2))
     sizes = unit_param_counts(cfg2)
     ring = 2 * (N4 - 1) / N4 * 4 / S2
     total = 0.0
@@ -440,7 +440,7 @@ def test_compressed_sync_matches_numpy_reference(compress):
     same per-device block quantization (all-to-all pattern at N = 4). The HLO carries the payload
     in s8 (int8) or u16 (bf16 bits) across `replica` and no float32 tensor."""
     cfg = _cfg(*EDIT4, f"sync.compress={compress}", "sync.tau=4", "sync.fragments=2")
-    m = Machinery(cfg, _mesh(cfg))
+    m = Machinery.for_config(cfg, _mesh(cfg))
     start = _crafted_state(m, _host(m.init_state(0)))
     r = _ref_of(cfg)
     dims = [jax.tree.leaves(m.layout.unit_dims["root"]), jax.tree.leaves(m.layout.unit_dims["layer"])]
@@ -486,7 +486,7 @@ def test_error_feedback_state_through_the_machinery():
     after a sync it is the part of Δ_i the int8 exchange dropped: Δ_i − deq(q(Δ_i)) on each device
     block, non-zero, smaller than half a quantum; a flagged worker's residual is 0."""
     cfg = _cfg(*EDIT4, "sync.compress=int8", "sync.error_feedback=true")
-    m = Machinery(cfg, _mesh(cfg))
+    m = Machinery.for_config(cfg, _mesh(cfg))
     start = _crafted_state(m, _host(m.init_state(0)))
     assert start.outer.residual is not None
     assert m.state_specs.outer.residual == m.state_specs.params  # [N, ...], sharded like the params
@@ -517,7 +517,7 @@ def test_error_feedback_residual_is_checkpointed(tmp_path):
     from edit_jax.checkpoint import Checkpointer, CheckpointError
 
     cfg = _cfg(*BASE4, "sync.method=edit", "sync.compress=int8", "sync.error_feedback=true")
-    m = Machinery(cfg, _mesh(cfg))
+    m = Machinery.for_config(cfg, _mesh(cfg))
     host = _host(m.init_state(0))
     rng = np.random.default_rng(5)
     host = host.replace(outer=host.outer.replace(residual=jax.tree.map(

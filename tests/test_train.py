@@ -213,9 +213,10 @@ def test_elastic_restart_with_more_replicas(tmp_path, capfd):
     theta = host.outer.params
     bigger = tiny_config(4, 4, method="edit", steps=9, sync={"warmup_steps": 0, "tau": 3})
     from edit_jax.sharding import make_mesh
+    from edit_jax.methods import plan_for
     from edit_jax.state import StateLayout
 
-    layout = StateLayout(bigger, make_mesh(bigger.mesh, jax.devices()[:16]))
+    layout = StateLayout(plan_for(bigger), make_mesh(bigger.mesh, jax.devices()[:16]))
     state = layout.elastic_state(host, old_n=2)
     for new, t in zip(jax.tree.leaves(state.params), jax.tree.leaves(theta)):
         new = np.asarray(new)
