@@ -30,7 +30,8 @@ def _quiet_library_reports() -> None:
     met them: orbax logs its failed save thread's traceback (absl ERROR), and TensorStore callbacks
     arriving after orbax closed its event loop print "Event loop is closed" tracebacks. Those go
     (``--debug`` keeps them); any other unraisable exception is still printed."""
-    logging.getLogger("absl").setLevel(logging.CRITICAL)
+    for name in ("absl", "asyncio"):  # asyncio: "Task exception was never retrieved" for the same error
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     default = sys.unraisablehook
 
     def hook(unraisable):
@@ -87,10 +88,11 @@ def _train(argv: list[str]) -> int:
 
     run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
     code = _train_and_report(cfg, run_dir, args)
-    if cfg.mesh.processes > 1 and code not in (EXIT_OK, EXIT_INTERRUPTED):
-        # A worker that failed leaves at once: JAX's shutdown barrier would wait for peers that may
-        # be inside a collective this process never joins (then the coordination service aborts
-        # them with a native dump). The launcher passes this code on and stops the others.
+    if code not in (EXIT_OK, EXIT_INTERRUPTED):
+        # A failed run leaves at once, its message printed: a worker process would otherwise wait in
+        # JAX's shutdown barrier for peers inside a collective it never joins (then the coordination
+        # service aborts them with a native dump; the launcher passes this code on and stops them),
+        # and the libraries' leftover tasks report the same error again at interpreter exit.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -94,6 +94,10 @@ class LockStep:
         self.timed_kinds: set[StepKind] = set()
         self.kinds_since_record: set[StepKind] = set()
         self.last_record: tuple[float, int] | None = None  # (time, step) of the last training record
+        # debug.slowdown (a testing knob): this process's local steps take `slow` x as long.
+        self.slow = parse_slowdown(self.cfg.debug.slowdown).get(jax.process_index(), 1.0) if self.multi else 1.0
+        self.local_steps_timed = 0
+        self.own_local_times: list[float] = []  # this worker's own local step times since the last record
 
     def global_state(self, state):
         return state
@@ -131,6 +135,7 @@ class LockStep:
             state = self.m.init_outer_fn()(state)
         kind = schedule.kind(k)
         self.kinds_since_record.add(kind)
+        t0 = time.perf_counter()
         state, metrics = self.m.step_fn(kind)(state, self.batch(k))
         # At most MAX_IN_FLIGHT steps dispatched ahead of the host: XLA:CPU's collectives deadlock
         # (rendezvous timeout) when ~50 steps are queued, and a short queue costs nothing on any
@@ -139,6 +144,9 @@ class LockStep:
         self.in_flight.append(metrics["loss"])
         while len(self.in_flight) > (0 if self.multi else MAX_IN_FLIGHT):
             self.in_flight.pop(0).block_until_ready()
+        if self.multi and kind == LOCAL:  # a local step's time is this worker's own (no peer in it)
+            self._pace(t0)
+            self.own_local_times.append(time.perf_counter() - t0)
         k += 1
         adv = Advance(state, k, ran=1)
         if not (k % cfg.log_every == 0 or kind.syncs or k == cfg.steps):
@@ -152,6 +160,10 @@ class LockStep:
                "tokens_per_s": cfg.batch_size * cfg.data.seq_len / dt, "step_time": dt, "kind": str(kind)}
         if cfg.mesh.replica > 1:
             rec["replica_loss"] = _to_list(np.asarray(metrics["loss"]))
+        if self.multi:  # each worker's own speed (median local step since the last record): stragglers show
+            own = np.median(self.own_local_times) if self.own_local_times else np.nan
+            rec["worker_step_time"] = _to_list(multihost.exchange_floats([own])[:, 0])
+            self.own_local_times = []
         if self.kinds_since_record - self.timed_kinds:  # a first step of a kind also compiled it
             rec["includes_compile"] = True
         self.timed_kinds |= self.kinds_since_record
@@ -161,6 +173,13 @@ class LockStep:
         if kind.syncs:
             adv.sync = metrics
         return adv
+
+    def _pace(self, t0: float) -> None:
+        """debug.slowdown: sleep (slow - 1) x the step's own time; not the first local step (it compiled)."""
+        if self.slow > 1.0:
+            self.local_steps_timed += 1
+            if self.local_steps_timed > 1:
+                time.sleep((self.slow - 1.0) * (time.perf_counter() - t0))
 
     def mark(self, k: int) -> None:
         """Time from here on is step time again (after an evaluation or a checkpoint)."""

@@ -169,6 +169,10 @@ def run(cfg: Config, run_dir: str | None, *, stop, say: Callable[[str], None], p
             adv = driver.advance(state, k, wants)
             state, before, k = adv.state, k, adv.step
             done_here += adv.ran
+            now = time.perf_counter() - t_start
+            if multi:  # records of several processes carry the wall time (bench_straggler reads it)
+                adv.records = [{**rec, "time": now} for rec in adv.records]
+                adv.own_records = [{**rec, "time": now} for rec in adv.own_records]
             for rec in adv.records:
                 log.write(rec)
             for rec in adv.own_records:

@@ -67,6 +67,8 @@ def summarise(name, overrides, recs, wall):
     """Throughput in the steady state: from the end of the first sync (every training program
     compiled) to the start of the final evaluation, less the periodic evaluations in between."""
     train = [r for r in recs if "worker" in r and "loss" in r]
+    if not train:  # a lock-step run (EDiT): one record per step for all workers, their own speeds inside
+        return _summarise_lock_step(name, overrides, recs, wall)
     workers = sorted({r["worker"] for r in train})
     steps = {w: max(r["step"] for r in train if r["worker"] == w) for w in workers}
     local_times = {w: statistics.median([r["step_time"] for r in train if r["worker"] == w and r["kind"] == "local"])
@@ -84,6 +86,30 @@ def summarise(name, overrides, recs, wall):
             "local_step_s": local_times, "tokens_per_worker_step": tokens_per_step, "train_seconds": t_end,
             "steady_seconds": steady_s, "steady_steps": steady_steps,
             "tokens_per_s": steady_steps * tokens_per_step / steady_s, "ideal_tokens_per_s": ideal,
+            "final_val_loss": evals[-1]["val_loss"], "val_curve": [(r["time"], r["val_loss"]) for r in evals],
+            "wall_seconds": wall}
+
+
+def _summarise_lock_step(name, overrides, recs, wall):
+    """``summarise`` for a lock-step run: every record is a step of all N workers; each record's
+    ``worker_step_time`` holds each worker's own local step time (its speed without waiting)."""
+    train = [r for r in recs if "loss" in r and not r.get("sync")]
+    n = len(train[-1]["replica_loss"])
+    local = [r for r in train if r["kind"] == "local"]
+    local_times = {w: statistics.median([r["worker_step_time"][w] for r in local]) for w in range(n)}
+    tokens_per_step = train[-1]["tokens_per_s"] * train[-1]["step_time"] / n  # tokens of one worker step
+    evals = [r for r in recs if "val_loss" in r]
+    syncs = [r for r in recs if r.get("sync")]
+    t0 = min(r["time"] for r in syncs)  # first sync done
+    t_end = evals[-1]["time"]
+    eval_s = sum(r["eval_seconds"] for r in evals[:-1] if t0 < r["time"] < t_end)
+    steady_steps = n * sum(1 for r in train if t0 < r["time"] <= t_end)
+    steady_s = t_end - t0 - eval_s
+    return {"name": name, "overrides": overrides, "steps_per_worker": {w: train[-1]["step"] for w in range(n)},
+            "syncs": len(syncs), "local_step_s": local_times, "tokens_per_worker_step": tokens_per_step,
+            "train_seconds": t_end, "steady_seconds": steady_s, "steady_steps": steady_steps,
+            "tokens_per_s": steady_steps * tokens_per_step / steady_s,
+            "ideal_tokens_per_s": sum(tokens_per_step / t for t in local_times.values()),
             "final_val_loss": evals[-1]["val_loss"], "val_curve": [(r["time"], r["val_loss"]) for r in evals],
             "wall_seconds": wall}
 

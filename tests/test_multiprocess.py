@@ -178,11 +178,17 @@ def _records(run_dir):
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("method", ["edit", "diloco", "co2"])
-def test_two_processes_equal_one_program(tmp_path, method):
+LIFTED = ["sync.outer_sharding=replica_shard", "sync.cpu_offload=true", "log.tensorboard=true"]
+
+
+@pytest.mark.parametrize("method,extra", [("edit", []), ("diloco", []), ("co2", []), ("edit", LIFTED)],
+                         ids=["edit", "diloco", "co2", "edit-replica_shard-offload-tensorboard"])
+def test_two_processes_equal_one_program(tmp_path, method, extra):
     """2 processes x 2 devices give the single-process 2 x 2 run's losses (every kind of step:
-    HSDP warmup, local steps, and the method's sync)."""
-    over = [f"method={method}", "steps=8", "sync.warmup_steps=2", "sync.tau=3", "eval_every=0"]
+    HSDP warmup, local steps, and the method's sync). The last case also uses what only one
+    process could do before the one loop: θ̄ split over replica too, kept in host memory, and
+    TensorBoard scalars (written by process 0)."""
+    over = [f"method={method}", "steps=8", "sync.warmup_steps=2", "sync.tau=3", "eval_every=0", *extra]
     code, out = _run_cli(tmp_path / "mp", *over)
     assert code == 0, out[-3000:]
     cfg = load_config(os.path.join(REPO, "configs/tiny.py"), [o for o in TINY if "processes" not in o] + over)
@@ -194,6 +200,9 @@ def test_two_processes_equal_one_program(tmp_path, method):
     vals = [r["val_loss"] for r in _records(tmp_path / "mp") if "val_loss" in r]
     np.testing.assert_allclose(vals[-1], single.final_val_loss, rtol=2e-5)
     assert json.load(open(tmp_path / "mp" / "config.json"))["mesh"]["processes"] == 2
+    if "log.tensorboard=true" in extra:
+        events = [f for f in os.listdir(tmp_path / "mp" / "tb") if f.startswith("events.")]
+        assert len(events) == 1, events  # process 0's writer only
 
 
 def test_a_edit_straggler_fast_worker_takes_more_steps(tmp_path):
