@@ -1,6 +1,8 @@
 """Shared test helpers: tiny configs and meshes on the CPU-emulated devices of conftest.py."""
 
 import os
+import signal
+import subprocess
 
 import jax
 import numpy as np
@@ -34,3 +36,24 @@ def mesh_for(cfg):
 def random_batch(cfg, seed=0, vocab=256):
     rng = np.random.default_rng(seed)
     return rng.integers(0, vocab, (cfg.batch_size, cfg.data.seq_len + 1)).astype(np.int32)
+
+
+def kill_group(proc) -> None:
+    """Kills a process started with ``start_new_session=True`` and everything in its session (a
+    launcher and its worker processes)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_session(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
+    """Runs ``cmd`` from the repo in a session of its own: (exit code, stdout + stderr). Whatever is
+    left of the session is killed on the way out (tests clean up by PID)."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        kill_group(proc)
+    return proc.returncode, out

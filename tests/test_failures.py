@@ -26,7 +26,7 @@ from edit_jax.runlock import LOCK_NAME, RunDirError, RunLock, RunLockError
 from edit_jax.state import state_shapes
 from edit_jax.train import DivergedError, train
 from edit_jax.validate import load_config
-from tests.helpers import REPO, tiny_config
+from tests.helpers import REPO, kill_group as _kill_group, run_session, tiny_config
 
 TINY = os.path.join(REPO, "configs", "tiny.py")
 
@@ -229,21 +229,8 @@ def _cmd(run_dir, processes, *overrides, flags=()):
 
 
 def _cli(run_dir, processes, *overrides, flags=(), timeout=300):
-    """Runs the CLI; (exit code, stdout + stderr). A session of its own, killed by group on the way out."""
-    proc = subprocess.Popen(_cmd(run_dir, processes, *overrides, flags=flags), cwd=REPO, env=_cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        _kill_group(proc)
-    return proc.returncode, out
-
-
-def _kill_group(proc):
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """Runs the CLI; (exit code, stdout + stderr)."""
+    return run_session(_cmd(run_dir, processes, *overrides, flags=flags), timeout, env=_cli_env())
 
 
 def _clean(out: str, processes: int):

@@ -25,7 +25,7 @@ from edit_jax.sharding import make_mesh
 from edit_jax.step import Machinery
 from edit_jax.train import train
 from edit_jax.validate import load_config
-from tests.helpers import REPO
+from tests.helpers import REPO, kill_group as _kill_group, run_session
 
 FLAGS = ["--config", "configs/tiny.py", "--no-progress"]
 TINY = ["mesh.replica=2", "mesh.shard=2", "mesh.processes=2", "batch_size=8", "data.seq_len=32", "log_every=1"]
@@ -157,20 +157,7 @@ def test_local_program_stays_on_the_workers_devices():
 
 def _run_cli(run_dir, *overrides, timeout=420, env=None):
     cmd = [sys.executable, "-m", "edit_jax", "train", *FLAGS, "--run-dir", str(run_dir), *TINY, *overrides]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        _kill_group(proc)
-    return proc.returncode, out
-
-
-def _kill_group(proc):
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers share the session
-    except ProcessLookupError:
-        pass
+    return run_session(cmd, timeout, env=env)
 
 
 def _records(run_dir):
@@ -221,7 +208,9 @@ def test_a_edit_straggler_fast_worker_takes_more_steps(tmp_path):
     assert any("val_loss" in r for r in recs)  # the final evaluation on θ̄
 
 
-def test_killed_worker_stops_the_others_and_the_rerun_resumes(tmp_path):
+def _fault_after_first_checkpoint(tmp_path, sig, timeout):
+    """Starts a long 2-process EDiT run, sends ``sig`` to worker 1 once checkpoint 4 exists, and
+    waits for the launcher: (exit code, output, seconds from the signal to the end, worker pids)."""
     over = ["method=edit", "steps=400", "sync.tau=2", "checkpoint_every=4", "eval_every=0", "mesh.heartbeat_seconds=5"]
     cmd = [sys.executable, "-m", "edit_jax", "train", *FLAGS, "--run-dir", str(tmp_path), *TINY, *over]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -234,16 +223,21 @@ def test_killed_worker_stops_the_others_and_the_rerun_resumes(tmp_path):
         pids = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                                text=True).stdout.split()]
         assert len(pids) == 2
-        killed_at = time.time()
-        os.kill(pids[1], signal.SIGKILL)
-        out, _ = proc.communicate(timeout=60)
-        took = time.time() - killed_at
+        sent_at = time.time()
+        os.kill(pids[1], sig)
+        out, _ = proc.communicate(timeout=timeout)
+        took = time.time() - sent_at
     finally:
         _kill_group(proc)
-    assert proc.returncode == 5 and took < 30, (proc.returncode, took, out[-2000:])
-    assert "worker 1" in out and "re-run the same command" in out
     for pid in pids:  # every worker is gone
         assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
+    return proc.returncode, out, took, pids, over
+
+
+def test_killed_worker_stops_the_others_and_the_rerun_resumes(tmp_path):
+    code, out, took, _, over = _fault_after_first_checkpoint(tmp_path, signal.SIGKILL, timeout=60)
+    assert code == 5 and took < 30, (code, took, out[-2000:])
+    assert "worker 1" in out and "re-run the same command" in out
     code, out = _run_cli(tmp_path, *[o if not o.startswith("steps=") else "steps=10" for o in over])
     assert code == 0, out[-3000:]
     assert "resumed from" in out
@@ -254,27 +248,8 @@ def test_hung_worker_is_named_and_ends_the_run(tmp_path):
     mesh.heartbeat_seconds and aborts. The run ends within seconds with exit 5, one message naming
     the hung worker (before: "worker 0 stopped with signal 6", the healthy one, after a native
     stack dump), and no dump or runtime log line reaches the user."""
-    over = ["method=edit", "steps=400", "sync.tau=2", "checkpoint_every=4", "eval_every=0", "mesh.heartbeat_seconds=5"]
-    cmd = [sys.executable, "-m", "edit_jax", "train", *FLAGS, "--run-dir", str(tmp_path), *TINY, *over]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        deadline = time.time() + 300
-        while not (tmp_path / "checkpoints" / "4").is_dir() and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.5)
-        assert (tmp_path / "checkpoints" / "4").is_dir(), "no checkpoint appeared"
-        pids = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                               text=True).stdout.split()]
-        assert len(pids) == 2
-        stopped_at = time.time()
-        os.kill(pids[1], signal.SIGSTOP)
-        out, _ = proc.communicate(timeout=90)
-        took = time.time() - stopped_at
-    finally:
-        _kill_group(proc)
-    assert proc.returncode == 5 and took < 45, (proc.returncode, took, out[-2000:])
+    code, out, took, pids, _ = _fault_after_first_checkpoint(tmp_path, signal.SIGSTOP, timeout=90)
+    assert code == 5 and took < 45, (code, took, out[-2000:])
     assert f"worker 1 (pid {pids[1]}) stopped responding" in out, out[-2000:]
     assert "worker 0" not in out and "*** " not in out and "Terminating process" not in out, out[-2000:]
     assert not any(line[:1] in "IWEF" and line[1:5].isdigit() for line in out.splitlines()), out[-2000:]
-    for pid in pids:  # every worker is gone
-        assert subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0
