@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
+import signal
 import sys
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_LOCKED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
@@ -42,7 +44,17 @@ def _quiet_library_reports() -> None:
     sys.unraisablehook = hook
 
 
+def _stopped_before_start(signum, frame):
+    """SIGINT / SIGTERM before ``train`` installs its own flag (while Python and JAX load): one line
+    and exit 130, not a KeyboardInterrupt traceback. Nothing was written yet."""
+    print(f"\nedit-jax: stopped before training started (signal {signum}); nothing written", file=sys.stderr,
+          flush=True)
+    os._exit(EXIT_INTERRUPTED)
+
+
 def _train(argv: list[str]) -> int:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stopped_before_start)
     parser = argparse.ArgumentParser(prog="edit-jax train", description="Train a Llama model with EDiT / baselines.")
     parser.add_argument("--config", default="configs/demo.py",
                         help="a Python file with get_config(), or a preset name in configs/ (default: configs/demo.py)")
@@ -112,6 +124,14 @@ def _train_and_report(cfg, run_dir: str, args) -> int:
     from edit_jax.validate import ConfigError
 
     try:
+        jax.devices()  # the backend starts here: a missing one is a message, not JAX's traceback
+    except Exception as e:  # noqa: BLE001 - JAX raises RuntimeError or (0.10, no plugin) a bare AssertionError
+        platforms = os.environ.get("JAX_PLATFORMS", "")
+        print(f"edit-jax: JAX could not start a backend (JAX_PLATFORMS={platforms!r}): "
+              f"{(str(e).splitlines() or [type(e).__name__])[0][:300] or type(e).__name__}. Install the jax plugin "
+              "for it (e.g. pip install edit-jax[cuda]) or unset JAX_PLATFORMS", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
         result = train(cfg, run_dir, progress=not args.no_progress, verbose=True, restore_step=args.restore_step)
     except RunLockError as e:
         if not getattr(e, "quiet", False):
@@ -126,16 +146,25 @@ def _train_and_report(cfg, run_dir: str, args) -> int:
         kind = next((v for t, v in kind.items() if isinstance(e, t)), type(e).__name__)
         print(f"edit-jax: {kind} error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
     if cfg.mesh.processes > 1 and jax.process_index() != 0:
         return EXIT_INTERRUPTED if result.interrupted else EXIT_OK  # the summary is process 0's to print
     if result.already_finished:
         print(f"edit-jax: already finished at step {result.steps}; nothing done; run dir {run_dir}")
         return EXIT_OK
+    print(summary_line(result, run_dir))
+    return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
+
+
+def summary_line(result, run_dir: str) -> str:
+    """The run's last line: where it stopped, the losses, the time."""
     ppl = f" (ppl {result.final_val_ppl:.2f})" if result.final_val_ppl else ""
     val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
-    print(f"edit-jax: {'stopped' if result.interrupted else 'done'} at step {result.steps}: "
-          f"train loss {result.final_loss:.4f}, val loss {val}{ppl}, {result.seconds:.1f} s; run dir {run_dir}")
-    return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
+    # No training record in this invocation (stopped before the first one): no loss to show, which
+    # is not the same as a non-finite one.
+    loss = f"{result.final_loss:.4f}" if result.history or math.isfinite(result.final_loss) else "n/a (no step logged)"
+    return (f"edit-jax: {'stopped' if result.interrupted else 'done'} at step {result.steps}: "
+            f"train loss {loss}, val loss {val}{ppl}, {result.seconds:.1f} s; run dir {run_dir}")
 
 
 def main(argv: list[str] | None = None) -> int:

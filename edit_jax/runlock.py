@@ -17,6 +17,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 from typing import Callable
@@ -48,10 +49,69 @@ def check_writable(run_dir: str) -> None:
     except OSError as e:
         raise RunDirError(f"run dir {run_dir!r} is not writable: {e.strerror or e}; "
                           "use another --run-dir or fix its permissions") from e
-    for name in ("config.json", "metrics.jsonl", "checkpoints"):
+    for name, want_dir in (("config.json", False), ("metrics.jsonl", False), ("checkpoints", True)):
         path = os.path.join(run_dir, name)
-        if os.path.exists(path) and not os.access(path, os.W_OK | (os.X_OK if os.path.isdir(path) else 0)):
+        if not os.path.exists(path):
+            continue
+        if os.path.isdir(path) != want_dir:
+            raise RunDirError(f"{path!r} is a {'directory' if os.path.isdir(path) else 'file'}, expected a "
+                              f"{'directory' if want_dir else 'file'}; move it away or use another --run-dir")
+        if not os.access(path, os.W_OK | (os.X_OK if want_dir else 0)):
             raise RunDirError(f"{path!r} exists but is not writable; fix its permissions or use another --run-dir")
+    _check_deepest_path(run_dir)
+
+
+# The deepest path a checkpoint save writes, below the run dir: orbax's temporary dirs (a step and a
+# timestamp), OCDBT's data dir and a 32-character data file name. Probed with the same lengths.
+_DEEPEST = ("checkpoints", "9999999999.orbax-checkpoint-tmp-1234567890123456", "state.orbax-checkpoint-tmp-"
+            "1234567890123456", "ocdbt.process_0", "d", "0123456789abcdef0123456789abcdef")
+
+
+def _check_deepest_path(run_dir: str) -> None:
+    """Creates (and removes) a file as deep and as long-named as a checkpoint save will, so that a
+    path the file system refuses (too long) is found before any work, not at the first save."""
+    probe = os.path.join(run_dir, _DEEPEST[0], f".probe-{os.getpid()}"[:len(_DEEPEST[1])].ljust(len(_DEEPEST[1]), "x"))
+    deepest = os.path.join(probe, *_DEEPEST[2:])
+    try:
+        os.makedirs(os.path.dirname(deepest), exist_ok=True)
+        with open(deepest, "w") as f:
+            f.write("ok")
+    except OSError as e:
+        raise RunDirError(f"run dir {run_dir!r}: a checkpoint's files would not fit below it ({e.strerror or e}; "
+                          f"the deepest is {len(os.path.abspath(deepest))} characters long); use a shorter --run-dir"
+                          ) from e
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+
+
+def first_missing(run_dir: str) -> str | None:
+    """The outermost directory of ``run_dir``'s path that does not exist yet (``check_writable``
+    will create it and everything below), or None when the run dir exists."""
+    path, missing = os.path.abspath(run_dir), None
+    while not os.path.exists(path):
+        missing, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def remove_if_unused(run_dir: str, created: str) -> None:
+    """Removes what a run created for ``run_dir`` (its ``checkpoints/``, the run dir, and the
+    parents up to ``created``) while they are empty: an input error found after the run dir was
+    checked leaves nothing behind. Only empty directories go (``os.rmdir``)."""
+    path = os.path.abspath(run_dir)
+    paths = [os.path.join(path, "checkpoints"), path]
+    while path != created and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+        paths.append(path)
+    for p in paths:
+        if not os.path.isdir(p):
+            continue
+        try:
+            os.rmdir(p)
+        except OSError:
+            return  # not empty: everything above it stays too
 
 
 def _read_record(path: str) -> dict:
@@ -122,4 +182,4 @@ class RunLock:
         self.release()
 
 
-__all__ = ["RunLock", "RunLockError", "RunDirError", "check_writable", "LOCK_NAME"]
+__all__ = ["RunLock", "RunLockError", "RunDirError", "check_writable", "first_missing", "remove_if_unused", "LOCK_NAME"]

@@ -25,7 +25,7 @@ from edit_jax.config import Config
 from edit_jax.loop import TrainResult, run
 from edit_jax.resume import DivergedError
 from edit_jax import multihost
-from edit_jax.runlock import RunLock, RunLockError, check_writable
+from edit_jax.runlock import RunLock, RunLockError, check_writable, first_missing, remove_if_unused
 from edit_jax.validate import validate
 
 
@@ -105,19 +105,25 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
     lead = jax.process_index() == 0 if multi else True
     say = _sayer(progress, verbose) if lead else (lambda msg: None)
     with _StopFlag() as stop:  # for the whole call: a Ctrl-C while compiling or evaluating is a clean stop
-        if run_dir:
-            check_writable(run_dir)
-        lock = _take_lock(run_dir, say, lead, multi) if run_dir else None
+        created = first_missing(run_dir) if run_dir and lead else None  # what check_writable will create
         try:
-            if run_dir and restore_step is None:  # every process sees the same answer on disk
-                done = _finished_result(run_dir, cfg, say)
-                if done is not None:
-                    return done
-            return run(cfg, run_dir, stop=stop, say=say, progress=progress, devices=devices, stop_after=stop_after,
-                       restore_step=restore_step)
-        finally:
-            if lock is not None:
-                lock.release()
+            if run_dir:
+                check_writable(run_dir)
+            lock = _take_lock(run_dir, say, lead, multi) if run_dir else None
+            try:
+                if run_dir and restore_step is None:  # every process sees the same answer on disk
+                    done = _finished_result(run_dir, cfg, say)
+                    if done is not None:
+                        return done
+                return run(cfg, run_dir, stop=stop, say=say, progress=progress, devices=devices,
+                           stop_after=stop_after, restore_step=restore_step)
+            finally:
+                if lock is not None:
+                    lock.release()
+        except BaseException:
+            if created:  # an input error found after the run dir was made: leave no empty run dir behind
+                remove_if_unused(run_dir, created)
+            raise
 
 
 def _take_lock(run_dir: str, say, lead: bool, multi: bool) -> RunLock | None:

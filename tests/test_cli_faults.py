@@ -1,0 +1,109 @@
+"""Issue 22, the cases of the run dir and the command line: a run dir whose parts are the wrong
+kind, a path too long for a checkpoint's files, no empty run dir left by an input error, the
+summary of a run stopped before its first record, a signal while Python and JAX load, and a JAX
+backend the machine does not have. Each was a traceback or lost work before."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from edit_jax.cli import summary_line
+from edit_jax.loop import TrainResult
+from edit_jax.runlock import RunDirError, check_writable
+from tests.helpers import REPO, kill_group, run_session
+
+FAST = ["--config", "configs/tiny.py", "--no-progress", "mesh.replica=2", "mesh.shard=2", "batch_size=8",
+        "data.seq_len=32", "steps=2"]
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets its own device count
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def _train(run_dir, *extra, env=None, timeout=240):
+    return run_session([sys.executable, "-m", "edit_jax", "train", *FAST, "--run-dir", str(run_dir), *extra], timeout,
+                       env=env or _env())
+
+
+def test_checkpoints_a_file_is_refused_before_any_work(tmp_path):
+    """``RUN_DIR/checkpoints`` a regular file: before, the run trained to the end and the final
+    save failed with NotADirectoryError (exit 1, all work lost). Now one line, exit 2, at once."""
+    (tmp_path / "checkpoints").write_text("not a directory")
+    t0 = time.time()
+    code, out = _train(tmp_path)
+    assert code == 2 and "checkpoints' is a file, expected a directory" in out, out[-2000:]
+    assert "Traceback" not in out and time.time() - t0 < 60
+    assert not (tmp_path / "config.json").exists()  # nothing trained, nothing written
+
+
+@pytest.mark.parametrize("name", ["config.json", "metrics.jsonl"])
+def test_run_files_that_are_directories_are_refused(tmp_path, name):
+    (tmp_path / name).mkdir()
+    with pytest.raises(RunDirError, match=rf"{name}' is a directory, expected a file"):
+        check_writable(str(tmp_path))
+
+
+def test_run_dir_too_long_for_a_checkpoint_is_refused(tmp_path):
+    """A run dir path of about 4,000 characters passed the writability probe, trained, and then every
+    save failed (373 lines, 18 tracebacks). The check now creates a file as deep as a save will."""
+    deep = str(tmp_path)  # 4,000 characters: the run dir itself and its probe file fit (PATH_MAX 4,096)
+    while len(deep) < 4000:
+        deep = os.path.join(deep, "d" * min(200, 4000 - len(deep) - 1))
+    code, out = _train(deep)
+    assert code == 2 and "a checkpoint's files would not fit below it" in out, out[-2000:]
+    assert "Traceback" not in out
+    assert not os.path.exists(deep)  # the dirs the run made for it are gone again
+    assert os.listdir(tmp_path) == []
+
+
+def test_input_error_leaves_no_empty_run_dir(tmp_path):
+    """A data error is found after the run dir was checked (and so created): before, an empty run
+    dir (and its parents) stayed behind although the README says nothing is written."""
+    run_dir = tmp_path / "runs" / "new"
+    code, out = _train(run_dir, "data.source=text", f"data.paths={tmp_path / 'missing.txt'}")
+    assert code == 2 and "data error" in out, out[-2000:]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_summary_of_a_run_stopped_before_its_first_record():
+    """Before: "train loss nan" for a run stopped before any record, which reads as a divergence."""
+    result = TrainResult(steps=1, final_loss=math.nan, final_val_loss=None, final_val_ppl=None, tokens=0,
+                         seconds=1.0, run_dir="r", interrupted=True, history=[])
+    assert "train loss n/a (no step logged)" in summary_line(result, "r")
+    diverged = TrainResult(steps=3, final_loss=math.nan, final_val_loss=None, final_val_ppl=None, tokens=0,
+                           seconds=1.0, run_dir="r", history=[{"step": 3, "loss": math.nan}])
+    assert "train loss nan" in summary_line(diverged, "r")  # a real non-finite loss is shown as such
+
+
+def test_signal_while_loading_is_one_line(tmp_path):
+    """SIGINT while Python and JAX load (before training starts): before, a 30-line
+    KeyboardInterrupt traceback. Now one line and exit 130."""
+    proc = subprocess.Popen([sys.executable, "-m", "edit_jax", "train", *FAST, "--run-dir", str(tmp_path / "r")],
+                            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        time.sleep(1.0)
+        os.kill(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 130, out[-2000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-2000:]
+    assert "stopped before" in out, out[-2000:]
+
+
+def test_missing_jax_backend_is_one_line(tmp_path):
+    """``JAX_PLATFORMS=cuda`` on a machine without CUDA: before, JAX's RuntimeError traceback."""
+    code, out = _train(tmp_path, env=_env(JAX_PLATFORMS="cuda"))
+    if code == 0:
+        pytest.skip("this machine has a CUDA backend")
+    assert code == 2 and "JAX could not start a backend (JAX_PLATFORMS='cuda')" in out, out[-2000:]
+    assert "Traceback" not in out
