@@ -191,3 +191,30 @@ def test_export_and_sample_refuse_a_damaged_checkpoint(tmp_path_factory, tmp_pat
     assert export_main(["--run-dir", run_dir, "--out", str(out), "--step", "4"]) == 0  # an older one verifies
     with open(out / "edit_jax_export.json") as f:
         assert json.load(f)["step"] == 4
+
+
+def test_export_to_an_unwritable_out_leaves_nothing(tmp_path_factory, tmp_path, capsys, monkeypatch):
+    """Issue 22, case 15: an --out that cannot be made (its parent is a regular file) is refused in
+    one line, exit 2, before the checkpoint is read; a write that fails half way (a full disk)
+    removes the directory it started, so no partial export is left behind."""
+    import errno
+
+    import edit_jax.export as export_lib
+
+    _, run_dir = edit_run(tmp_path_factory)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory\n")
+    capsys.readouterr()
+    assert export_main(["--run-dir", run_dir, "--out", str(blocker / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out" in err and str(blocker) in err and "not a directory" in err, err
+
+    def full_disk(*_a, **_k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(export_lib, "hf_config", full_disk)  # after model.safetensors is written
+    out = tmp_path / "hf"
+    assert export_main(["--run-dir", run_dir, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(out) in err and os.strerror(errno.ENOSPC) in err, err
+    assert not out.exists()
