@@ -74,6 +74,16 @@ def _brief(e: BaseException, limit: int = 300) -> str:
     return f"{type(e).__name__}: {text[:limit]}{' ...' if len(text) > limit else ''}"
 
 
+def check_checksums(path: str, saved: dict[str, int], now: dict[str, int]) -> None:
+    """Raises ``UnreadableCheckpointError`` naming checkpoint ``path`` if the checksums of the arrays
+    read (``now``) differ from those ``saved`` with it."""
+    bad = checksum_mismatches(saved, now)
+    if bad:
+        raise UnreadableCheckpointError(
+            f"checkpoint {path} is damaged: the checksums of {len(bad)} array(s) "
+            f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}) differ from those recorded when it was saved")
+
+
 def steps_on_disk(run_dir: str) -> list[int]:
     """Finalised checkpoint steps under ``run_dir`` (sorted), read from the directory names alone:
     cheap, no orbax (orbax's in-progress saves have a ``.orbax-checkpoint-tmp`` suffix)."""
@@ -149,12 +159,7 @@ class Checkpointer:
         saved = meta.get("checksums")
         if saved is None:
             return
-        bad = checksum_mismatches(saved, state_checksums(state))
-        if bad:
-            raise UnreadableCheckpointError(
-                f"checkpoint {os.path.join(self.directory, str(step))} is damaged: the checksums of "
-                f"{len(bad)} array(s) ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}) "
-                "differ from those recorded when it was saved")
+        check_checksums(os.path.join(self.directory, str(step)), saved, state_checksums(state))
 
     def verify_data(self, step: int, data_state: dict, meta: dict | None = None) -> None:
         """Raises ``UnreadableCheckpointError`` if the data-stream state differs from the one saved

@@ -310,17 +310,28 @@ def _repo_configs_dir() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
+def _exit_call(e: SystemExit) -> str:
+    """``sys.exit(7)`` / ``sys.exit('why')``: how the user's code asked to exit."""
+    return f"sys.exit({e.code!r})" if e.code is not None else "sys.exit()"
+
+
 def _load_file(path: str) -> Config:
     spec = importlib.util.spec_from_file_location(f"edit_jax_user_config_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
+    except SystemExit as e:  # a BaseException: it would end the CLI with its code and no message
+        raise ConfigError(f"config file {path!r} called {_exit_call(e)} while loading "
+                          "(expected it to define get_config())") from e
     except Exception as e:  # noqa: BLE001 - report any failure of the user's file with its path
         raise ConfigError(f"config file {path!r} failed to load: {type(e).__name__}: {e}") from e
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path!r} has no get_config() function")
     try:
         cfg = module.get_config()
+    except SystemExit as e:
+        raise ConfigError(f"config file {path!r}: get_config() called {_exit_call(e)} "
+                          "(expected it to return a Config)") from e
     except Exception as e:  # noqa: BLE001 - the user's code: report it with its file
         raise ConfigError(f"config file {path!r}: get_config() raised {type(e).__name__}: {e}") from e
     if not isinstance(cfg, Config):

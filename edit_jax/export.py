@@ -107,22 +107,55 @@ def check_out(out: str, force: bool) -> None:
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise ExportError(f"--out {out!r} exists and is not empty (expected a new or empty directory; "
                           "pass --force to write over it)")
+    parent = _nearest_existing(os.path.dirname(os.path.abspath(out)))
+    if not os.path.isdir(parent):
+        raise ExportError(f"--out {out!r} cannot be created: {parent!r} is not a directory")
+    target = out if os.path.isdir(out) else parent  # the dir a file or a subdir goes into first
+    if not os.access(target, os.W_OK):
+        raise ExportError(f"--out {out!r} cannot be written: no write permission in {target!r}")
+
+
+def _nearest_existing(path: str) -> str:
+    """``path`` or its nearest ancestor that exists (what ``os.makedirs`` would create under)."""
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
 
 
 def write_export(out: str, cfg: Config, params: Any, *, dtype: str = "float32", eos_id: int | None = None,
                  tokenizer_path: str | None = None, provenance: dict | None = None, force: bool = False) -> list[str]:
     """Writes the export into ``out``; returns the paths written. Refuses a non-empty ``out``
-    unless ``force`` (then the files it writes are replaced; other files are left alone)."""
-    from safetensors.numpy import save_file
-
+    unless ``force`` (then the files it writes are replaced; other files are left alone). If a
+    write fails, what it wrote is removed (the whole ``out`` if it made it)."""
     if dtype not in DTYPES:
         raise ExportError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     check_out(out, force)
     if tokenizer_path is not None and not os.path.isfile(tokenizer_path):
         raise ExportError(f"tokenizer file {tokenizer_path!r} not found (expected the run's tokenizer.json; "
                           "pass its path with --tokenizer)")
-    os.makedirs(out, exist_ok=True)
+    created = not os.path.exists(out)
     written = []
+    try:
+        os.makedirs(out, exist_ok=True)
+        _write_files(out, cfg, params, dtype, eos_id, tokenizer_path, provenance, force, written)
+    except OSError as e:  # a full disk, a vanished dir: no half export that looks whole
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            for p in written:
+                if os.path.exists(p):
+                    os.remove(p)
+        left = "removed" if created else "the files written so far removed"
+        raise ExportError(f"--out {out!r}: writing failed ({e.strerror or e}); {left}") from e
+    return written
+
+
+def _write_files(out: str, cfg: Config, params: Any, dtype: str, eos_id: int | None, tokenizer_path: str | None,
+                 provenance: dict | None, force: bool, written: list[str]) -> None:
+    """Writes the export's files into the existing dir ``out``, appending each path to ``written``
+    before it is opened (so that a failure can remove it)."""
+    from safetensors.numpy import save_file
+
 
     def path(name):
         written.append(os.path.join(out, name))
@@ -139,7 +172,6 @@ def write_export(out: str, cfg: Config, params: Any, *, dtype: str = "float32", 
     with open(path("edit_jax_export.json"), "w") as f:
         json.dump(provenance or {}, f, indent=2)
         f.write("\n")
-    return written
 
 
 def export_run(run_dir: str, out: str, *, step: int | None = None, dtype: str = "float32",

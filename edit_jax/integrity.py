@@ -20,7 +20,7 @@ when read back on another (elastic restarts).
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import jax
@@ -75,16 +75,32 @@ def _on_device(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
-@jax.jit
-def _checksums(state: Any) -> list[jax.Array]:
-    return [_leaf_checksum(x, i * 0x632BE5AB + 1) for i, x in enumerate(jax.tree.leaves(state))]
+@partial(jax.jit, static_argnums=1)
+def _checksums(state: Any, positions: tuple[int, ...]) -> list[jax.Array]:
+    """One checksum per leaf; ``positions[i]``: leaf i's index in the whole state (salts the sum)."""
+    return [_leaf_checksum(x, i * 0x632BE5AB + 1) for i, x in zip(positions, jax.tree.leaves(state))]
+
+
+def _paths(tree: Any) -> list[str]:
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def state_checksums(state: Any) -> dict[str, int]:
     """``{leaf path: uint32 checksum}`` of every array in ``state`` (device or host arrays)."""
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-    values = [local_value(v) for v in _checksums(_on_device(state))]  # this process's copy (multi-process too)
-    return {p: int(v) for p, v in zip(paths, values)}
+    paths = _paths(state)
+    values = _checksums(_on_device(state), tuple(range(len(paths))))
+    return {p: int(local_value(v)) for p, v in zip(paths, values)}  # this process's copy (multi-process too)
+
+
+def part_checksums(part: Any, prefix: str, whole: Any) -> dict[str, int]:
+    """The checksums ``state_checksums(state)`` gives the leaves of ``part``, the subtree at
+    ``prefix`` (a key path, e.g. ``".outer.params"``) of a state shaped like ``whole`` (shapes
+    suffice): same paths, same salts. For readers that restore only part of a checkpoint (the
+    params, for sample and export) and check it against the checksums saved with the whole state."""
+    index = {p: i for i, p in enumerate(_paths(whole))}
+    paths = [prefix + p for p in _paths(part)]
+    values = _checksums(_on_device(part), tuple(index[p] for p in paths))
+    return {p: int(local_value(v)) for p, v in zip(paths, values)}
 
 
 def checksum_mismatches(saved: dict[str, int], now: dict[str, int]) -> list[str]:
@@ -142,4 +158,4 @@ def nonfinite_parts(report: dict[str, np.ndarray]) -> list[str]:
     return out
 
 
-__all__ = ["state_checksums", "checksum_mismatches", "finite_report", "nonfinite_parts"]
+__all__ = ["state_checksums", "part_checksums", "checksum_mismatches", "finite_report", "nonfinite_parts"]

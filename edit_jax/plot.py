@@ -64,15 +64,17 @@ def _read_json(path: str, what: str) -> Any:
             return json.load(f)
     except FileNotFoundError:
         raise PlotError(f"{path}: not found; expected {what}") from None
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8 text at all
         raise PlotError(f"{path}: cannot read {what}: {e}") from None
 
 
 def read_records(path: str) -> list[dict]:
     """The JSON objects of a metrics.jsonl, in file order. Lines that do not parse are skipped:
-    the last one of a killed run is usually cut (train.MetricsLog does the same on resume)."""
+    the last one of a killed run is usually cut (train.MetricsLog does the same on resume). A
+    line that is not UTF-8 text (damaged bytes) is one lost record too, not a reason to lose the
+    plot of all the others: skipped the same way."""
     try:
-        with open(path) as f:
+        with open(path, "rb") as f:  # bytes: each line decoded on its own
             lines = f.readlines()
     except FileNotFoundError:
         raise PlotError(f"{path}: not found; expected the metrics.jsonl that `edit-jax train` writes") from None
@@ -81,8 +83,8 @@ def read_records(path: str) -> list[dict]:
     records = []
     for line in lines:
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
+            rec = json.loads(line.decode("utf-8"))
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError
             continue
         if isinstance(rec, dict) and isinstance(rec.get("step"), (int, float)):
             records.append(rec)

@@ -17,6 +17,7 @@ Ids past the tokenizer's vocabulary (the padding up to ``model.vocab_size``) are
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -124,6 +125,18 @@ class Sampler:
         return Generation(tokens, lengths, t1 - t0, t2 - t1, steps)
 
 
+def flag_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the sampling flags, or None. A NaN or infinite temperature passes a
+    ``< 0`` test but turns every logit into NaN (or the draw uniform): refused like a negative one."""
+    for name, val, low in [("--max-tokens", args.max_tokens, 1), ("--num-samples", args.num_samples, 1),
+                           ("--top-k", args.top_k, 0)]:
+        if val < low:
+            return f"{name} must be >= {low}, got {val}"
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        return f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}"
+    return None
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="edit-jax sample", description="Generate text from a trained run.")
     parser.add_argument("--run-dir", required=True, help="the run dir of `edit-jax train`")
@@ -138,19 +151,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-eos-stop", action="store_true", help="do not stop at the end-of-document token")
     args = parser.parse_args(argv)
 
+    problem = flag_problem(args)  # before reading anything
+    if problem:
+        print(f"edit-jax: sample error: {problem}", file=sys.stderr)
+        return 2
     try:
         model = load_trained(args.run_dir, args.step)
         tok = load_tokenizer(model.cfg, args.tokenizer)
     except TrainedModelError as e:
         print(f"edit-jax: sample error: {e}", file=sys.stderr)
-        return 2
-    for name, val, low in [("--max-tokens", args.max_tokens, 1), ("--num-samples", args.num_samples, 1),
-                           ("--top-k", args.top_k, 0)]:
-        if val < low:
-            print(f"edit-jax: sample error: {name} must be >= {low}, got {val}", file=sys.stderr)
-            return 2
-    if args.temperature < 0:
-        print(f"edit-jax: sample error: --temperature must be >= 0, got {args.temperature}", file=sys.stderr)
         return 2
     sampler = Sampler(model.cfg.model, model.params, model.cfg.data.seq_len, tok.eos_id, tok.vocab_size)
     prompt = np.concatenate([[tok.eos_id], tok.encode(args.prompt)]).astype(np.int32)

@@ -12,7 +12,9 @@ behind the replicas (the val_loss records of training use a fresh, uncommitted s
 Only those arrays are read from the checkpoint (orbax partial restore), as host NumPy arrays of
 their logical shapes, whatever the mesh, ``sync.outer_sharding`` or ``sync.cpu_offload`` of the
 run: no devices, no mesh. The config is the one stored in the checkpoint's metadata (the one that
-wrote it), so a run resumed with another number of replicas still loads.
+wrote it), so a run resumed with another number of replicas still loads. The arrays read are
+verified against the checksums saved with the checkpoint (``TrainedModelError`` naming it, and the
+older checkpoints, if they differ: damaged on disk).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from edit_jax.checkpoint import UnreadableCheckpointError, check_checksums
 from edit_jax.config import Config, ConfigError, from_dict
 from edit_jax.data import DataError, make_tokenizer
-from edit_jax.state import state_shapes
+from edit_jax.integrity import part_checksums
+from edit_jax.state import STATE_FORMAT, legacy_state_shapes, state_shapes
 
 
 class TrainedModelError(RuntimeError):
@@ -59,6 +63,14 @@ def checkpoint_steps(run_dir: str) -> tuple[str, list[int]]:
     return directory, sorted(steps)
 
 
+def _older_hint(steps: list[int], step: int) -> str:
+    """What to do about an unusable checkpoint ``step``: name the older ones to pass with --step."""
+    older = [s for s in steps if s < step]
+    if not older:
+        return " (no older checkpoint to fall back on)"
+    return f"; pass --step {older[-1]} to use an older checkpoint (on disk: {', '.join(map(str, older))})"
+
+
 def load_trained(run_dir: str, step: int | None = None) -> TrainedModel:
     """Reads the model params of checkpoint ``step`` (default: the latest) of ``run_dir``."""
     import orbax.checkpoint as ocp
@@ -78,6 +90,8 @@ def load_trained(run_dir: str, step: int | None = None) -> TrainedModel:
     except Exception as e:  # noqa: BLE001 - orbax raises many types
         raise TrainedModelError(f"checkpoint {path} is unreadable (metadata): {type(e).__name__}: {e}") from e
     shapes = state_shapes(cfg)
+    # The shapes the checkpoint's checksums were computed over (a format-1 state has fewer leaves).
+    whole = legacy_state_shapes(cfg) if meta.get("state_format", 1) < STATE_FORMAT else shapes
     use_outer = shapes.outer is not None and step > cfg.sync.warmup_steps
     item = {"outer": {"params": shapes.outer.params}} if use_outer else {"params": shapes.params}
     restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
@@ -85,7 +99,18 @@ def load_trained(run_dir: str, step: int | None = None) -> TrainedModel:
         out = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(os.path.join(path, "state"), args=(
             ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)))
     except Exception as e:  # noqa: BLE001
-        raise TrainedModelError(f"checkpoint {path} could not be read: {type(e).__name__}: {e}") from e
+        raise TrainedModelError(f"checkpoint {path} could not be read: {type(e).__name__}: {e}"
+                                f"{_older_hint(steps, step)}") from e
+    # The same checksums a resume verifies, over the arrays read here: damaged bytes would
+    # otherwise become an export with wild weights or garbage samples.
+    part, prefix = (out["outer"]["params"], ".outer.params") if use_outer else (out["params"], ".params")
+    saved = meta.get("checksums")  # absent: written before checksums existed
+    if saved is not None:
+        now = part_checksums(part, prefix, whole)
+        try:
+            check_checksums(path, {k: saved.get(k) for k in now}, now)
+        except UnreadableCheckpointError as e:
+            raise TrainedModelError(f"{e}{_older_hint(steps, step)}") from e
     if use_outer:
         params = out["outer"]["params"]
     else:

@@ -58,3 +58,15 @@ def test_paper_presets_have_paper_sizes():
         assert cfg.sync.tau == 128 and cfg.sync.clip_threshold == 10.0 and cfg.optim.lr == 1.5e-4
         assert cfg.sync.outer_lr == 0.8 and cfg.sync.outer_momentum == 0.85 and cfg.mesh.replica == 8
     assert paper("1b", "baseline").optim.lr == 3e-4
+
+
+@pytest.mark.parametrize("where", ["import", "get_config"])
+def test_config_file_calling_sys_exit_is_a_config_error(tmp_path, where):
+    """Issue 22, case 15: a config file that calls sys.exit(7) (at import or in get_config()) made
+    the CLI exit 7 with no message; it is a config error naming the file (exit 2 in the CLI)."""
+    path = tmp_path / "exits.py"
+    body = "import sys\n"
+    body += "sys.exit(7)\n" if where == "import" else "def get_config():\n    sys.exit(7)\n"
+    path.write_text(body)
+    with pytest.raises(ConfigError, match=rf"config file '{path}'.*sys\.exit\(7\)"):
+        load_config(str(path), [])

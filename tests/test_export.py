@@ -5,6 +5,7 @@ cat(freqs, freqs), key/value head h // n_rep for query head h, RMSNorm weight * 
 
 import json
 import os
+import shutil
 import struct
 
 import jax
@@ -16,7 +17,7 @@ import safetensors
 from edit_jax import model as model_lib
 from edit_jax.export import ExportError, main as export_main, write_export
 from edit_jax.trained import load_trained
-from tests.helpers import tiny_config
+from tests.helpers import damage_checkpoint_arrays, tiny_config
 from tests.trained_runs import edit_run, tokenizer_run
 
 
@@ -165,3 +166,55 @@ def test_export_ships_the_tokenizer(tmp_path_factory, tmp_path):
     with open(out / "config.json") as f:
         assert json.load(f)["eos_token_id"] == eos
     assert isinstance(safetensors.safe_open(str(out / "model.safetensors"), "numpy").keys(), list)
+
+
+def test_export_and_sample_refuse_a_damaged_checkpoint(tmp_path_factory, tmp_path, capsys):
+    """Issue 22, case 5: export and sample verify the arrays they read against the checksums
+    recorded at save time (as a resume does) and refuse a damaged checkpoint in one line, exit 2,
+    naming it and the older checkpoints to pass with --step; nothing is exported."""
+    from edit_jax.sample import main as sample_main
+
+    _, shared = edit_run(tmp_path_factory)
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(shared, run_dir)  # the shared run stays intact for the other tests
+    damage_checkpoint_arrays(os.path.join(run_dir, "checkpoints", "6"))
+    capsys.readouterr()
+    out = tmp_path / "hf"
+    assert export_main(["--run-dir", run_dir, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and os.path.join(run_dir, "checkpoints", "6") in err, err
+    assert ("is damaged" in err or "could not be read" in err) and "--step 4" in err, err
+    assert not out.exists() or not os.listdir(out)
+    assert sample_main(["--run-dir", run_dir, "--max-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and os.path.join(run_dir, "checkpoints", "6") in err and "--step 4" in err, err
+    assert export_main(["--run-dir", run_dir, "--out", str(out), "--step", "4"]) == 0  # an older one verifies
+    with open(out / "edit_jax_export.json") as f:
+        assert json.load(f)["step"] == 4
+
+
+def test_export_to_an_unwritable_out_leaves_nothing(tmp_path_factory, tmp_path, capsys, monkeypatch):
+    """Issue 22, case 15: an --out that cannot be made (its parent is a regular file) is refused in
+    one line, exit 2, before the checkpoint is read; a write that fails half way (a full disk)
+    removes the directory it started, so no partial export is left behind."""
+    import errno
+
+    import edit_jax.export as export_lib
+
+    _, run_dir = edit_run(tmp_path_factory)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory\n")
+    capsys.readouterr()
+    assert export_main(["--run-dir", run_dir, "--out", str(blocker / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out" in err and str(blocker) in err and "not a directory" in err, err
+
+    def full_disk(*_a, **_k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(export_lib, "hf_config", full_disk)  # after model.safetensors is written
+    out = tmp_path / "hf"
+    assert export_main(["--run-dir", run_dir, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(out) in err and os.strerror(errno.ENOSPC) in err, err
+    assert not out.exists()

@@ -147,3 +147,17 @@ def test_bad_run_dir_is_named(tmp_path, capsys, setup, expect):
     assert not out.exists()
     with pytest.raises(PlotError, match=expect):
         load_run(str(run_dir))
+
+
+def test_binary_metrics_line_and_binary_config_json(tmp_path):
+    """Issue 22, case 15: a non-UTF-8 line in metrics.jsonl (a damaged record) is skipped like a
+    cut line, the others kept; a non-UTF-8 config.json is a PlotError naming it, no traceback."""
+    from edit_jax.plot import PlotError, _read_json, read_records
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "loss": 2.0}\n\xff\xfe\x00garbage\n{"step": 2, "loss": 1.5}\n')
+    assert [r["step"] for r in read_records(str(path))] == [1, 2]
+    bad = tmp_path / "config.json"
+    bad.write_bytes(b"\xff\xfe\x00{}")
+    with pytest.raises(PlotError, match=str(bad)):
+        _read_json(str(bad), "the run's config.json")

@@ -167,3 +167,16 @@ def test_clear_errors(tmp_path_factory, tmp_path, capsys):
         load_trained(str(tmp_path / "nowhere"))
     assert sample_main(["--run-dir", run_dir, "--max-tokens", "0"]) == 2
     assert "--max-tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--temperature", "nan"], ["--temperature", "inf"], ["--temperature", "-0.5"],
+                                   ["--top-k", "-1"]])
+def test_nonsense_sampling_flags_are_refused(tmp_path_factory, capsys, flags):
+    """Issue 22, case 11: a NaN temperature sampled NUL bytes with exit 0; a temperature must be a
+    finite number >= 0 (and top-k >= 0): one line naming the flag, exit 2, before any work."""
+    _, run_dir = edit_run(tmp_path_factory)
+    capsys.readouterr()
+    assert sample_main(["--run-dir", run_dir, "--max-tokens", "4", *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and flags[0] in captured.err and flags[1] in captured.err, captured.err
+    assert captured.out == ""
