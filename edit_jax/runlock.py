@@ -70,7 +70,9 @@ _DEEPEST = ("checkpoints", "9999999999.orbax-checkpoint-tmp-1234567890123456", "
 def _check_deepest_path(run_dir: str) -> None:
     """Creates (and removes) a file as deep and as long-named as a checkpoint save will, so that a
     path the file system refuses (too long) is found before any work, not at the first save."""
-    probe = os.path.join(run_dir, _DEEPEST[0], f".probe-{os.getpid()}"[:len(_DEEPEST[1])].ljust(len(_DEEPEST[1]), "x"))
+    checkpoints = os.path.join(run_dir, _DEEPEST[0])
+    made_checkpoints = not os.path.exists(checkpoints)  # then it goes again: the probe leaves nothing
+    probe = os.path.join(checkpoints, f".probe-{os.getpid()}"[:len(_DEEPEST[1])].ljust(len(_DEEPEST[1]), "x"))
     deepest = os.path.join(probe, *_DEEPEST[2:])
     try:
         os.makedirs(os.path.dirname(deepest), exist_ok=True)
@@ -82,6 +84,11 @@ def _check_deepest_path(run_dir: str) -> None:
                           ) from e
     finally:
         shutil.rmtree(probe, ignore_errors=True)
+        if made_checkpoints:
+            try:
+                os.rmdir(checkpoints)
+            except OSError:
+                pass
 
 
 def first_missing(run_dir: str) -> str | None:
