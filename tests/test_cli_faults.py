@@ -3,8 +3,10 @@ kind, a path too long for a checkpoint's files, no empty run dir left by an inpu
 summary of a run stopped before its first record, a signal while Python and JAX load, and a JAX
 backend the machine does not have. Each was a traceback or lost work before."""
 
+import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -83,10 +85,12 @@ def test_summary_of_a_run_stopped_before_its_first_record():
     assert "train loss nan" in summary_line(diverged, "r")  # a real non-finite loss is shown as such
 
 
-def test_signal_while_loading_is_one_line(tmp_path):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_signal_while_loading_is_one_line(tmp_path, processes):
     """SIGINT while Python and JAX load (before training starts): before, a 30-line
-    KeyboardInterrupt traceback. Now one line and exit 130."""
-    proc = subprocess.Popen([sys.executable, "-m", "edit_jax", "train", *FAST, "--run-dir", str(tmp_path / "r")],
+    KeyboardInterrupt traceback (2 processes: tracebacks and exit 5). Now one line and exit 130."""
+    mp = ["mesh.processes=2"] if processes == 2 else []
+    proc = subprocess.Popen([sys.executable, "-m", "edit_jax", "train", *FAST, *mp, "--run-dir", str(tmp_path / "r")],
                             cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -121,3 +125,22 @@ def test_fallback_after_a_damaged_ocdbt_index_is_quiet(tmp_path):
     assert code == 0 and "falling back to step 2" in out, out[-3000:]
     assert "Traceback" not in out and "Event loop is closed" not in out, out[-3000:]
     assert len(out.splitlines()) <= 8, out
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_incompatible_checkpoint_is_one_message(tmp_path, processes):
+    """A checkpoint of another model shape: one message naming the keys, exit 2, and no advice to
+    "re-run the same command" (before, 2 processes printed it once per worker, then that advice).
+    The first run's summary gives the workers' mean loss, as one program does (before, 2 processes
+    printed worker 0's)."""
+    mp = ["mesh.processes=2"] if processes == 2 else []
+    code, out = _train(tmp_path, *mp)
+    assert code == 0, out[-2000:]
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    last = [r for r in records if "loss" in r and not r.get("sync")][-1]
+    printed = float(re.search(r"train loss ([\d.]+)", out).group(1))
+    assert abs(printed - sum(last["replica_loss"]) / len(last["replica_loss"])) < 2e-4, (printed, last)
+    code, out = _train(tmp_path, *mp, "model.n_layers=3", "steps=4")
+    assert code == 2, out[-2000:]
+    assert out.count("is incompatible with the config (model.n_layers: checkpoint 2, config 3)") == 1, out[-2000:]
+    assert "re-run the same command" not in out and "Traceback" not in out

@@ -438,3 +438,18 @@ def test_cli_bad_matrix_file_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "nan.json" in err and "bandwidth_gbps" in err
     assert cli.main([]) == 2  # neither --scenario nor --topology: argparse's usage error
+
+
+def test_cli_unwritable_json_is_refused_before_the_search(tmp_path, capsys, monkeypatch):
+    """``--json`` naming a directory (a path that cannot be written): before, the search ran and
+    then the write failed with a traceback. Now one line, exit 2, and no search at all."""
+    (tmp_path / "out.json").mkdir()
+    searched = []
+    monkeypatch.setattr(cli, "run_searches", lambda *a, **k: searched.append(1))
+    code = cli.main(["--scenario", "world", "--objective", "edit", "--replica", "8", "--shard", "8",
+                     "--json", str(tmp_path / "out.json")])
+    assert code == 2 and not searched
+    assert "--json: cannot write" in capsys.readouterr().err
+    ok = tmp_path / "fresh.json"  # a writable path is left as it was: absent
+    cli._check_writable_file(str(ok), "--json")
+    assert not ok.exists()

@@ -106,6 +106,19 @@ def _check_option(ok: bool, field: str, message: str) -> None:
         raise PlacementError(f"{field}: {message}")
 
 
+def _check_writable_file(path: str, option: str) -> None:
+    """``path`` can be written: opened for appending (and removed again if this made it), so that a
+    directory in its place or a read-only file system is one message before the search runs."""
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise PlacementError(f"{option}: cannot write {path!r}: {e.strerror or e}") from e
+    if not existed:
+        os.remove(path)
+
+
 def _run(args) -> int:
     _check_option(args.evaluations >= 2, "--evaluations", f"must be >= 2, got {args.evaluations}")
     _check_option(args.population >= 2, "--population", f"must be >= 2, got {args.population}")
@@ -114,6 +127,7 @@ def _run(args) -> int:
         if path:
             folder = os.path.dirname(os.path.abspath(path))
             _check_option(os.path.isdir(folder), option, f"directory {folder!r} does not exist")
+            _check_writable_file(path, option)  # before the search, not after it
     if args.objective == "dtfm":
         n = topology.num_devices
         _check_option(args.stages >= 1 and n % args.stages == 0, "--stages",
@@ -129,8 +143,11 @@ def _run(args) -> int:
     report = build_report(objective, topology, results, args)
     print_report(report, objective, topology)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(report, fh, indent=1)
+        try:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(report, fh, indent=1)
+        except OSError as e:  # e.g. the disk filled since the check
+            raise PlacementError(f"--json: cannot write {args.json!r}: {e.strerror or e}") from e
         print(f"placement written to {args.json}")
     if args.plot:
         plot_convergence({r.method: r.curve for r in results.values()}, args.plot,
