@@ -60,15 +60,18 @@ def run_session(cmd: list[str], timeout: float, env: dict | None = None) -> tupl
 
 
 def damage_checkpoint_arrays(ckpt_dir, spots=16, n=64) -> None:
-    """Flips ``n`` bytes at ``spots`` places spread over the largest array file of checkpoint
-    ``ckpt_dir`` (``RUN_DIR/checkpoints/<step>``): that file holds every array of the state, so
-    spreading the damage hits the params too, whichever arrays a reader restores."""
-    files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(ckpt_dir, "state")) for f in fs]
-    victim = max(files, key=os.path.getsize)
-    size = os.path.getsize(victim)
-    with open(victim, "r+b") as f:
-        for k in range(1, spots + 1):
-            f.seek(size * k // (spots + 1))
-            raw = f.read(n)
-            f.seek(-len(raw), os.SEEK_CUR)
-            f.write(bytes(b ^ 0xFF for b in raw))
+    """Flips ``n`` bytes at ``spots`` places spread over every array data file of checkpoint
+    ``ckpt_dir`` (``RUN_DIR/checkpoints/<step>``): which arrays land in which OCDBT data file
+    depends on the timing of TensorStore's parallel writes, so every file is hit, and with it
+    every array a reader may restore (the params too)."""
+    files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(ckpt_dir, "state")) for f in fs
+             if os.path.basename(r) == "d"]  # OCDBT's data files: <state>/ocdbt.process_*/d/<hash>
+    assert files, f"no OCDBT data files under {ckpt_dir}/state"
+    for victim in files:
+        size = os.path.getsize(victim)
+        with open(victim, "r+b") as f:
+            for k in range(1, spots + 1):
+                f.seek(size * k // (spots + 1))
+                raw = f.read(n)
+                f.seek(-len(raw), os.SEEK_CUR)
+                f.write(bytes(b ^ 0xFF for b in raw))
