@@ -208,7 +208,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {os.path.join(self.directory, str(step))} is incompatible with the "
                                   f"config ({'; '.join(diffs)}). Use another --run-dir, or the config that wrote it.")
 
-    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+    def restore(self, step: int, abstract_state: Any, meta: dict | None = None) -> tuple[Any, dict]:
         path = os.path.join(self.directory, str(step))
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(
@@ -216,11 +216,12 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
             raise UnreadableCheckpointError(f"checkpoint {path} could not be restored: {_brief(e)}. "
                                             "It was left untouched; move it away to start over.") from e
-        self.verify(step, out["state"])
-        self.verify_data(step, out["data"])
+        meta = self.read_meta(step) if meta is None else meta  # read once for both checks
+        self.verify(step, out["state"], meta)
+        self.verify_data(step, out["data"], meta)
         return out["state"], out["data"]
 
-    def restore_host(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+    def restore_host(self, step: int, abstract_state: Any, meta: dict | None = None) -> tuple[Any, dict]:
         """Restores into host NumPy arrays of the saved shapes (for elastic restarts with another N)."""
         path = os.path.join(self.directory, str(step))
         restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), abstract_state)
@@ -237,8 +238,9 @@ class Checkpointer:
                                             "It was left untouched; move it away to start over.") from e
         finally:
             reader.close()
-        self.verify(step, out["state"])
-        self.verify_data(step, out["data"])
+        meta = self.read_meta(step) if meta is None else meta  # read once for both checks
+        self.verify(step, out["state"], meta)
+        self.verify_data(step, out["data"], meta)
         return out["state"], out["data"]
 
     def close(self) -> None:

@@ -71,7 +71,7 @@ def run(cfg: Config, run_dir: str | None, *, stop, say: Callable[[str], None], p
         devices: list | None = None, stop_after: int | None = None, restore_step: int | None = None) -> TrainResult:
     """Trains ``cfg`` (validated) to ``cfg.steps``; ``stop`` is the signal flag (``.signal``)."""
     method_plan = plan_for(cfg)
-    cfg, schedule = method_plan.cfg, method_plan.schedule  # normalised: config.json says what runs
+    cfg = method_plan.cfg  # normalised: config.json says what runs
     multi, lead = cfg.mesh.processes > 1, jax.process_index() == 0
     if multi:
         multihost.check_runtime(cfg)

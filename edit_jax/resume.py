@@ -34,9 +34,10 @@ class DivergedError(RuntimeError):
     """Training produced non-finite values; nothing non-finite was saved (the CLI exits with 3)."""
 
 
-def restore(ckpt: Checkpointer, step: int, cfg: Config, machinery: Machinery):
-    """Restores checkpoint ``step`` (checked against ``cfg`` first): (state, data state)."""
-    meta = ckpt.read_meta(step)
+def restore(ckpt: Checkpointer, step: int, cfg: Config, machinery: Machinery, meta: dict | None = None):
+    """Restores checkpoint ``step`` (checked against ``cfg`` first): (state, data state). ``meta``:
+    its metadata, if the caller read it already."""
+    meta = ckpt.read_meta(step) if meta is None else meta
     ckpt.check_compatible(meta, cfg, step)
     layout = machinery.layout
     legacy = meta.get("state_format", 1) < STATE_FORMAT
@@ -44,11 +45,12 @@ def restore(ckpt: Checkpointer, step: int, cfg: Config, machinery: Machinery):
     try:
         if old_n == cfg.mesh.replica:
             target = layout.legacy_abstract_state() if legacy else layout.abstract_state()
-            state, data_state = ckpt.restore(step, target)
+            state, data_state = ckpt.restore(step, target, meta)
             state = jax.device_put(layout.upgrade_legacy(state), layout.state_shardings)
         else:
             old_cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, replica=old_n))
-            host, data_state = ckpt.restore_host(step, legacy_state_shapes(old_cfg) if legacy else state_shapes(old_cfg))
+            host, data_state = ckpt.restore_host(step, legacy_state_shapes(old_cfg) if legacy else state_shapes(old_cfg),
+                                                 meta)
             state = layout.elastic_state(layout.upgrade_legacy(host), old_n)
     except ConfigError as e:
         raise CheckpointError(f"checkpoint {os.path.join(ckpt.directory, str(step))}: {e}") from e
@@ -69,8 +71,9 @@ def restore_verified(ckpt: Checkpointer, cfg: Config, machinery: Machinery, say:
     bad, errors = [], []
     for step in candidates:
         try:
-            old_n = ckpt.read_meta(step)["config"]["mesh"]["replica"]
-            state, data_state = restore(ckpt, step, cfg, machinery)
+            meta = ckpt.read_meta(step)
+            old_n = meta["config"]["mesh"]["replica"]
+            state, data_state = restore(ckpt, step, cfg, machinery, meta)
         except UnreadableCheckpointError as e:
             bad.append(step)
             errors.append(e)

@@ -33,10 +33,11 @@ class RunDirError(RuntimeError):
     """The run dir cannot be created or written."""
 
 
-def check_writable(run_dir: str) -> None:
+def check_writable(run_dir: str, deepest: bool = True) -> None:
     """Creates ``run_dir`` if needed and checks that it, its ``checkpoints/`` and the files a run
     appends to can be written, so that a permission problem is one message up front, not a
-    traceback after minutes of compilation."""
+    traceback after minutes of compilation. ``deepest``: also probe the deepest path a checkpoint
+    save writes (process 0 of a multi-process run does it for all)."""
     try:
         os.makedirs(run_dir, exist_ok=True)
     except OSError as e:
@@ -58,7 +59,8 @@ def check_writable(run_dir: str) -> None:
                               f"{'directory' if want_dir else 'file'}; move it away or use another --run-dir")
         if not os.access(path, os.W_OK | (os.X_OK if want_dir else 0)):
             raise RunDirError(f"{path!r} exists but is not writable; fix its permissions or use another --run-dir")
-    _check_deepest_path(run_dir)
+    if deepest:  # one process per run dir: two probing at once would race on creating checkpoints/
+        _check_deepest_path(run_dir)
 
 
 # The deepest path a checkpoint save writes, below the run dir: orbax's temporary dirs (a step and a

@@ -108,7 +108,7 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
         created = first_missing(run_dir) if run_dir and lead else None  # what check_writable will create
         try:
             if run_dir:
-                check_writable(run_dir)
+                check_writable(run_dir, deepest=lead)
             lock = _take_lock(run_dir, say, lead, multi) if run_dir else None
             try:
                 if run_dir and restore_step is None:  # every process sees the same answer on disk

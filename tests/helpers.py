@@ -3,6 +3,7 @@
 import os
 import signal
 import subprocess
+import time
 
 import jax
 import numpy as np
@@ -45,6 +46,27 @@ def kill_group(proc) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def interrupt_when(cmd: list[str], ready, env: dict | None = None, signals: int = 1,
+                   wait: float = 120) -> tuple[int, str]:
+    """Runs ``cmd`` from the repo in a session of its own, sends it ``signals`` SIGINTs (0.2 s apart)
+    once ``ready()`` is true (at most ``wait`` seconds; the process must still be running), and
+    waits for it: (exit code, stdout + stderr). The session is killed on the way out."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + wait
+        while not ready():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.02)
+        for _ in range(signals):
+            os.kill(proc.pid, signal.SIGINT)
+            time.sleep(0.2)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        kill_group(proc)
+    return proc.returncode, out
 
 
 def run_session(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:

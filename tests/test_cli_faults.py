@@ -7,8 +7,6 @@ import json
 import math
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 
@@ -17,7 +15,7 @@ import pytest
 from edit_jax.cli import summary_line
 from edit_jax.loop import TrainResult
 from edit_jax.runlock import RunDirError, check_writable
-from tests.helpers import REPO, kill_group, run_session
+from tests.helpers import REPO, interrupt_when, run_session
 
 FAST = ["--config", "configs/tiny.py", "--no-progress", "mesh.replica=2", "mesh.shard=2", "batch_size=8",
         "data.seq_len=32", "steps=2"]
@@ -90,16 +88,10 @@ def test_signal_while_loading_is_one_line(tmp_path, processes):
     """SIGINT while Python and JAX load (before training starts): before, a 30-line
     KeyboardInterrupt traceback (2 processes: tracebacks and exit 5). Now one line and exit 130."""
     mp = ["mesh.processes=2"] if processes == 2 else []
-    proc = subprocess.Popen([sys.executable, "-m", "edit_jax", "train", *FAST, *mp, "--run-dir", str(tmp_path / "r")],
-                            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        time.sleep(1.0)
-        os.kill(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        kill_group(proc)
-    assert proc.returncode == 130, out[-2000:]
+    started = time.time()
+    code, out = interrupt_when([sys.executable, "-m", "edit_jax", "train", *FAST, *mp, "--run-dir", str(tmp_path / "r")],
+                               lambda: time.time() - started >= 1.0, env=_env())
+    assert code == 130, out[-2000:]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-2000:]
     assert "stopped before" in out, out[-2000:]
 

@@ -10,7 +10,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -24,9 +23,9 @@ from edit_jax.config import ConfigError
 from edit_jax.integrity import checksum_mismatches, finite_report, nonfinite_parts, state_checksums
 from edit_jax.runlock import LOCK_NAME, RunDirError, RunLock, RunLockError
 from edit_jax.state import state_shapes
-from edit_jax.train import DivergedError, train
+from edit_jax.train import train
 from edit_jax.validate import load_config
-from tests.helpers import REPO, kill_group as _kill_group, run_session, tiny_config
+from tests.helpers import REPO, interrupt_when, run_session, tiny_config
 
 TINY = os.path.join(REPO, "configs", "tiny.py")
 
@@ -305,20 +304,9 @@ def test_ctrl_c_while_compiling_is_a_clean_stop(tmp_path, processes, signals):
     """SIGINT right after config.json is written (the state is being created and the first step
     compiled): one signal stops cleanly before the first step; a second exits at once; exit 130
     either way, no traceback (a 2-process launcher passes the signal on to its workers)."""
-    proc = subprocess.Popen(_cmd(tmp_path, processes, "steps=5", "method=edit"), cwd=REPO, env=_cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.time() + 120
-        while not (tmp_path / "config.json").exists():
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()
-            time.sleep(0.02)
-        for _ in range(signals):
-            os.kill(proc.pid, signal.SIGINT)
-            time.sleep(0.2)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        _kill_group(proc)
-    assert proc.returncode == 130, out[-3000:]
+    code, out = interrupt_when(_cmd(tmp_path, processes, "steps=5", "method=edit"),
+                               lambda: (tmp_path / "config.json").exists(), env=_cli_env(), signals=signals)
+    assert code == 130, out[-3000:]
     _clean(out, processes)
     if signals == 1:
         assert "stopped before the first step" in out or "checkpoint saved" in out, out
@@ -331,19 +319,10 @@ def test_ctrl_c_during_final_evaluation_finishes_cleanly(tmp_path, processes):
     """SIGINT once the last training record is written, while the final evaluation (300 batches)
     runs: the evaluation finishes, the final checkpoint is saved and the run exits 0, no traceback
     (before, 2 processes ended with exit 5, tracebacks and no final checkpoint)."""
-    proc = subprocess.Popen(_cmd(tmp_path, processes, "steps=3", "log_every=1", "eval_batches=300"), cwd=REPO,
-                            env=_cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        deadline, metrics = time.time() + 120, tmp_path / "metrics.jsonl"
-        while not (metrics.exists() and '"step": 3,' in metrics.read_text()):
-            assert proc.poll() is None and time.time() < deadline, proc.communicate()
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        _kill_group(proc)
-    assert proc.returncode == 0, out[-3000:]
+    metrics = tmp_path / "metrics.jsonl"
+    code, out = interrupt_when(_cmd(tmp_path, processes, "steps=3", "log_every=1", "eval_batches=300"),
+                               lambda: metrics.exists() and '"step": 3,' in metrics.read_text(), env=_cli_env())
+    assert code == 0, out[-3000:]
     _clean(out, processes)
     assert "during the final evaluation" in out and _steps(tmp_path) == [3]
     assert '"val_loss"' in metrics.read_text()
