@@ -118,26 +118,33 @@ class Checkpointer:
             return
         meta = {"config": to_dict(cfg), "step": int(step), "state_format": STATE_FORMAT,
                 "checksums": state_checksums(state), "data_checksum": data_checksum(data_state)}
+        final_dir = os.path.join(self.directory, str(step))
+        existed = os.path.isdir(final_dir)
         try:
             self.manager.save(int(step), args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
             self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - orbax / TensorStore wrap OS errors in many types
-            self._remove_partial(int(step))
-            raise CheckpointSaveError(f"could not save checkpoint {os.path.join(self.directory, str(step))}: "
-                                      f"{_save_reason(e)}. Earlier checkpoints are intact "
-                                      f"({', '.join(map(str, self.all_steps())) or 'none'}); fix that and re-run "
-                                      "the same command to resume") from e
+            self._remove_partial(int(step), final=not existed)
+            raise CheckpointSaveError(f"could not save checkpoint {final_dir}: {_save_reason(e)}. Earlier checkpoints "
+                                      f"are intact ({', '.join(map(str, self.all_steps())) or 'none'}); fix that and "
+                                      "re-run the same command to resume") from e
         self._rotate(int(step), meta["checksums"])
 
-    def _remove_partial(self, step: int) -> None:
-        """After a failed save: orbax's unfinished temporary dir of ``step`` (never a finished
-        checkpoint) is removed, so that it takes no space and no later run trips over it."""
-        if jax.process_index() != 0 or not os.path.isdir(self.directory):
-            return
-        for name in os.listdir(self.directory):
-            if name.startswith(f"{step}.orbax-checkpoint-tmp"):
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+    def _remove_partial(self, step: int, final: bool) -> None:
+        """After a failed save: what this save left of ``step`` is removed, so that it takes no
+        space and no later run trips over it: orbax's unfinished temporary dir, and with ``final``
+        the step's own dir too. The save can fail after orbax renamed the temporary dir (the
+        rename is not the last write of a save), which leaves ``checkpoints/<step>`` on disk but
+        not in orbax's list: a checkpoint nobody verified and the error message would not name.
+        ``final`` is False when that dir existed before this save, which is then left alone."""
+        if jax.process_index() == 0 and os.path.isdir(self.directory):
+            for name in os.listdir(self.directory):
+                if name.startswith(f"{step}.orbax-checkpoint-tmp") or (final and name == str(step)):
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        # orbax's step list from the disk as it now is. No barrier here: after a failed save the
+        # other processes may already be in the next step's collectives (the launcher ends them).
+        self.reload()
 
     def _rotate(self, new_step: int, checksums: dict) -> None:
         """Deletes checkpoints beyond the newest ``keep``, once ``new_step`` is finalised and its

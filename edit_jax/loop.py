@@ -40,7 +40,7 @@ from edit_jax.data.corrupt import parse_corrupt
 from edit_jax.drivers import AsyncWorkers, LockStep, Wants, wants_async
 from edit_jax.evaluate import Evaluator
 from edit_jax.methods import plan_for
-from edit_jax.records import open_log, sync_fields, worker_log
+from edit_jax.records import open_log, replace_file, sync_fields, worker_log
 from edit_jax.resume import DivergedError, check_before_save, restore_verified
 from edit_jax.sharding import make_mesh
 from edit_jax.step import Machinery
@@ -93,12 +93,11 @@ def run(cfg: Config, run_dir: str | None, *, stop, say: Callable[[str], None], p
                                                                barrier=multihost.barrier)
             if data_state is not None:
                 stream.set_state(data_state)
+            if lead:
+                replace_file(os.path.join(run_dir, "config.json"), dumps(cfg) + "\n")
         except Exception:
             ckpt.close()
             raise
-        if lead:
-            with open(os.path.join(run_dir, "config.json"), "w") as f:
-                f.write(dumps(cfg) + "\n")
     if state is None:
         state = machinery.init_state(cfg.seed)
     log = open_log(run_dir, resumed_from, lead, cfg.log.tensorboard)

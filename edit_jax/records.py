@@ -9,11 +9,13 @@ phase every worker also appends its own training records (``"worker": i``, ``glo
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 
 import numpy as np
 
+from edit_jax.runlock import RunDirError
 from edit_jax.tensorboard import TeeLog
 
 
@@ -48,16 +50,44 @@ class MetricsLog:
                         continue  # a line cut by a kill
                     if resume_step is not None and rec.get("global_step", rec.get("step", 0)) <= resume_step:
                         keep.append(line if line.endswith("\n") else line + "\n")
-            with open(path, "w") as f:
-                f.writelines(keep)
+            replace_file(path, "".join(keep))
 
     def write(self, record: dict) -> None:
         if self.path:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as e:
+                raise _write_error(self.path, e) from e
 
     def close(self) -> None:
         pass
+
+
+def _write_error(path: str, e: OSError) -> RunDirError:
+    """A failed write of a run-dir file (``metrics.jsonl``, ``config.json``) as one line (CLI exit
+    2). The run stops there: going on would train steps whose records are lost. Checkpoints are
+    written apart and untouched."""
+    cause = "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    return RunDirError(f"could not write {path}: {cause}. The run stopped; its checkpoints are as they were: "
+                       "fix that and re-run the same command to resume")
+
+
+def replace_file(path: str, text: str) -> None:
+    """Writes ``text`` beside ``path`` and renames it over: a write that fails (a full disk)
+    leaves the old file as it was, never half-written or emptied (``RunDirError`` names it)."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.isfile(tmp):
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass  # the error below is the one to report
+        raise _write_error(path, e) from e
 
 
 def open_log(run_dir: str | None, resumed_from: int | None, lead: bool, tensorboard: bool):
@@ -75,4 +105,4 @@ def worker_log(run_dir: str | None) -> MetricsLog:
     return MetricsLog(os.path.join(run_dir, "metrics.jsonl") if run_dir else None, None, truncate=False)
 
 
-__all__ = ["MetricsLog", "sync_fields", "to_json", "open_log", "worker_log"]
+__all__ = ["MetricsLog", "sync_fields", "to_json", "open_log", "worker_log", "replace_file"]
