@@ -288,13 +288,16 @@ def read_config(path: str | None, overrides: list[str] = ()) -> Config:
     if path is None:
         cfg = Config()
     else:
-        cfg = _load_file(_resolve_config_path(path))
+        path = _resolve_config_path(path)
+        cfg = _load_json(path) if path.endswith(".json") else _load_file(path)
     return apply_overrides(cfg, list(overrides))
 
 
 def _resolve_config_path(path: str) -> str:
     if os.path.isfile(path):
         return path
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return os.path.join(path, "config.json")  # a run dir: relaunch what it ran
     candidates = [os.path.join("configs", path + ".py"), os.path.join(_repo_configs_dir(), path + ".py")]
     for c in candidates:
         if os.path.isfile(c):
@@ -315,7 +318,29 @@ def _exit_call(e: SystemExit) -> str:
     return f"sys.exit({e.code!r})" if e.code is not None else "sys.exit()"
 
 
+def _load_json(path: str) -> Config:
+    """A config as JSON: what every run writes to ``RUN_DIR/config.json``, so that
+    ``--config runs/x/config.json --run-dir runs/y`` relaunches run x's setup."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"config file {path!r} cannot be read: {e.strerror or e}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path!r} is not valid JSON ({e}); expected a config as written to "
+                          "RUN_DIR/config.json") from e
+    try:
+        return from_dict(d)
+    except ConfigError as e:
+        raise ConfigError(f"config file {path!r}: {e}") from e
+
+
 def _load_file(path: str) -> Config:
+    if not path.endswith(".py"):
+        raise ConfigError(f"config file {path!r}: expected a Python file with get_config() (.py) or a JSON config "
+                          "(.json, as a run dir's config.json)")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"config file {path!r} cannot be read (permission denied)")
     spec = importlib.util.spec_from_file_location(f"edit_jax_user_config_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
     try:

@@ -136,3 +136,34 @@ def test_incompatible_checkpoint_is_one_message(tmp_path, processes):
     assert code == 2, out[-2000:]
     assert out.count("is incompatible with the config (model.n_layers: checkpoint 2, config 3)") == 1, out[-2000:]
     assert "re-run the same command" not in out and "Traceback" not in out
+
+
+def test_a_run_dirs_config_json_relaunches_the_run(tmp_path):
+    """``--config RUN_DIR/config.json`` (or the run dir itself) gives the same run in another dir:
+    the losses equal the first run's. Before: any non-.py config crashed with AttributeError, exit 1."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    code, out = _train(first)
+    assert code == 0, out[-2000:]
+    code, out = run_session([sys.executable, "-m", "edit_jax", "train", "--config", str(first / "config.json"),
+                             "--no-progress", "--run-dir", str(second)], 240, env=_env())
+    assert code == 0, out[-2000:]
+
+    def losses(run_dir):
+        return [json.loads(line)["loss"] for line in open(run_dir / "metrics.jsonl") if '"loss"' in line]
+
+    assert losses(first) and losses(first) == losses(second)
+    assert json.load(open(first / "config.json")) == json.load(open(second / "config.json"))
+
+
+@pytest.mark.parametrize("name,text,expected", [
+    ("c.yaml", "steps: 2\n", "expected a Python file with get_config() (.py) or a JSON config"),
+    ("c.json", "{\"steps\": 2,", "is not valid JSON"),
+    ("c.json", "{\"optim\": {\"lr\": \"fast\"}}", "config key 'optim.lr': expected float"),
+])
+def test_config_file_that_cannot_be_read_is_exit_2_with_its_path(tmp_path, name, text, expected):
+    path = tmp_path / name
+    path.write_text(text)
+    code, out = run_session([sys.executable, "-m", "edit_jax", "train", "--config", str(path), "--run-dir",
+                             str(tmp_path / "r")], 120, env=_env())
+    assert code == 2 and str(path) in out and expected in out, out[-2000:]
+    assert not (tmp_path / "r").exists()
