@@ -154,6 +154,9 @@ class LogConfig:
     """Where records go besides RUN_DIR/metrics.jsonl (absent from older configs: defaults apply)."""
 
     tensorboard: bool = False  # also as TensorBoard scalars in RUN_DIR/tb/ (needs tensorboardX)
+    # One device's peak TFLOP/s for the records' ``mfu``; 0: known A100 / H100 / H200 from the
+    # device's kind (dense bf16), none on other devices (edit_jax/throughput.py).
+    peak_tflops: float = 0.0
 
 
 @dataclass
@@ -399,7 +402,7 @@ def check_fields(cfg: Config) -> None:
     for key, val in [("eval_every", cfg.eval_every), ("checkpoint_every", cfg.checkpoint_every),
                      ("optim.warmup_steps", o.warmup_steps), ("optim.decay_steps", o.decay_steps),
                      ("optim.weight_decay", o.weight_decay), ("optim.grad_clip", o.grad_clip),
-                     ("sync.warmup_steps", s.warmup_steps)]:
+                     ("sync.warmup_steps", s.warmup_steps), ("log.peak_tflops", cfg.log.peak_tflops)]:
         require(val >= 0, key, f"must be >= 0, got {val}")
     require(m.d_model % m.n_heads == 0, "model.n_heads", f"must divide model.d_model={m.d_model}, got {m.n_heads}")
     require(m.head_dim % 2 == 0, "model.n_heads", f"head dim d_model/n_heads={m.head_dim} must be even for rotary embeddings")

@@ -35,6 +35,7 @@ from edit_jax.data.streams import TrainStream
 from edit_jax.methods import LOCAL, StepKind, TimeSchedule
 from edit_jax.sharding import BATCH_SPEC, named
 from edit_jax.step import Machinery
+from edit_jax.throughput import StepFigures
 
 MAX_IN_FLIGHT = 2  # steps the host may run ahead of the devices (see LockStep.advance)
 
@@ -98,6 +99,7 @@ class LockStep:
         self.slow = parse_slowdown(self.cfg.debug.slowdown).get(jax.process_index(), 1.0) if self.multi else 1.0
         self.local_steps_timed = 0
         self.own_local_times: list[float] = []  # this worker's own local step times since the last record
+        self.figures = StepFigures(self.cfg, self.cfg.mesh.replica * self.cfg.mesh.shard, jax.devices()[0].device_kind)
 
     def global_state(self, state):
         return state
@@ -156,8 +158,9 @@ class LockStep:
         dt = (now - self.last_record[0]) / max(k - self.last_record[1], 1)  # evaluation time excluded (mark)
         self.last_record = (now, k)
         adv.loss = float(np.mean(metrics["loss"]))  # per replica -> mean on the host
+        tokens_per_s = cfg.batch_size * cfg.data.seq_len / dt
         rec = {"step": k, "loss": adv.loss, "grad_norm": float(np.mean(metrics["grad_norm"])),
-               "tokens_per_s": cfg.batch_size * cfg.data.seq_len / dt, "step_time": dt, "kind": str(kind)}
+               "tokens_per_s": tokens_per_s, **self.figures(k, tokens_per_s), "step_time": dt, "kind": str(kind)}
         if cfg.mesh.replica > 1:
             rec["replica_loss"] = _to_list(np.asarray(metrics["loss"]))
         if self.multi:  # each worker's own speed (median local step since the last record): stragglers show
@@ -245,6 +248,7 @@ class AsyncWorkers:
         self.last_meeting = time.monotonic()
         self.last_record = (time.perf_counter(), self.steps.done)
         self.rows = cfg.batch_size // self.n
+        self.figures = StepFigures(cfg, cfg.mesh.shard, jax.devices()[0].device_kind)  # this worker's devices
 
     def enter(self, global_state):
         """The global state (after the warmup) as this worker's local state."""
@@ -277,8 +281,9 @@ class AsyncWorkers:
         now = time.perf_counter()
         dt = (now - self.last_record[0]) / max(k - self.last_record[1], 1)
         self.last_record = (now, k)
+        tokens_per_s = self.rows * self.cfg.data.seq_len / dt
         return {"step": k, "worker": self.me, "global_step": global_step, "loss": loss, "grad_norm": gnorm,
-                "tokens_per_s": self.rows * self.cfg.data.seq_len / dt, "step_time": dt, "kind": str(kind)}
+                "tokens_per_s": tokens_per_s, **self.figures(k, tokens_per_s), "step_time": dt, "kind": str(kind)}
 
     def advance(self, state, k: int, wants: Wants) -> Advance:
         schedule, own = self.schedule, []

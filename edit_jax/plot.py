@@ -36,7 +36,7 @@ from edit_jax.methods import METHODS
 
 X_AXES = ("tokens", "time", "step")
 # Config keys that change how a run is logged or kept, not what it learns: never in a label.
-NOISE_KEYS = frozenset({"log_every", "checkpoint_every", "keep_checkpoints", "log.tensorboard",
+NOISE_KEYS = frozenset({"log_every", "checkpoint_every", "keep_checkpoints", "log.tensorboard", "log.peak_tflops",
                         "mesh.heartbeat_seconds", "debug.pin_cores"})
 WIDTH_IN, PANEL_IN, DPI = 10.0, 3.2, 100  # figure width and height per panel (inches), dots per inch
 
