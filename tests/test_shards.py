@@ -276,3 +276,24 @@ def test_loose_token_files_are_concatenated_virtually(tmp_path):
     assert isinstance(c.train_tokens, S.ConcatTokens)
     assert np.array_equal(np.asarray(c.train_tokens), np.concatenate([a[:36], b[:27]]))
     assert np.array_equal(np.asarray(c.val_tokens), np.concatenate([a[36:], b[27:]]))
+
+
+def test_resume_with_other_settings_starts_over(inputs, tmp_path, monkeypatch):
+    out = str(tmp_path / "changed")
+
+    def dies_on_val(out_, parts, split, *a):
+        if split == "val":
+            raise KeyboardInterrupt
+        return real(out_, parts, split, *a)
+
+    real = T._assemble_split
+    monkeypatch.setattr(T, "_assemble_split", dies_on_val)
+    with pytest.raises(KeyboardInterrupt):  # train shards of 500 tokens left behind
+        T.tokenize(inputs[0], out, val_fraction=0.2, shard_tokens=500, progress=False)
+    monkeypatch.undo()
+    T.tokenize(inputs[0], out, val_fraction=0.2, shard_tokens=400, progress=False)
+    fresh = str(tmp_path / "fresh")
+    T.tokenize(inputs[0], fresh, val_fraction=0.2, shard_tokens=400, progress=False)
+    assert _files(out) == _files(fresh)
+    with pytest.raises(D.DataError, match="already holds shards of other inputs or settings"):
+        T.tokenize(inputs[0], out, val_fraction=0.3, shard_tokens=400, progress=False)

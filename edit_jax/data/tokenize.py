@@ -304,9 +304,13 @@ def tokenize(inputs: list[str], out: str, tokenizer: str = "byte", text_column: 
     settings_file = os.path.join(parts_dir, "settings.json")
     if os.path.isfile(settings_file):
         with open(settings_file) as f:
-            if json.load(f) != settings:  # an interrupted run with other settings: its parts are not ours
-                shutil.rmtree(parts_dir)
-                os.makedirs(parts_dir)
+            stale = json.load(f) != settings
+        if stale:  # an interrupted run with other settings: its parts and shards are not ours
+            shutil.rmtree(parts_dir)
+            os.makedirs(parts_dir)
+            for name in os.listdir(out):
+                if name.endswith((".bin", ".bin.tmp")) and name.startswith(SPLITS):
+                    os.remove(os.path.join(out, name))
     _atomic_write_json(settings_file, settings)
 
     summaries: dict[int, dict] = {}
