@@ -31,8 +31,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench_common import REPO, loadavg, print_table, write_json  # noqa: E402
+from _bench_common import REPO, loadavg, print_table, write_json
 
 H100_BF16_FLOPS = 989e12  # dense bf16, SXM
 ASSUMED_MFU = 0.40

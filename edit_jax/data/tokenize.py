@@ -201,8 +201,9 @@ def tokenize_unit(unit: Unit, job: Job) -> dict:
                 text_hash.update(len(raw).to_bytes(8, "little"))
                 text_hash.update(raw)
             encoded = tok.encode_documents(batch)
+            is_val = [_is_val(raw, job.val_fraction) for _, raw in batch]
             for split in SPLITS:
-                chosen = [e for (_, raw), e in zip(batch, encoded) if _is_val(raw, job.val_fraction) == (split == "val")]
+                chosen = [e for v, e in zip(is_val, encoded) if v == (split == "val")]
                 if not chosen:
                     continue
                 out = np.empty(sum(e.size for e in chosen) + len(chosen), dtype=dtype)
