@@ -318,3 +318,31 @@ def test_training_on_shards_resumes_bit_exactly(shard_dir, tmp_path):
     losses = {r["step"]: r["loss"] for r in first.history + rest.history}
     assert losses == {r["step"]: r["loss"] for r in full.history} and len(losses) == 6
     assert rest.final_val_loss == full.final_val_loss
+
+
+def test_tokenize_with_a_tokenizer_json(inputs, tmp_path):
+    """A tokenizer.json (a small BPE trained here): the shards are its ids per document + its EOS,
+    and a run with the byte tokenizer refuses them, naming both tokenizers."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(inputs[1], trainer)
+    path = str(tmp_path / "tokenizer.json")
+    tok.save(path)
+    eos = tok.token_to_id("<|endoftext|>")
+    jsonl = inputs[0][2]  # the jsonl file: 30 documents
+    out = str(tmp_path / "bpe")
+    T.tokenize([jsonl], out, tokenizer=path, val_fraction=0.2, shard_tokens=100, progress=False)
+    docs = [json.loads(line)["text"] for line in open(jsonl)]
+    want = {"train": [], "val": []}
+    for t in docs:
+        h = int.from_bytes(hashlib.sha256(t.encode()).digest()[:8], "little")
+        want["val" if h < 0.2 * 2.0**64 else "train"] += tok.encode(t, add_special_tokens=False).ids + [eos]
+    for split in ("train", "val"):
+        assert _read_split(out, split).tolist() == want[split]
+    corpus = D.load_corpus(DataConfig(source="tokens", paths=(out,), tokenizer=path, seq_len=3))
+    assert corpus.vocab_size == tok.get_vocab_size() and corpus.eos_id == eos
+    with pytest.raises(D.DataError, match=r"made with tokenizer 'tokenizer\.json'.*data\.tokenizer is 'byte'"):
+        D.load_corpus(DataConfig(source="tokens", paths=(out,), seq_len=3))
