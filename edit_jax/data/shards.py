@@ -19,7 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,8 +54,45 @@ def tokenizer_identity(tok) -> dict:
             "vocab_size": int(tok.vocab_size), "eos_id": int(tok.eos_id)}
 
 
+class ShardFile:
+    """One shard as a 1-D array that is memory-mapped only while it is read: a corpus of thousands
+    of shards must not hold thousands of open maps (each keeps a file descriptor). The most
+    recently read ``MAX_OPEN`` shards stay mapped (process-wide)."""
+
+    MAX_OPEN = 64
+    _open: "OrderedDict[tuple, np.memmap]" = OrderedDict()
+    _lock = threading.Lock()  # batches may be built from several threads (jax's array callbacks)
+
+    def __init__(self, path: str, dtype, size: int):
+        self.path, self.dtype, self.size = path, np.dtype(dtype), int(size)
+
+    def reshape(self, *shape):
+        return self  # already 1-D
+
+    def _map(self) -> np.memmap:
+        key = (self.path, self.dtype.str, self.size)
+        cache = ShardFile._open
+        with ShardFile._lock:
+            m = cache.get(key)
+            if m is None:
+                m = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.size,))
+                cache[key] = m
+                while len(cache) > ShardFile.MAX_OPEN:
+                    cache.popitem(last=False)  # unmapped once no slice of it is alive
+            else:
+                cache.move_to_end(key)
+            return m
+
+    def __getitem__(self, key):
+        return self._map()[key]
+
+    def __len__(self) -> int:
+        return self.size
+
+
 class ConcatTokens:
-    """A read-only 1-D token array that is the concatenation of ``parts`` (memmaps or arrays),
+    """A read-only 1-D token array that is the concatenation of ``parts`` (arrays, memmaps or
+    ``ShardFile``s),
     without copying them. Supports what the streams need: ``size``, ``dtype``, ``nbytes``,
     ``len``, slicing (any positive step) and ``np.asarray`` (which does copy everything: tests
     and small corpora only)."""
@@ -168,7 +207,7 @@ def check_tokenizer(index: dict, path: str, tok) -> None:
 
 
 def open_split(directory: str, index: dict, split: str, path: str) -> ConcatTokens:
-    """Memory-maps the split's shards; each file's size must be what the index says."""
+    """The split's shards (mapped when read); each file's size must be what the index says."""
     dtype = np.dtype(index["dtype"])
     parts = []
     for e in index["splits"][split]:
@@ -183,7 +222,7 @@ def open_split(directory: str, index: dict, split: str, path: str) -> ConcatToke
                             f"{dtype.name} = {expected} bytes; the shard was truncated or resized, or the index "
                             f"belongs to other shards. Re-run edit-jax tokenize")
         if e["tokens"]:
-            parts.append(np.memmap(f, dtype=dtype, mode="r"))
+            parts.append(ShardFile(f, dtype, e["tokens"]))
     if not parts:
         raise DataError(f"token shard index {path!r}: the {split} split is empty (no tokens); re-tokenize with "
                         f"more documents{' or a larger --val-fraction' if split == 'val' else ''}")
