@@ -234,6 +234,8 @@ def _damaged(shard_dir, tmp_path, name="d"):
 
 
 def test_shard_errors_name_the_file(shard_dir, tmp_path):
+    with pytest.raises(D.DataError, match="give the directory itself"):
+        D.load_corpus(_cfg(os.path.join(shard_dir, "*")))
     out = _damaged(shard_dir, tmp_path, "trunc")
     shard = os.path.join(out, "train-00001.bin")
     with open(shard, "r+b") as f:

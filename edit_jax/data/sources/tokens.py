@@ -80,7 +80,8 @@ def load(tok, files: list[str], cfg) -> SourceResult:
         if len(indexed) != len(files):
             loose = [p for p in files if index_path(p) is None]
             raise DataError(f"data.paths mixes token shard directories ({indexed[0]!r}) with loose token files "
-                            f"({loose[0]!r}); expected one kind")
+                            f"({loose[0]!r}); expected one kind (for a shard directory, give the directory itself, "
+                            f"not a glob over its files)")
         return _load_shard_dirs(tok, files)
     token_dtype, val_fraction = cfg.token_dtype, cfg.val_fraction
     trains, vals, nbytes = [], [], 0
