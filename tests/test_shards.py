@@ -128,17 +128,20 @@ def test_killed_tokenize_resumes_to_the_same_shards(inputs, shard_dir, tmp_path,
     assert _files(out) == _files(shard_dir)
 
 
-def test_tokenize_errors_name_the_file(inputs, tmp_path):
+def test_tokenize_errors_name_the_file(inputs, tmp_path, capsys):
     with pytest.raises(D.DataError, match=r"part0\.parquet.*no column 'body'"):
         T.tokenize(inputs[0][:1], str(tmp_path / "a"), text_column="body", progress=False)
     with pytest.raises(D.DataError, match="val split is empty"):
         T.tokenize(inputs[0][3:], str(tmp_path / "b"), val_fraction=1e-9, progress=False)
+    assert not [n for n in os.listdir(tmp_path / "b") if n.endswith(".bin")]  # refused before writing shards
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"body": "no text"}\n')
     with pytest.raises(D.DataError, match=r"bad\.jsonl' line 2.*'text'"):
         T.tokenize([str(bad)], str(tmp_path / "c"), progress=False)
     assert cli_main(["tokenize", inputs[0][0], "--out", str(tmp_path / "d"), "--text-column", "body",
                      "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("edit-jax tokenize: parquet file") and "part0.parquet" in err and "'body'" in err
 
 
 def test_cli_tokenize(inputs, shard_dir, tmp_path, capsys):

@@ -352,12 +352,12 @@ def tokenize(inputs: list[str], out: str, tokenizer: str = "byte", text_column: 
         return None
 
     ordered = [summaries[u.index] for u in units]
-    splits = {split: _assemble_split(out, parts_dir, split, ordered, dtype, shard_tokens) for split in SPLITS}
     docs = {split: sum(s["documents"][split] for s in ordered) for split in SPLITS}
     for split in SPLITS:
-        if not splits[split]:
+        if not docs[split]:  # before any shard is written
             raise DataError(f"tokenize: the {split} split is empty ({docs['train']} train / {docs['val']} val "
                             f"documents from {len(files)} inputs); add documents or change --val-fraction")
+    splits = {split: _assemble_split(out, parts_dir, split, ordered, dtype, shard_tokens) for split in SPLITS}
     inputs_hash = hashlib.sha256("".join(s["text_sha256"] for s in ordered).encode()).hexdigest()
     index = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "dtype": dtype.name, "vocab_size": tok.vocab_size,
              "eos_id": tok.eos_id, "tokenizer": ident, "inputs_sha256": inputs_hash, "documents": docs,
@@ -396,7 +396,8 @@ def main(argv: list[str]) -> int:
         index = tokenize(args.inputs, args.out, args.tokenizer, args.text_column, args.text_field,
                          args.val_fraction, args.shard_tokens, args.workers, not args.no_progress)
     except (DataError, OSError) as e:
-        print(f"edit-jax tokenize: {e}", file=sys.stderr)
+        message = str(e)
+        print(f"edit-jax tokenize: {message.removeprefix('tokenize: ')}", file=sys.stderr)
         return 2
     t = index["tokens"]
     print(f"edit-jax tokenize: {t['train']} train / {t['val']} val tokens ({index['documents']['train']} / "
