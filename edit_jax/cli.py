@@ -1,5 +1,5 @@
-"""Command line: ``edit-jax train``, ``edit-jax placement``, ``edit-jax sample``, ``edit-jax export`` and
-``edit-jax plot``.
+"""Command line: ``edit-jax train``, ``edit-jax tokenize``, ``edit-jax placement``, ``edit-jax sample``,
+``edit-jax export`` and ``edit-jax plot``.
 
     edit-jax train --config configs/demo.py --run-dir runs/demo steps=300 mesh.replica=4 mesh.shard=2
 
@@ -172,10 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"train": _train, "placement": lambda a: __import__("edit_jax.placement.cli", fromlist=["main"]).main(a),
                 "sample": lambda a: __import__("edit_jax.sample", fromlist=["main"]).main(a),
                 "export": lambda a: __import__("edit_jax.export", fromlist=["main"]).main(a),
-                "plot": lambda a: __import__("edit_jax.plot", fromlist=["main"]).main(a)}
+                "plot": lambda a: __import__("edit_jax.plot", fromlist=["main"]).main(a),
+                "tokenize": lambda a: __import__("edit_jax.data.tokenize", fromlist=["main"]).main(a)}
     if not argv or argv[0] not in commands:
-        print("usage: edit-jax {train,placement,sample,export,plot} [options]  (edit-jax COMMAND --help for details)",
-              file=sys.stderr)
+        print("usage: edit-jax {train,tokenize,placement,sample,export,plot} [options]  "
+              "(edit-jax COMMAND --help for details)", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])
 

@@ -2,7 +2,9 @@
 
 Paper (EDIT.md, "The paper's setup"): context 4096, global batch 1024 sequences, 100k steps, cosine
 decay, tau = 128, phi = 10, inner lr 1.5e-4 (Baseline lr 3e-4), outer lr 0.8, outer momentum 0.85,
-8 x 8 mesh, FineWeb-Edu parquet with the Llama tokenizer. Our choices where the paper is silent:
+8 x 8 mesh, FineWeb-Edu with the Llama tokenizer, read as the token shards that
+``edit-jax tokenize data/fineweb-edu/*.parquet --tokenizer tokenizer.json --out
+data/fineweb-edu-tokens`` writes (README "Data"). Our choices where the paper is silent:
 2000 synchronous warmup steps W (2% of the run) and 2000 lr warmup steps; bf16 compute and
 rematerialised layers for GPU memory.
 """
@@ -34,7 +36,7 @@ def paper(size: str, method: str = "edit") -> Config:
     return Config(
         model=preset(size, compute_dtype="bfloat16", remat=True),
         mesh=MeshConfig(replica=8, shard=8, fused_gather=False),  # GPU: XLA combines the per-leaf gathers itself
-        data=DataConfig(source="parquet", paths=("data/fineweb-edu/*.parquet",), tokenizer="tokenizer.json",
+        data=DataConfig(source="tokens", paths=("data/fineweb-edu-tokens",), tokenizer="tokenizer.json",
                         seq_len=4096),
         optim=OptimConfig(lr=3e-4 if method == "baseline" else 1.5e-4, warmup_steps=2000, min_lr_ratio=0.1,
                           weight_decay=0.1, grad_clip=1.0),

@@ -20,10 +20,16 @@ The path from config to batches:
 Every problem with the input raises ``DataError`` (a ``ValueError``) naming the path and what was
 expected.
 
+Corpora larger than memory: ``edit-jax tokenize`` (``tokenize``) writes token shards plus an
+``index.json`` (``shards``); ``data.source=tokens`` with ``data.paths=DIR`` memory-maps them as one
+virtual stream per split (``shards.ConcatTokens``) after reading only the index, so step 1 and
+memory do not depend on the corpus size.
+
 Modules: ``errors`` (DataError), ``tokenizers`` (byte and tokenizer.json tokenizers), ``sources/``
 (one module per source plus the ``SOURCES`` registry; to add a source: one file there and one
 registry line), ``corpus`` (``Corpus``, ``load_corpus``), ``streams`` (windows, ``TrainStream``,
-validation batches). This module is the public API: it re-exports them.
+validation batches), ``shards`` (the shard directory: index, ``ConcatTokens``, checks),
+``tokenize`` (``edit-jax tokenize``). This module is the public API: it re-exports the first ones.
 """
 
 from __future__ import annotations

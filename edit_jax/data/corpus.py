@@ -30,6 +30,7 @@ class Corpus:
     description: str
     tokenizer: str = "byte"
     info: dict = field(default_factory=dict)  # numbers for logs: files, bytes, tokens, load_seconds, split
+    train_fingerprint: int | None = None  # known without a scan (token shards' index); None: sampled
 
 
 def check_model_vocab(corpus: Corpus, model_vocab_size: int) -> None:
@@ -59,7 +60,7 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     desc = (f"{cfg.source}: {what}, {_human(result.bytes)}B, {_human(train.size + val.size)} tokens "
             f"({_human(train.size)} train / {_human(val.size)} val, {result.split.split(' (')[0]} split), "
             f"tokenizer {tok.name}")
-    corpus = Corpus(train, val, tok.vocab_size, tok.eos_id, desc, tok.name, info)
+    corpus = Corpus(train, val, tok.vocab_size, tok.eos_id, desc, tok.name, info, result.fingerprint)
     window = cfg.seq_len + 1
     for split, arr in (("train", train), ("validation", val)):
         if arr.size < window:
@@ -90,6 +91,11 @@ def _expand_paths(paths: Sequence[str], source: str) -> list[str]:
             matches = sorted(m for m in globlib.glob(p, recursive=True) if os.path.isfile(m))
             if not matches:
                 raise DataError(f"data.paths: glob {p!r} matched no files (source {source!r})")
+        elif os.path.isdir(p) and source == "tokens" and os.path.isfile(os.path.join(p, "index.json")):
+            matches = [p]  # a shard directory from `edit-jax tokenize`: the tokens source reads its index
+        elif os.path.isdir(p) and source == "tokens":
+            raise DataError(f"data.paths: directory {p!r} has no index.json; expected a token shard directory "
+                            f"made by `edit-jax tokenize INPUT... --out {p}`, or .npy / .bin files")
         elif os.path.isdir(p):
             raise DataError(f"data.paths: {p!r} is a directory; expected a file or a glob such as "
                             f"'{os.path.join(p, '**', '*')}'")

@@ -92,7 +92,8 @@ class TrainStream:
         self.seq_len, self.batch_size, self.num_replicas, self.seed = seq_len, batch_size, num_replicas, int(seed)
         self.num_windows = n
         self.steps_per_epoch = n // batch_size
-        self.fingerprint = fingerprint(corpus.train_tokens)
+        self.fingerprint = (corpus.train_fingerprint if corpus.train_fingerprint is not None
+                            else fingerprint(corpus.train_tokens))
         self._datasets = [replica_dataset(corpus.train_tokens, seq_len, batch_size, num_replicas, seed, r)
                           for r in range(num_replicas)]
         self.step = 0

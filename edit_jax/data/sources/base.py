@@ -24,6 +24,9 @@ class SourceResult:
     files: int  # input files read
     bytes: int  # bytes of text read (or of token arrays)
     info: dict = field(default_factory=dict)  # source-specific numbers for logs (per-split counts, ...)
+    # The train stream's identity when the source knows it without reading the tokens (shard
+    # indexes); None: streams.fingerprint samples the tokens.
+    fingerprint: int | None = None
 
 
 @dataclass(frozen=True)

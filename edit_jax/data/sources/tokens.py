@@ -1,7 +1,16 @@
-"""Source ``tokens``: pre-tokenized ``.npy`` arrays (any integer dtype, flattened) or raw ``.bin``
-memmaps of ``data.token_dtype``. Arrays are used as they are (no EOS is added: they are expected to
-carry their own separators). Split at ARRAY level: the last ``val_fraction`` of each array's tokens
-is validation. Every id must be < the tokenizer's vocab size."""
+"""Source ``tokens``: token shards written by ``edit-jax tokenize`` (a directory with an
+``index.json``, or the index itself), or pre-tokenized ``.npy`` arrays (any integer dtype,
+flattened) / raw ``.bin`` memmaps of ``data.token_dtype``.
+
+Shard directories: each split is its shard set (document-level split made at tokenize time),
+memory-mapped and used as one virtual concatenation (``shards.ConcatTokens``); nothing but the
+index is read at start (the tokenizer, vocabulary and fingerprint come from it). Several
+directories are concatenated split by split.
+
+Loose arrays are used as they are (no EOS is added: they are expected to carry their own
+separators). Split at ARRAY level: the last ``val_fraction`` of each array's tokens is validation.
+Every id must be < the tokenizer's vocab size (checked by a scan: loose arrays have no index).
+Several arrays are memory-mapped and concatenated virtually, never copied."""
 
 from __future__ import annotations
 
@@ -10,6 +19,7 @@ import os
 import numpy as np
 
 from edit_jax.data.errors import DataError
+from edit_jax.data.shards import ConcatTokens, index_path, open_shards
 from edit_jax.data.sources.base import SourceResult
 
 TOKEN_DTYPES = ("uint16", "uint32", "int32")  # the data.token_dtype values a raw .bin file may hold
@@ -47,7 +57,32 @@ def _load_token_file(path: str, token_dtype: str) -> np.ndarray:
     return arr
 
 
+def _load_shard_dirs(tok, files: list[str]) -> SourceResult:
+    sets = [open_shards(p, tok) for p in files]
+    trains = [part for s in sets for part in s.train.parts]
+    vals = [part for s in sets for part in s.val.parts]
+    train, val = ConcatTokens(trains), ConcatTokens(vals)
+    fp = sets[0].fingerprint
+    for s in sets[1:]:
+        fp = (fp * 1_000_003 + s.fingerprint) % 2**32
+    shards = len(trains) + len(vals)
+    docs = {k: sum(s.index.get("documents", {}).get(k, 0) for s in sets) for k in ("train", "val")}
+    return SourceResult(train, val, what=f"{len(files)} shard dir{'s' if len(files) != 1 else ''}, {shards} shards",
+                        split="document-level (sha256 of document text, at tokenize time)", files=shards,
+                        bytes=train.nbytes + val.nbytes, info=dict(shards=shards, train_documents=docs["train"],
+                                                                    val_documents=docs["val"]),
+                        fingerprint=fp)
+
+
 def load(tok, files: list[str], cfg) -> SourceResult:
+    indexed = [p for p in files if index_path(p) is not None]
+    if indexed:
+        if len(indexed) != len(files):
+            loose = [p for p in files if index_path(p) is None]
+            raise DataError(f"data.paths mixes token shard directories ({indexed[0]!r}) with loose token files "
+                            f"({loose[0]!r}); expected one kind (for a shard directory, give the directory itself, "
+                            f"not a glob over its files)")
+        return _load_shard_dirs(tok, files)
     token_dtype, val_fraction = cfg.token_dtype, cfg.val_fraction
     trains, vals, nbytes = [], [], 0
     for p in files:
@@ -65,7 +100,6 @@ def load(tok, files: list[str], cfg) -> SourceResult:
     if len(files) == 1:
         train, val = trains[0], vals[0]  # views of the memmap: no copy of a possibly huge file
     else:
-        dtype = np.result_type(*trains)
-        train, val = np.concatenate(trains).astype(dtype, copy=False), np.concatenate(vals).astype(dtype, copy=False)
+        train, val = ConcatTokens(trains), ConcatTokens(vals)  # virtual: the files stay memory-mapped
     return SourceResult(train, val, what=f"{len(files)} token file{'s' if len(files) != 1 else ''}",
                         split="array-level (last val_fraction of each array)", files=len(files), bytes=nbytes)
