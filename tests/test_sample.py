@@ -170,7 +170,7 @@ def test_clear_errors(tmp_path_factory, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags", [["--temperature", "nan"], ["--temperature", "inf"], ["--temperature", "-0.5"],
-                                   ["--top-k", "-1"]])
+                                   ["--top-k", "-1"], ["--top-p", "0"], ["--top-p", "1.5"], ["--top-p", "nan"]])
 def test_nonsense_sampling_flags_are_refused(tmp_path_factory, capsys, flags):
     """Issue 22, case 11: a NaN temperature sampled NUL bytes with exit 0; a temperature must be a
     finite number >= 0 (and top-k >= 0): one line naming the flag, exit 2, before any work."""
@@ -180,3 +180,25 @@ def test_nonsense_sampling_flags_are_refused(tmp_path_factory, capsys, flags):
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and flags[0] in captured.err and flags[1] in captured.err, captured.err
     assert captured.out == ""
+
+
+def test_top_p_draws_only_from_the_nucleus():
+    """The nucleus recomputed in NumPy (sort, softmax at the temperature, the smallest prefix whose
+    mass reaches p): 400 draws of rows with the same logits fall in it and cover it."""
+    from edit_jax.sample import choose
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=16).astype(np.float32) * 2
+    for top_p, temperature, top_k in [(0.5, 1.0, 0), (0.8, 0.7, 0), (0.9, 1.3, 5), (0.01, 1.0, 0)]:
+        z = logits.copy()
+        if top_k:
+            z[z < np.sort(z)[::-1][top_k - 1]] = -np.inf
+        z = z / temperature
+        order = np.argsort(-z)
+        probs = np.exp(z[order] - z[order][0])
+        probs /= probs.sum()
+        size = int(np.searchsorted(np.cumsum(probs), top_p) + 1)  # the smallest prefix with mass >= p
+        nucleus = set(order[:size].tolist())
+        rows = jnp.asarray(np.tile(logits, (400, 1)))
+        drawn = set(np.asarray(choose(rows, jax.random.key(1), temperature, top_k, 16, top_p)).tolist())
+        assert drawn == nucleus, (top_p, temperature, top_k, drawn, nucleus)
