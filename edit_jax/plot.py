@@ -276,6 +276,9 @@ def make_figure(runs: list[Run], x: str = "tokens"):
 
     if synced:
         norm_ax, weight_ax = axes[1], axes[2]
+        # The clip factor (1 = no clip, far below when clipping) on its own scale: on the weights'
+        # axis a change of the weights (~1/N each) could not be seen beside it.
+        clip_ax = weight_ax.twinx()
         for run, color in zip(runs, colors):
             if not run.syncs:
                 continue
@@ -294,16 +297,18 @@ def make_figure(runs: list[Run], x: str = "tokens"):
                 if w < weights.shape[1]:
                     weight_ax.plot(xs, weights[:, w], color=color, linestyle=style, linewidth=0.8, alpha=0.7)
             clip = np.array([s.get("clip_factor", np.nan) for s in run.syncs], dtype=float)
-            weight_ax.plot(xs, clip, color=color, linewidth=2.2, marker="s", markersize=3, label=run.label)
+            clip_ax.plot(xs, clip, color=color, linewidth=2.2, marker="s", markersize=3, alpha=0.6, label=run.label)
         norm_ax.set_ylabel("pseudo-gradient norm")
         norm_ax.set_title("pseudo-gradient norm per worker at each sync (line style = worker: -, --, -., :); "
                           "red x: a unit of that worker flagged as an anomaly", fontsize=9)
-        weight_ax.set_ylabel("weight / clip factor")
-        weight_ax.set_title("worker weights (thin, line style = worker) and clip factor (thick; 1 = no clip)",
-                            fontsize=9)
+        weight_ax.set_ylabel("worker weight (thin)")
+        clip_ax.set_ylabel("clip factor (thick squares)")
+        weight_ax.set_title("worker weights (thin, left axis; line style = worker) and clip factor (thick squares, "
+                            "right axis; 1 = no clip)", fontsize=9)
         for a in (norm_ax, weight_ax):
             a.grid(alpha=0.3)
-            a.legend(fontsize=7)
+        norm_ax.legend(fontsize=7)
+        clip_ax.legend(fontsize=7)
         quiet = [r.label for r in runs if not r.syncs]
         if quiet:  # say why a plotted run is missing here (a baseline never syncs)
             norm_ax.text(0.01, 0.02, "no sync records: " + "; ".join(quiet), transform=norm_ax.transAxes,
@@ -345,9 +350,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--x", default="tokens", choices=X_AXES,
                         help="x axis: tokens (step x batch_size x data.seq_len; default), time (training "
                              "seconds), step")
-    parser.add_argument("--label", action="append", default=None, metavar="NAME",
-                        help="legend name of a run, once per RUN_DIR in order (default: method + the config "
-                             "keys that differ among the runs)")
+    parser.add_argument("--label", action="extend", nargs="+", default=None, metavar="NAME",
+                        help="legend names of the runs, one per RUN_DIR in order: `--label A B` after the run "
+                             "dirs, or `--label A --label B` (default: method + the config keys that differ)")
     args = parser.parse_intermixed_args(argv)
     try:
         path = plot_runs(args.run_dirs, args.out, labels=args.label, x=args.x)

@@ -64,7 +64,7 @@ def test_cli_plots_a_real_diloco_run(tmp_path, capsys):
     assert [s["step"] for s in run.syncs] == [2, 4, 6]
     run.label = "diloco"
     fig = make_figure([run], x="step")
-    loss_ax, norm_ax, weight_ax = fig.axes
+    loss_ax, norm_ax, weight_ax, clip_ax = fig.axes  # the clip factor on a twin axis of panel 3
     norm_lines = [ln for ln in norm_ax.get_lines() if ln.get_linestyle() != "None"]
     assert len(norm_lines) == 2  # one per worker
     norms = np.array([s["pseudo_grad_norm"] for s in run.syncs])
@@ -97,6 +97,7 @@ def test_labels_name_the_differing_key(tmp_path, capsys):
     fig_path = tmp_path / "ab.png"
     assert cli.main(["plot", a, b, "--out", str(fig_path), "--label", "EDiT lr 0.5", "--label", "EDiT"]) == 0
     assert fig_path.read_bytes()[:8] == PNG_MAGIC
+    assert cli.main(["plot", a, b, "--out", str(fig_path), "--label", "EDiT lr 0.5", "EDiT"]) == 0  # --label A B
     assert cli.main(["plot", a, b, "--out", str(fig_path), "--label", "only one"]) == 2
     assert "1 labels for 2 run dirs" in capsys.readouterr().err
 
@@ -116,13 +117,16 @@ def test_cut_line_repeated_steps_and_a_run_without_syncs(tmp_path):
     assert open(out, "rb").read(8) == PNG_MAGIC
     base_run, edit_run = load_run(base), load_run(edit)
     base_run.label, edit_run.label = "baseline", "edit"
-    _, norm_ax, weight_ax = make_figure([base_run, edit_run], x="step").axes
+    _, norm_ax, weight_ax, clip_ax = make_figure([base_run, edit_run], x="step").axes
     assert any("no sync records: baseline" in t.get_text() for t in norm_ax.texts)
     marks = [ln for ln in norm_ax.get_lines() if ln.get_marker() == "x"]
     assert len(marks) == 1 and marks[0].get_color() == "red"  # worker 1 flagged at step 3 only
     assert list(marks[0].get_xdata()) == [3.0] and list(marks[0].get_ydata()) == [4.0]
-    clip = [ln for ln in weight_ax.get_lines() if ln.get_marker() == "s"]
+    clip = [ln for ln in clip_ax.get_lines() if ln.get_marker() == "s"]
     assert len(clip) == 1 and list(clip[0].get_ydata()) == [1.0, 0.5]
+    # Panel 3's weights on their own scale (before, on the clip factor's, changes of ~0.01 were flat).
+    assert not [ln for ln in weight_ax.get_lines() if ln.get_marker() == "s"]
+    assert weight_ax.get_ylim()[1] < 0.6 and clip_ax.get_ylim()[1] >= 1.0  # weights 0.5, clip factor up to 1
 
 
 @pytest.mark.parametrize("setup,expect", [
