@@ -14,6 +14,7 @@ Re-running on the same run dir resumes.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -21,8 +22,9 @@ import sys
 import jax
 
 from edit_jax.checkpoint import CheckpointError, steps_on_disk
-from edit_jax.config import Config
+from edit_jax.config import Config, to_dict
 from edit_jax.loop import TrainResult, run
+from edit_jax.methods import normalise
 from edit_jax.resume import DivergedError
 from edit_jax import multihost
 from edit_jax.runlock import RunLock, RunLockError, check_writable, first_missing, remove_if_unused
@@ -74,6 +76,28 @@ def _sayer(progress: bool, verbose: bool | None):
     return (lambda msg: print(msg, file=sys.stderr, flush=True)) if verbose else (lambda msg: None)
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _config_changes(run_dir: str, cfg: Config) -> list[str]:
+    """``key: old -> new`` for each config key that differs from ``run_dir/config.json`` (keys
+    that only say how a run is logged or how long it is aside); [] if that file is unreadable."""
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            old = _flat(json.load(f))
+    except (OSError, ValueError):
+        return []
+    # As config.json holds it: normalised by the method table, tuples as lists.
+    new = _flat(json.loads(json.dumps(to_dict(normalise(cfg)[0]))))
+    ignore = {"steps", "max_seconds", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"}
+    return [f"{k}: {old.get(k, '(unset)')} -> {new.get(k, '(unset)')}" for k in sorted(set(old) | set(new))
+            if k not in ignore and not k.startswith("log.") and old.get(k) != new.get(k)]
+
+
 def _finished_result(run_dir: str, cfg: Config, say) -> TrainResult | None:
     """A result saying "nothing to do" when ``run_dir`` already has a checkpoint at ``cfg.steps``
     or later (a rerun of a finished run writes nothing)."""
@@ -82,6 +106,11 @@ def _finished_result(run_dir: str, cfg: Config, say) -> TrainResult | None:
         return None
     say(f"edit-jax: run dir {run_dir} already finished (checkpoint at step {steps[-1]}, steps={cfg.steps}); "
         "nothing to do. Raise steps= to train further.")
+    changed = _config_changes(run_dir, cfg)
+    if changed:  # e.g. a README example run on the demo's run dir: nothing of what was asked ran
+        shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
+        say(f"edit-jax: warning: this config differs from the one {run_dir} was trained with ({shown}); "
+            "nothing of it ran. Give it its own --run-dir.")
     return TrainResult(steps=steps[-1], final_loss=float("nan"), final_val_loss=None, final_val_ppl=None, tokens=0,
                        seconds=0.0, run_dir=run_dir, already_finished=True)
 

@@ -334,9 +334,15 @@ def test_rerunning_a_finished_run_writes_nothing(tmp_path, processes):
     assert code == 0, out[-3000:]
     before = {name: open(tmp_path / name, "rb").read() for name in ("metrics.jsonl", "config.json")}
     code, out = _cli(tmp_path, processes, "steps=2")
-    assert code == 0 and "already finished at step 2" in out, out[-3000:]
+    assert code == 0 and "already finished at step 2" in out and "warning" not in out, out[-3000:]
     assert {name: open(tmp_path / name, "rb").read() for name in before} == before
     _clean(out, processes)
+    if processes == 1:  # another config on this run dir (a README example without its own --run-dir)
+        code, out = _cli(tmp_path, processes, "steps=2", "method=diloco", "optim.lr=0.0123")
+        assert code == 0 and "already finished at step 2" in out, out[-3000:]
+        assert "warning: this config differs" in out and "sync.method: baseline -> diloco" in out, out[-3000:]
+        assert "-> 0.0123" in out and "Give it its own --run-dir" in out, out[-3000:]
+        assert {name: open(tmp_path / name, "rb").read() for name in before} == before
 
 
 def _can_mount_tmpfs() -> bool:
