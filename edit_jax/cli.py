@@ -62,8 +62,9 @@ def _train(argv: list[str]) -> int:
                         "(re-running on it resumes); default runs/<config name>")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--distributed", action="store_true",
-                        help="this process is one of mesh.processes started by a cluster launcher (e.g. srun): "
-                             "join the others with jax.distributed.initialize() from the environment")
+                        help="this process is one of mesh.processes started by a cluster launcher (srun, mpirun) "
+                             "or with EDIT_JAX_COORDINATOR / EDIT_JAX_NUM_PROCESSES / EDIT_JAX_PROCESS_ID set: "
+                             "join the others, owning mesh.shard devices of this host (README, 'On a cluster')")
     parser.add_argument("--restore-step", type=int, default=None,
                         help="resume from this checkpoint instead of the newest (newer ones are moved to "
                         "RUN_DIR/checkpoints.aside/, not deleted)")
@@ -85,6 +86,10 @@ def _train(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"edit-jax: bad config: {e}", file=sys.stderr)
         return 2
+    if args.distributed and cfg.mesh.processes < 2:
+        print("edit-jax: bad config: --distributed runs one process per worker: set mesh.processes = mesh.replica "
+              f"(the number of processes the cluster starts), got mesh.processes={cfg.mesh.processes}", file=sys.stderr)
+        return 2
     from edit_jax import multihost
     from edit_jax.sharding import set_cpu_device_count
 
@@ -92,14 +97,37 @@ def _train(argv: list[str]) -> int:
         from edit_jax.launch import launch  # one process per worker on this machine, watched from here
 
         return launch(argv, cfg.mesh.processes, cfg.mesh.shard, pin_cores=cfg.debug.pin_cores)
+    stdout_filter = None
     if cfg.mesh.processes > 1:  # a worker: its own devices, then meet the others
-        set_cpu_device_count(cfg.mesh.shard)
-        multihost.initialize(cfg.mesh.heartbeat_seconds, from_cluster_env=args.distributed)
+        if args.distributed:
+            from edit_jax.chatter import StdoutFilter
+            from edit_jax.cluster import ClusterError, from_environment
+
+            if os.environ.get(ENV_DEBUG, "") in ("", "0"):
+                stdout_filter = StdoutFilter()  # gloo's connection lines (launch.py filters its own workers')
+            try:
+                cluster = from_environment(cfg.mesh.processes, cfg.mesh.shard)
+                set_cpu_device_count(cfg.mesh.shard)
+                multihost.initialize(cfg.mesh.heartbeat_seconds, cluster)
+            except ClusterError as e:
+                print(f"edit-jax: cluster error: {e}", file=sys.stderr)
+                if stdout_filter is not None:
+                    stdout_filter.close()
+                return 2
+            if os.environ.get(ENV_DEBUG, "") not in ("", "0"):
+                print(f"edit-jax: {cluster.describe()}", file=sys.stderr)
+        else:
+            set_cpu_device_count(cfg.mesh.shard)
+            multihost.initialize(cfg.mesh.heartbeat_seconds)
     else:
         set_cpu_device_count(cfg.mesh.replica * cfg.mesh.shard)
 
     run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
-    code = _train_and_report(cfg, run_dir, args)
+    try:
+        code = _train_and_report(cfg, run_dir, args)
+    finally:
+        if stdout_filter is not None:
+            stdout_filter.close()  # (before os._exit below: it would drop what the pipe still holds)
     if code not in (EXIT_OK, EXIT_INTERRUPTED):
         # A failed run leaves at once, its message printed: a worker process would otherwise wait in
         # JAX's shutdown barrier for peers inside a collective it never joins (then the coordination

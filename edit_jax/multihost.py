@@ -18,7 +18,7 @@ shards move by reference; no data is copied.
 Start-up: ``edit-jax train ... mesh.processes=N`` on one machine starts N processes
 (``launch.py``) that find each other through a coordinator on 127.0.0.1 (environment variables
 below) and use gloo for CPU collectives. On a cluster each host runs ``edit-jax train
---distributed ...``, and ``jax.distributed.initialize()`` reads the cluster's environment (SLURM,
+--distributed ...``, and ``edit_jax.cluster`` reads the cluster's environment (SLURM, explicit variables,
 ...). The coordination service's heartbeat timeout (``mesh.heartbeat_seconds``) ends every
 process within about that time when one is lost, instead of a hang.
 """
@@ -37,9 +37,7 @@ from jax.sharding import Mesh
 from edit_jax.config import Config, ConfigError, require
 from edit_jax.sharding import BATCH_SPEC, REPLICA, SHARD, MeshError, named
 
-ENV_COORDINATOR = "EDIT_JAX_COORDINATOR"
-ENV_NUM_PROCESSES = "EDIT_JAX_NUM_PROCESSES"
-ENV_PROCESS_ID = "EDIT_JAX_PROCESS_ID"
+from edit_jax.cluster import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ClusterError, ClusterParams
 
 
 def launched_worker() -> int | None:
@@ -48,17 +46,25 @@ def launched_worker() -> int | None:
     return int(pid) if pid is not None else None
 
 
-def initialize(heartbeat_seconds: int, from_cluster_env: bool = False) -> None:
-    """Joins the other processes (before anything asks JAX for devices). Uses the launcher's
-    environment variables, or with ``from_cluster_env`` whatever ``jax.distributed`` detects."""
+def initialize(heartbeat_seconds: int, cluster: ClusterParams | None = None) -> None:
+    """Joins the other processes (before anything asks JAX for devices): the launcher's workers
+    from its environment variables, a cluster job (``--distributed``) from ``cluster``
+    (``edit_jax.cluster``). A failure to join is a ``ClusterError`` of one line."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
     timeouts = dict(heartbeat_timeout_seconds=int(heartbeat_seconds),
                     shutdown_timeout_seconds=max(int(heartbeat_seconds), 5), initialization_timeout=120)
-    if from_cluster_env:
-        jax.distributed.initialize(**timeouts)
+    if cluster is None:
+        jax.distributed.initialize(os.environ[ENV_COORDINATOR], int(os.environ[ENV_NUM_PROCESSES]),
+                                   int(os.environ[ENV_PROCESS_ID]), **timeouts)
         return
-    jax.distributed.initialize(os.environ[ENV_COORDINATOR], int(os.environ[ENV_NUM_PROCESSES]),
-                               int(os.environ[ENV_PROCESS_ID]), **timeouts)
+    ids = list(cluster.local_device_ids) if cluster.local_device_ids is not None else None
+    try:
+        jax.distributed.initialize(cluster.coordinator, cluster.num_processes, cluster.process_id,
+                                   local_device_ids=ids, **timeouts)
+    except Exception as e:  # noqa: BLE001 - JAX raises ValueError, RuntimeError, XlaRuntimeError here
+        text = " ".join(str(e).split())
+        raise ClusterError(f"--distributed: could not join the other processes as {cluster.describe()}: "
+                           f"{type(e).__name__}: {text[:300]}") from e
 
 
 def check_runtime(cfg) -> None:
