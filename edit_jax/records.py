@@ -97,7 +97,23 @@ def open_log(run_dir: str | None, resumed_from: int | None, lead: bool, tensorbo
     if not (run_dir and lead):
         return MetricsLog(None, None)
     log = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), resumed_from)
-    return TeeLog(log, os.path.join(run_dir, "tb"), resumed_from) if tensorboard else log
+    if not tensorboard:
+        return log
+    return TeeLog(log, os.path.join(run_dir, "tb"), resumed_from, earlier=read_records(log.path))
+
+
+def read_records(path: str) -> list[dict]:
+    """The whole records of a ``metrics.jsonl`` ([] if there is none; a line cut by a kill is skipped)."""
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
 
 
 def worker_log(run_dir: str | None) -> MetricsLog:
@@ -105,4 +121,4 @@ def worker_log(run_dir: str | None) -> MetricsLog:
     return MetricsLog(os.path.join(run_dir, "metrics.jsonl") if run_dir else None, None, truncate=False)
 
 
-__all__ = ["MetricsLog", "sync_fields", "to_json", "open_log", "worker_log", "replace_file"]
+__all__ = ["MetricsLog", "sync_fields", "to_json", "open_log", "worker_log", "replace_file", "read_records"]

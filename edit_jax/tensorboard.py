@@ -16,7 +16,9 @@ Strings and flags (``kind``, ``includes_compile``) are not scalars and are skipp
 writes from a background thread and flushes every ``FLUSH_SECS`` seconds, so a dashboard follows a
 live run a few seconds behind; the files are complete when training returns. On resume from step K, ``purge_step=K + 1``
 tells TensorBoard to drop what earlier event files hold past K (``metrics.jsonl`` drops those
-records too; they are redone).
+records too; they are redone). A run that turns TensorBoard on when resumed (no event file yet)
+first writes the records ``metrics.jsonl`` already holds. Every process may write records, but in
+a multi-process run only process 0 tees them (``records.open_log``).
 
 ``validate`` checks, with the rest of the config, that tensorboardX is installed when asked for.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 import numbers
+import os
 from typing import Iterator
 
 from edit_jax.config import Config, require
@@ -80,12 +83,22 @@ class TensorBoardWriter:
         self._writer.close()
 
 
-class TeeLog:
-    """A metrics log that also writes every record to TensorBoard (wraps train.MetricsLog)."""
+def has_events(tb_dir: str) -> bool:
+    return os.path.isdir(tb_dir) and any(n.startswith("events.out.tfevents") for n in os.listdir(tb_dir))
 
-    def __init__(self, log, tb_dir: str, resumed_from: int | None):
+
+class TeeLog:
+    """A metrics log that also writes every record to TensorBoard (wraps train.MetricsLog).
+    ``earlier``: the records the run wrote before (``metrics.jsonl`` up to the resumed step),
+    written first when ``tb_dir`` holds no event file yet: TensorBoard turned on for a resumed
+    run shows its whole history, not only what follows."""
+
+    def __init__(self, log, tb_dir: str, resumed_from: int | None, earlier: list[dict] = ()):
         self.log = log
+        backfill = list(earlier) if not has_events(tb_dir) else []
         self.tb = TensorBoardWriter(tb_dir, purge_step=None if resumed_from is None else resumed_from + 1)
+        for record in backfill:
+            self.tb.write(record)
 
     def write(self, record: dict) -> None:
         self.log.write(record)
@@ -102,4 +115,4 @@ def validate(cfg: Config) -> None:
                 "needs the tensorboardX package: pip install edit-jax[tensorboard] (or pip install tensorboardX)")
 
 
-__all__ = ["TensorBoardWriter", "TeeLog", "record_scalars", "record_group", "validate"]
+__all__ = ["TensorBoardWriter", "TeeLog", "record_scalars", "record_group", "validate", "has_events"]

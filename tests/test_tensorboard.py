@@ -139,3 +139,29 @@ def test_log_section_config(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboardX" else real(name, *a))
     with pytest.raises(ConfigError, match=r"log.tensorboard.*pip install"):
         validate(cfg)
+
+
+def test_turned_on_at_a_resume_shows_the_whole_history(tmp_path):
+    """Steps 1-2 trained without TensorBoard, 3-4 with it: the event files hold all four steps
+    (before: only 3-4), with the values of metrics.jsonl; a second resume adds no duplicate."""
+    import jax
+
+    from edit_jax.config import LogConfig
+    from edit_jax.train import train
+    from tests.helpers import tiny_config
+
+    cfg = tiny_config(2, 2, steps=2, checkpoint_every=2)
+    train(cfg, str(tmp_path), progress=False, devices=jax.devices()[:4])
+    assert not os.path.exists(tmp_path / "tb")
+    cfg.steps, cfg.log = 4, LogConfig(tensorboard=True)
+    train(cfg, str(tmp_path), progress=False, devices=jax.devices()[:4])
+    with open(tmp_path / "metrics.jsonl") as f:
+        losses = {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+    got = read_scalars(str(tmp_path / "tb"))
+    assert sorted(losses) == [1, 2, 3, 4]
+    assert {step: got[("train/loss", step)] for step in losses} == pytest.approx(losses, rel=1e-6)
+    files = glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+    cfg.steps = 6
+    train(cfg, str(tmp_path), progress=False, devices=jax.devices()[:4])
+    new = set(glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))) - set(files)
+    assert len(new) == 1 and min(ev.step for ev in read_events(new.pop()) if ev.summary.value) == 5
