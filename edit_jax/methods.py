@@ -111,7 +111,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     # A-EDiT: EDiT's sync, due by wall clock per worker (one process per worker, multihost.py).
     Method("a_edit", "EDiT's sync every tau_time seconds; workers step at their own pace", uses_outer=True,
            penalty=True, time_based=True),
-    # CO2 (Sun et al., ICLR 2024; ../shared/design/CO2.md): heavy-ball outer momentum on the
+    # CO2 (Sun et al., ICLR 2024; docs/design/CO2.md): heavy-ball outer momentum on the
     # previous round's mean pseudo gradient, so the all-reduce never waits for this round's steps.
     Method("co2", "outer step on the previous round's all-reduced pseudo gradient (one round stale), every tau",
            uses_outer=True, stale=True,
