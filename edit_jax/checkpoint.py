@@ -19,6 +19,7 @@ import errno
 import json
 import os
 import shutil
+import time
 import zlib
 from typing import Any
 
@@ -125,6 +126,10 @@ class Checkpointer:
                 state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
             self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - orbax / TensorStore wrap OS errors in many types
+            try:  # let orbax's background writes of this save end first: they could recreate its dir
+                self.manager.wait_until_finished()
+            except Exception:  # noqa: BLE001 - the same failure again: the first one is reported
+                pass
             self._remove_partial(int(step), final=not existed)
             raise CheckpointSaveError(f"could not save checkpoint {final_dir}: {_save_reason(e)}. Earlier checkpoints "
                                       f"are intact ({', '.join(map(str, self.all_steps())) or 'none'}); fix that and "
@@ -138,10 +143,20 @@ class Checkpointer:
         rename is not the last write of a save), which leaves ``checkpoints/<step>`` on disk but
         not in orbax's list: a checkpoint nobody verified and the error message would not name.
         ``final`` is False when that dir existed before this save, which is then left alone."""
+        def leftovers() -> list[str]:
+            return [n for n in os.listdir(self.directory)
+                    if n.startswith(f"{step}.orbax-checkpoint-tmp") or (final and n == str(step))]
+
         if jax.process_index() == 0 and os.path.isdir(self.directory):
-            for name in os.listdir(self.directory):
-                if name.startswith(f"{step}.orbax-checkpoint-tmp") or (final and name == str(step)):
+            # TensorStore's writes of the other arrays may still be in flight after the first one
+            # failed: they recreate files in the dir being removed. Removed until it stays gone
+            # for a moment (at most ~3 s).
+            for _ in range(30):
+                for name in leftovers():
                     shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                time.sleep(0.1)
+                if not leftovers():
+                    break
         # orbax's step list from the disk as it now is. No barrier here: after a failed save the
         # other processes may already be in the next step's collectives (the launcher ends them).
         self.reload()
