@@ -46,6 +46,14 @@ class ModelConfig:
     # unrolls the stack completely (no per-layer slicing/stacking copies; longer compiles).
     scan_unroll: int = 1
     init_std: float = 0.02
+    # Attention kernel for jax.nn.dot_product_attention: "xla" (any backend), "cudnn" (cuDNN flash
+    # attention: GPU, bf16/fp16; never materialises the [seq, seq] scores), "auto" (cudnn where
+    # it applies, else xla; CPU runs xla).
+    attention: str = "auto"
+    # Tokens per sequence chunk of the cross-entropy (0: the whole sequence at once). Each chunk's
+    # fp32 logits are made, used and dropped (recomputed in the backward), so the step never
+    # holds [batch, seq, vocab] fp32 logits: 16 x 4096 x 32000 of them are 8.4 GB per device.
+    loss_chunk: int = 1024
 
     @property
     def head_dim(self) -> int:
@@ -93,6 +101,9 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # 0 disables clipping
+    # Micro-batches per step: each device's rows are split into grad_accum parts, whose gradients
+    # are summed (one part's activations alive at a time) before the one optimizer update.
+    grad_accum: int = 1
 
 
 @dataclass
@@ -409,6 +420,17 @@ def check_fields(cfg: Config) -> None:
     require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", f"must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
     require(m.compute_dtype in ("float32", "bfloat16", "float16"), "model.compute_dtype",
             f"expected float32, bfloat16 or float16, got {m.compute_dtype!r}")
+    require(m.attention in ("auto", "xla", "cudnn"), "model.attention",
+            f"expected auto, xla or cudnn, got {m.attention!r}")
+    require(m.attention != "cudnn" or m.compute_dtype in ("bfloat16", "float16"), "model.attention",
+            f"cudnn flash attention needs model.compute_dtype bfloat16 or float16, got {m.compute_dtype!r} "
+            "(use attention=auto or xla)")
+    require(m.loss_chunk >= 0, "model.loss_chunk", f"must be >= 0 (0: the whole sequence), got {m.loss_chunk}")
+    require(o.grad_accum > 0, "optim.grad_accum", f"must be positive, got {o.grad_accum}")
+    require(o.grad_accum == 1 or cfg.batch_size % (mesh.replica * mesh.shard * o.grad_accum) == 0, "optim.grad_accum",
+            f"each device's {cfg.batch_size // max(mesh.replica * mesh.shard, 1)} sequences (batch_size "
+            f"{cfg.batch_size} / mesh.replica x mesh.shard = {mesh.replica * mesh.shard}) must split into "
+            f"{o.grad_accum} equal micro-batches")
     workers = mesh.replica * mesh.shard
     require(cfg.batch_size % workers == 0, "batch_size",
             f"global batch {cfg.batch_size} must be divisible by mesh.replica x mesh.shard = "

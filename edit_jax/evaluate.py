@@ -42,8 +42,11 @@ class Evaluator:
                                          {"root": dims["root"], "layers": lay.shard_dims["layers"]})
                 fused = cfg.mesh.fused_gather
                 hook = lambda unit, xs, which: (gather_unit(unit, dims[which], dtype, fused), None)  # noqa: E731
-                logits, _ = m.model.forward(cfg.model, local, batch[:, :-1], hook)
-                total = m.model.token_loss_sum(logits, batch[:, 1:])
+                if hasattr(m.model, "loss_sum"):  # chunked logits, as in training
+                    total, _ = m.model.loss_sum(cfg.model, local, batch[:, :-1], batch[:, 1:], hook)
+                else:
+                    logits, _ = m.model.forward(cfg.model, local, batch[:, :-1], hook)
+                    total = m.model.token_loss_sum(logits, batch[:, 1:])
                 count = jnp.float32(batch.shape[0] * (batch.shape[1] - 1))
                 return jax.lax.psum(total, (REPLICA, SHARD)) / jax.lax.psum(count, (REPLICA, SHARD))
 

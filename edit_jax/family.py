@@ -9,7 +9,10 @@ the step code reaches the model only through it:
   root first, then each layer inside a scan) pass through ``hook(unit, unit_xs, which)`` on their
   way into compute (``which`` is "root" or "layer"); ``hook_xs``/``ys`` are per-unit inputs and
   outputs laid out like the params (``{"root": ..., "layers": ...}``);
-- ``token_loss_sum(logits, targets) -> scalar``.
+- ``token_loss_sum(logits, targets) -> scalar``;
+- optionally ``loss_sum(cfg, params, tokens, targets, hook, hook_xs=None) -> (scalar, ys)``: the
+  forward and the loss in one, so that a family can avoid materialising the whole logits (the
+  llama family makes them ``model.loss_chunk`` positions at a time); used where present.
 
 The hook is where FSDP gathers a unit and where EDiT syncs it, so any model with this contract
 trains with every method. To add a family: a module with those three functions and one line in

@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from edit_jax.config import ModelConfig
+from edit_jax.config import ConfigError, ModelConfig
 
 Params = Any
 # hook(unit_params, unit_xs, which) -> (params ready for compute, unit_ys); which: "root" | "layer"
@@ -77,6 +77,24 @@ def rotary(x: jax.Array, theta: float, positions: jax.Array | None = None) -> ja
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+class AttentionError(ConfigError):
+    """``model.attention`` asks for a kernel this backend does not have (a config error)."""
+
+
+def attention_impl(cfg: ModelConfig, backend: str | None = None) -> str:
+    """The kernel of ``model.attention`` on ``backend`` (default: JAX's): "auto" is cuDNN's flash
+    attention on GPU in bf16 / fp16 with head dims it takes (<= 128, multiple of 8), else XLA's."""
+    backend = backend or jax.default_backend()
+    if cfg.attention == "cudnn":
+        if backend != "gpu":
+            raise AttentionError(f"model.attention=cudnn needs a GPU; this backend is {backend} (use auto or xla)")
+        return "cudnn"
+    if cfg.attention == "auto" and backend == "gpu" and cfg.compute_dtype in ("bfloat16", "float16") \
+            and cfg.head_dim <= 128 and cfg.head_dim % 8 == 0:
+        return "cudnn"
+    return "xla"
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
 
@@ -96,7 +114,7 @@ class Attention(nn.Module):
         v = (x @ wv.astype(x.dtype)).reshape(b, t, c.n_kv_heads, hd)
         q, k = rotary(q, c.rope_theta), rotary(k, c.rope_theta)
         # Grouped-query attention: dot_product_attention repeats K/V heads over query groups.
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl(c))
         return y.reshape(b, t, c.n_heads * hd) @ wo.astype(x.dtype)
 
 
@@ -144,7 +162,49 @@ def identity_hook(unit_params, unit_xs, which):
 
 def forward(cfg: ModelConfig, params: Params, tokens: jax.Array, hook: Hook = identity_hook,
             hook_xs: Any = None, layer_segments: Any = None) -> tuple[jax.Array, Any]:
-    """Logits [batch, seq, vocab] (fp32) for int tokens [batch, seq], and the hook's outputs.
+    """Logits [batch, seq, vocab] (fp32) for int tokens [batch, seq], and the hook's outputs
+    (``forward_hidden``, then the LM head)."""
+    x, head, ys = forward_hidden(cfg, params, tokens, hook, hook_xs, layer_segments)
+    return jnp.dot(x, head, preferred_element_type=jnp.float32), ys
+
+
+def loss_sum(cfg: ModelConfig, params: Params, tokens: jax.Array, targets: jax.Array, hook: Hook = identity_hook,
+             hook_xs: Any = None, layer_segments: Any = None) -> tuple[jax.Array, Any]:
+    """Sum of next-token cross-entropy of ``targets`` after ``tokens`` (fp32), and the hook's
+    outputs: ``forward`` then ``token_loss_sum``, with the logits made ``model.loss_chunk``
+    positions at a time (``chunked_loss_sum``)."""
+    x, head, ys = forward_hidden(cfg, params, tokens, hook, hook_xs, layer_segments)
+    return chunked_loss_sum(x, head, targets, cfg.loss_chunk), ys
+
+
+def chunked_loss_sum(x: jax.Array, head: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
+    """``token_loss_sum(x @ head, targets)`` for final hidden states x [batch, seq, d], with the
+    fp32 logits of ``chunk`` positions alive at a time: a scan over the sequence's chunks whose
+    body is rematerialised, so the backward pass recomputes each chunk's logits instead of
+    keeping them all (the same sum, up to float addition order). ``chunk`` 0 or >= seq: at once."""
+    t = x.shape[1]
+    if not chunk or chunk >= t:
+        return token_loss_sum(jnp.dot(x, head, preferred_element_type=jnp.float32), targets)
+
+    @jax.checkpoint
+    def piece(x_c, t_c):
+        return token_loss_sum(jnp.dot(x_c, head, preferred_element_type=jnp.float32), t_c)
+
+    n = t // chunk
+    b, d = x.shape[0], x.shape[2]
+    x_chunks = x[:, :n * chunk].reshape(b, n, chunk, d).swapaxes(0, 1)
+    t_chunks = targets[:, :n * chunk].reshape(b, n, chunk).swapaxes(0, 1)
+    total, _ = jax.lax.scan(lambda acc, ct: (acc + piece(*ct), None), jnp.zeros((), jnp.float32),
+                            (x_chunks, t_chunks))
+    if n * chunk < t:  # the last, shorter chunk
+        total = total + piece(x[:, n * chunk:], targets[:, n * chunk:])
+    return total
+
+
+def forward_hidden(cfg: ModelConfig, params: Params, tokens: jax.Array, hook: Hook = identity_hook,
+                   hook_xs: Any = None, layer_segments: Any = None) -> tuple[jax.Array, jax.Array, Any]:
+    """(final hidden states [batch, seq, d] after the final norm, the LM head [d, vocab], both in
+    the compute dtype, the hook's outputs) for int tokens [batch, seq].
 
     ``hook_xs`` is ``{"root": ..., "layers": ...}`` (the layers' entry scanned with the layers)
     or None; the returned ys have the same layout.
@@ -181,8 +241,7 @@ def forward(cfg: ModelConfig, params: Params, tokens: jax.Array, hook: Hook = id
             start += n
     x = RMSNorm(cfg.norm_eps).apply({"params": root["final_norm"]}, x)
     head = root["embed"].T if cfg.tie_embeddings else root["lm_head"]
-    logits = jnp.dot(x, head.astype(dtype), preferred_element_type=jnp.float32)
-    return logits, {"root": root_ys, "layers": layer_ys}
+    return x, head.astype(dtype), {"root": root_ys, "layers": layer_ys}
 
 
 def token_loss_sum(logits: jax.Array, targets: jax.Array) -> jax.Array:

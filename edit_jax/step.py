@@ -71,6 +71,8 @@ class Machinery:
         self.layout = lay = StateLayout(method_plan, mesh)
         self.n, self.s = lay.n, lay.s
         self.model = model_family(self.cfg.model.family)
+        if hasattr(self.model, "attention_impl"):  # model.attention=cudnn off a GPU: said before any work
+            self.model.attention_impl(self.cfg.model, mesh.devices.flat[0].platform)
         self.state_specs, self.state_shardings = lay.state_specs, lay.state_shardings
         # Streaming sync: group of each unit (None: one group, every unit syncs together).
         self.groups = fragment_of_unit(self.cfg) if self.plan.uses_outer and self.cfg.sync.fragments > 1 else None
@@ -133,7 +135,11 @@ class Machinery:
             specs = self.state_specs.replace(outer=None)
 
             def body(state, batch):
-                (loss, _), grads = self._loss_and_grads(state.params, batch)
+                k = self.cfg.optim.grad_accum
+                micro = batch.reshape(k, batch.shape[0] // k, batch.shape[1])
+                (loss, _), grads = self._loss_and_grads(state.params, micro[0])
+                if k > 1:
+                    loss, grads = self._accumulated(state.params, micro[1:], loss, grads)
                 loss = jax.lax.pmean(jax.lax.psum(loss, SHARD), REPLICA)
                 if sync_over_replica:
                     grads = jax.tree.map(lambda g: jax.lax.pmean(g, REPLICA), grads)
@@ -170,10 +176,27 @@ class Machinery:
 
         def loss_fn(params):
             local = jax.tree.map(lambda x: x[0], params)  # drop the (size 1) local replica dim
-            logits, ys = self.model.forward(cfg.model, local, batch[:, :-1], hook, hook_xs, segments)
-            return self.model.token_loss_sum(logits, batch[:, 1:]) / lay.tokens_per_replica, ys
+            if hasattr(self.model, "loss_sum"):  # the family computes the loss itself (chunked logits)
+                total, ys = self.model.loss_sum(cfg.model, local, batch[:, :-1], batch[:, 1:], hook, hook_xs, segments)
+            else:
+                logits, ys = self.model.forward(cfg.model, local, batch[:, :-1], hook, hook_xs, segments)
+                total = self.model.token_loss_sum(logits, batch[:, 1:])
+            return total / lay.tokens_per_replica, ys
 
         return jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+    def _accumulated(self, params, micro_batches, loss, grads):
+        """``(loss, grads)`` plus those of each micro-batch of ``micro_batches`` [k, rows, T+1]
+        at ``params`` (no sync), one micro-batch's activations alive at a time (a scan). Each
+        micro-batch's loss is already divided by the replica's whole token count: the sums are the
+        whole batch's loss and gradient."""
+        def body(carry, micro):
+            total, acc = carry
+            (l, _), g = self._loss_and_grads(params, micro)
+            return (total + l, jax.tree.map(jnp.add, acc, g)), None
+
+        (loss, grads), _ = jax.lax.scan(body, (loss, grads), micro_batches)
+        return loss, grads
 
     def _local_step(self, state: TrainState, batch: jax.Array, shares=None, *, kind: StepKind | str):
         """One step of ``kind`` on this device's blocks: forward and backward (EDiT's sync inside
@@ -183,14 +206,22 @@ class Machinery:
         lay, span = self.layout, self._span(kind)
         sync_in_forward = kind.name == "sync_forward"
         hook_xs, segments = sync.forward_inputs(state.outer, lay, span) if sync_in_forward else (None, None)
-        (loss, ys), grads = self._loss_and_grads(state.params, batch, hook_xs, segments, shares)
-        if kind.name == "hsdp":
-            grads = jax.tree.map(lambda g: jax.lax.pmean(g, REPLICA), grads)
+        # Gradient accumulation (optim.grad_accum = k): this device's rows as k micro-batches. The
+        # first carries EDiT's sync in its forward, exactly once per step as without accumulation;
+        # the others then run at the synced params (θ̄ for the synced units), which is what the
+        # first micro-batch's forward used too, so the summed gradient is the whole batch's.
+        k = self.cfg.optim.grad_accum
+        micro = batch.reshape(k, batch.shape[0] // k, batch.shape[1]) if k > 1 else batch[None]
+        (loss, ys), grads = self._loss_and_grads(state.params, micro[0], hook_xs, segments, shares)
         params, outer, opt_state, metrics = state.params, state.outer, state.opt_state, {}
         if sync_in_forward:  # the synced units' params are θ̄: the inner update applies to them
             with jax.named_scope(SYNC_SCOPE):
                 params, outer, metrics = sync.assemble_forward(params, outer, ys, span)
                 opt_state, metrics["inner_reset"] = sync.reset_nonfinite_workers(opt_state, metrics, lay)
+        if k > 1:
+            loss, grads = self._accumulated(params, micro[1:], loss, grads)
+        if kind.name == "hsdp":
+            grads = jax.tree.map(lambda g: jax.lax.pmean(g, REPLICA), grads)
         grad_norm = jnp.sqrt(shard_sq_norm(grads))
         updates, opt_state = lay.inner_opt.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
