@@ -201,9 +201,10 @@ def main(argv: list[str] | None = None) -> int:
                 "sample": lambda a: __import__("edit_jax.sample", fromlist=["main"]).main(a),
                 "export": lambda a: __import__("edit_jax.export", fromlist=["main"]).main(a),
                 "plot": lambda a: __import__("edit_jax.plot", fromlist=["main"]).main(a),
-                "tokenize": lambda a: __import__("edit_jax.data.tokenize", fromlist=["main"]).main(a)}
+                "tokenize": lambda a: __import__("edit_jax.data.tokenize", fromlist=["main"]).main(a),
+                "plan": lambda a: __import__("edit_jax.plan", fromlist=["main"]).main(a)}
     if not argv or argv[0] not in commands:
-        print("usage: edit-jax {train,tokenize,placement,sample,export,plot} [options]  "
+        print("usage: edit-jax {train,plan,tokenize,placement,sample,export,plot} [options]  "
               "(edit-jax COMMAND --help for details)", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])

@@ -194,8 +194,10 @@ def chunked_loss_sum(x: jax.Array, head: jax.Array, targets: jax.Array, chunk: i
     b, d = x.shape[0], x.shape[2]
     x_chunks = x[:, :n * chunk].reshape(b, n, chunk, d).swapaxes(0, 1)
     t_chunks = targets[:, :n * chunk].reshape(b, n, chunk).swapaxes(0, 1)
-    total, _ = jax.lax.scan(lambda acc, ct: (acc + piece(*ct), None), jnp.zeros((), jnp.float32),
-                            (x_chunks, t_chunks))
+    # The carry starts from the first chunk's sum (not a zero): inside shard_map it then has the
+    # per-device ("varying") type of every later sum.
+    total, _ = jax.lax.scan(lambda acc, ct: (acc + piece(*ct), None), piece(x_chunks[0], t_chunks[0]),
+                            (x_chunks[1:], t_chunks[1:]))
     if n * chunk < t:  # the last, shorter chunk
         total = total + piece(x[:, n * chunk:], targets[:, n * chunk:])
     return total

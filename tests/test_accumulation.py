@@ -56,12 +56,11 @@ def test_model_loss_sum_never_holds_the_whole_logits():
     assert float(got) == pytest.approx(want, rel=1e-6)
     grad_fn = jax.grad(lambda p: model_lib.loss_sum(chunked_cfg, p, tokens[:, :-1], tokens[:, 1:])[0])
     shapes = {tuple(v.aval.shape) for eqn in jax.make_jaxpr(grad_fn)(params).jaxpr.eqns for v in eqn.outvars}
-    assert (4, 32, cfg.vocab_size) not in shapes and (4, 8, cfg.vocab_size) not in shapes
-    # (inside the scan body the chunk's logits are [4, 8, vocab]; outside there is none)
+    assert (4, 32, cfg.vocab_size) not in shapes  # chunks of [4, 8, vocab] only (the first outside the scan)
 
 
 def _machineries(method, k, **kw):
-    base = tiny_config(2, 2, method=method, batch_size=16, **kw)
+    base = tiny_config(2, 2, method=method, batch_size=16, optim={"eps": 1e-3}, **kw)  # eps: see the next test
     acc = dataclasses.replace(base, optim=dataclasses.replace(base.optim, grad_accum=k))
     validate(acc)
     mesh = make_mesh(base.mesh, jax.devices()[:4])
@@ -127,3 +126,20 @@ def test_attention_kernel_choice_and_errors():
     validate(cfg)
     with pytest.raises(ConfigError, match="needs a GPU"):  # on the CPU: before any work
         Machinery.for_config(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
+
+
+def test_chunked_loss_inside_the_sharded_step_equals_the_whole_one():
+    """The same hsdp step with the loss in chunks of 8 positions (of 32) and at once: inside
+    shard_map (where the scan's carry must be per-device) the losses and params agree."""
+    # AdamW's eps well above the gradients' float noise: with 1e-8 its first step is a sign
+    # function, and an element whose gradient is ~0 flips with the summation order.
+    whole = tiny_config(2, 2, model={"loss_chunk": 0}, optim={"eps": 1e-3})
+    chunked = tiny_config(2, 2, model={"loss_chunk": 8}, optim={"eps": 1e-3})
+    mesh = make_mesh(whole.mesh, jax.devices()[:4])
+    a_m, b_m = Machinery.for_config(whole, mesh), Machinery.for_config(chunked, mesh)
+    start = jax.device_get(a_m.init_state(0))
+    batch = _batch(whole, 3)
+    a, ma = jax.device_get(a_m.step_fn("hsdp")(jax.device_put(start, a_m.state_shardings), a_m.put_batch(batch)))
+    b, mb = jax.device_get(b_m.step_fn("hsdp")(jax.device_put(start, b_m.state_shardings), b_m.put_batch(batch)))
+    np.testing.assert_allclose(mb["loss"], ma["loss"], rtol=1e-6)
+    _close(b.params, a.params, "params")
