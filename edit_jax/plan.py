@@ -76,7 +76,8 @@ def gpu_estimate(cfg, params_device_bytes: float) -> dict:
     - saved activations: with remat each layer's input, L b T d c; without, every layer's
       intermediates, L b T (10 d + 3 f) c, plus the attention scores when not fused;
     - one layer's working set (forward or its recomputation in the backward): b T (10 d + 3 f) c;
-      attention scores b h T T x 4 (fp32, and their gradient) unless cuDNN's fused kernel runs;
+      unless cuDNN's fused kernel runs, the attention's fp32 [b, h, T, T] scores, probabilities
+      and the gradients of both, 4 b h T T x 4;
     - the loss: fp32 logits and their gradient of one chunk, 2 b C V x 4 (C = model.loss_chunk,
       or T), and the fp32 gradient of the final hidden states b T d x 4;
     - FSDP gathers: two layers' full params in the compute dtype (the next layer's gather runs
@@ -90,7 +91,7 @@ def gpu_estimate(cfg, params_device_bytes: float) -> dict:
     t, d, f, L, h, v = cfg.data.seq_len, m.d_model, m.ffn_dim, m.n_layers, m.n_heads, m.vocab_size
     c = 2 if m.compute_dtype in ("bfloat16", "float16") else 4
     fused = m.attention in ("auto", "cudnn") and c == 2 and m.head_dim <= 128  # auto picks cuDNN on GPU
-    scores = 0.0 if fused else 2 * b * h * t * t * 4
+    scores = 0.0 if fused else 4 * b * h * t * t * 4
     layer = b * t * (10 * d + 3 * f) * c
     saved = L * b * t * d * c if m.remat else L * (layer + scores)
     chunk = m.loss_chunk if 0 < m.loss_chunk < t else t

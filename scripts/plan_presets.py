@@ -31,7 +31,7 @@ from edit_jax.validate import validate  # noqa: E402
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", nargs="+", default=["350m", "1b", "3b", "7b"])
+    p.add_argument("--sizes", nargs="*", default=["350m", "1b", "3b", "7b"])
     p.add_argument("--methods", nargs="+", default=["baseline", "diloco", "edit"])
     p.add_argument("--check-sizes", nargs="*", default=["350m", "1b"])
     p.add_argument("--json", default="plan_presets.json")
