@@ -181,15 +181,16 @@ def export_run(run_dir: str, out: str, *, step: int | None = None, dtype: str = 
         raise ExportError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     check_out(out, force)
     model = load_trained(run_dir, step)
-    tok = load_tokenizer(model.cfg, tokenizer)
+    tok = load_tokenizer(model.cfg, tokenizer, model.run_dir)
+    tok_file = tokenizer_file(model.cfg, tokenizer, model.run_dir)  # the run dir's copy first
     provenance = {"run_dir": os.path.abspath(run_dir), "checkpoint": model.checkpoint, "step": model.step,
                   "method": model.cfg.sync.method,
                   "params": "outer (θ̄)" if model.source == "outer" else "replica (state.params[0])",
-                  "tokenizer": "byte (ids 0..255 are byte values, EOS 256)" if tokenizer_file(model.cfg, tokenizer)
-                  is None else os.path.basename(tokenizer_file(model.cfg, tokenizer)),
+                  "tokenizer": "byte (ids 0..255 are byte values, EOS 256)" if tok_file is None
+                  else os.path.basename(tok_file),
                   "eos_token_id": int(tok.eos_id), "dtype": dtype}
     return write_export(out, model.cfg, model.params, dtype=dtype, eos_id=int(tok.eos_id),
-                        tokenizer_path=tokenizer_file(model.cfg, tokenizer), provenance=provenance, force=force)
+                        tokenizer_path=tok_file, provenance=provenance, force=force)
 
 
 def main(argv: list[str]) -> int:

@@ -44,6 +44,7 @@ from edit_jax.records import open_log, replace_file, sync_fields, worker_log
 from edit_jax.resume import DivergedError, check_before_save, restore_verified
 from edit_jax.sharding import make_mesh
 from edit_jax.step import Machinery
+from edit_jax.trained import store_run_tokenizer
 
 
 @dataclass
@@ -95,6 +96,7 @@ def run(cfg: Config, run_dir: str | None, *, stop, say: Callable[[str], None], p
                 stream.set_state(data_state)
             if lead:
                 replace_file(os.path.join(run_dir, "config.json"), dumps(cfg) + "\n")
+                store_run_tokenizer(cfg, run_dir)  # the run dir is self-contained (sample, export)
         except Exception:
             ckpt.close()
             raise

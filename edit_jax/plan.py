@@ -26,6 +26,14 @@ import math
 import os
 import sys
 
+import jax
+
+from edit_jax import hlo
+from edit_jax.methods import plan_for
+from edit_jax.sharding import BATCH_SPEC, make_mesh, named, set_cpu_device_count
+from edit_jax.step import Machinery
+from edit_jax.validate import ConfigError, load_config
+
 GIB = 1024 ** 3
 
 
@@ -44,8 +52,6 @@ def step_kinds(schedule, cfg) -> list[str]:
 
 def state_bytes(abstract_state) -> dict:
     """Bytes per device by part of the state (the largest over devices), device and host memory."""
-    import jax
-
     def per_device(tree) -> tuple[float, float]:
         dev = host = 0.0
         for x in jax.tree.leaves(tree):
@@ -119,13 +125,6 @@ def _flops(compiled) -> float | None:
 
 def plan(cfg, device_memory_gb: float = 80.0) -> dict:
     """The plan of ``cfg`` (validated; JAX already on ``mesh.replica x mesh.shard`` CPU devices)."""
-    import jax
-
-    from edit_jax import hlo
-    from edit_jax.methods import plan_for
-    from edit_jax.sharding import BATCH_SPEC, make_mesh, named
-    from edit_jax.step import Machinery
-
     method_plan = plan_for(cfg)
     cfg = method_plan.cfg
     n, s = cfg.mesh.replica, cfg.mesh.shard
@@ -214,8 +213,6 @@ def main(argv: list[str]) -> int:
         print(f"edit-jax: plan error: --device-memory must be a positive number, got {args.device_memory}",
               file=sys.stderr)
         return 2
-    from edit_jax.validate import ConfigError, load_config
-
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
@@ -224,9 +221,9 @@ def main(argv: list[str]) -> int:
     if args.json and os.path.isdir(args.json):
         print(f"edit-jax: plan error: --json {args.json} is a directory; expected a file path", file=sys.stderr)
         return 2
-    from edit_jax.sharding import set_cpu_device_count
-
-    os.environ["JAX_PLATFORMS"] = "cpu"  # compiled for emulated devices whatever this machine has
+    # Compiled for emulated CPU devices whatever this machine has (importing jax started no
+    # backend yet: the platform and the device count still apply).
+    jax.config.update("jax_platforms", "cpu")
     set_cpu_device_count(cfg.mesh.replica * cfg.mesh.shard)
     try:
         p = plan(cfg, args.device_memory)

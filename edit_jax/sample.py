@@ -174,7 +174,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         model = load_trained(args.run_dir, args.step)
-        tok = load_tokenizer(model.cfg, args.tokenizer)
+        tok = load_tokenizer(model.cfg, args.tokenizer, model.run_dir)
     except TrainedModelError as e:
         print(f"edit-jax: sample error: {e}", file=sys.stderr)
         return 2

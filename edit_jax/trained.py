@@ -44,6 +44,7 @@ class TrainedModel:
     params: Any  # host NumPy tree: {"root": ..., "layers": ...} (model.init_params layout)
     source: str  # "outer" (θ̄) or "replica" (state.params[0])
     checkpoint: str  # path of the checkpoint read
+    run_dir: str = ""  # the run dir it was read from (its tokenizer.json copy, if any)
 
 
 def checkpoint_steps(run_dir: str) -> tuple[str, list[int]]:
@@ -115,13 +116,15 @@ def load_trained(run_dir: str, step: int | None = None) -> TrainedModel:
         params = out["outer"]["params"]
     else:
         params = jax.tree.map(lambda x: np.asarray(x)[0], out["params"])
-    return TrainedModel(cfg, int(step), params, "outer" if use_outer else "replica", path)
+    return TrainedModel(cfg, int(step), params, "outer" if use_outer else "replica", path, run_dir)
 
 
-def load_tokenizer(cfg: Config, override: str | None = None):
-    """The run's tokenizer (``data.tokenizer``: "byte" or a tokenizer.json path as given at training
-    time, relative to the current dir), or ``override``; checked against the model's vocabulary."""
-    spec = override or cfg.data.tokenizer
+def load_tokenizer(cfg: Config, override: str | None = None, run_dir: str = ""):
+    """The run's tokenizer, or ``override``; checked against the model's vocabulary. The run's is
+    the copy in ``RUN_DIR/tokenizer.json`` that training stores (``run_tokenizer_copy``), else
+    ``data.tokenizer`` ("byte", or a tokenizer.json path as given at training time, relative to
+    the current dir: runs from before the copy existed)."""
+    spec = tokenizer_spec(cfg, override, run_dir)
     if spec != "byte" and not os.path.isfile(spec):
         hint = "" if override else " (the run's data.tokenizer, relative to the current directory)"
         raise TrainedModelError(f"tokenizer file {spec!r}{hint} not found: expected a tokenizer.json; "
@@ -136,11 +139,48 @@ def load_tokenizer(cfg: Config, override: str | None = None):
     return tok
 
 
-def tokenizer_file(cfg: Config, override: str | None = None) -> str | None:
+def tokenizer_spec(cfg: Config, override: str | None = None, run_dir: str = "") -> str:
+    """``override``, else the run dir's tokenizer.json copy, else ``data.tokenizer``."""
+    if override:
+        return override
+    copy = os.path.join(run_dir, RUN_TOKENIZER) if run_dir else ""
+    if cfg.data.tokenizer != "byte" and copy and os.path.isfile(copy):
+        return copy
+    return cfg.data.tokenizer
+
+
+def tokenizer_file(cfg: Config, override: str | None = None, run_dir: str = "") -> str | None:
     """The tokenizer.json path to ship with the model, or None for the byte tokenizer."""
-    spec = override or cfg.data.tokenizer
+    spec = tokenizer_spec(cfg, override, run_dir)
     return None if spec == "byte" else spec
 
 
+RUN_TOKENIZER = "tokenizer.json"
+
+
+def store_run_tokenizer(cfg: Config, run_dir: str) -> None:
+    """Copies the run's tokenizer.json into ``run_dir`` (training, process 0), so that the run dir
+    is self-contained: ``sample`` / ``export`` from any directory use the tokenizer it was trained
+    with, even when ``data.tokenizer`` was a relative path. A copy that differs from
+    ``data.tokenizer`` (this run dir was trained with another tokenizer) is an error, never
+    overwritten."""
+    if cfg.data.tokenizer == "byte":
+        return
+    copy = os.path.join(run_dir, RUN_TOKENIZER)
+    with open(cfg.data.tokenizer, "rb") as f:
+        data = f.read()
+    if os.path.isfile(copy):
+        with open(copy, "rb") as f:
+            if f.read() != data:
+                raise DataError(f"{copy} differs from data.tokenizer={cfg.data.tokenizer!r}: this run dir was trained "
+                                "with another tokenizer; use a new --run-dir (or the tokenizer it was trained with)")
+        return
+    tmp = copy + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, copy)
+
+
 __all__ = ["TrainedModel", "TrainedModelError", "checkpoint_steps", "load_trained", "load_tokenizer",
-           "tokenizer_file"]
+           "tokenizer_file", "tokenizer_spec", "store_run_tokenizer", "RUN_TOKENIZER"]

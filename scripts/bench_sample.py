@@ -36,7 +36,7 @@ def main() -> int:
     from edit_jax.trained import load_tokenizer, load_trained
 
     model = load_trained(args.run_dir)
-    tok = load_tokenizer(model.cfg)
+    tok = load_tokenizer(model.cfg, run_dir=model.run_dir)
     cfg, w = model.cfg.model, model.cfg.data.seq_len
     sampler = Sampler(cfg, model.params, w, tok.eos_id, tok.vocab_size)
     prompt = np.concatenate([[tok.eos_id], tok.encode("def ")]).astype(np.int32)

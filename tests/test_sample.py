@@ -142,14 +142,23 @@ def test_cli_sample_tokenizer_json(tmp_path_factory, capsys):
     assert sample_main(["--run-dir", run_dir, "--prompt", "def f", "--max-tokens", "8", "--no-eos-stop"]) == 0
     out = capsys.readouterr()
     assert out.out.startswith("def f") and "replica" in out.err  # Baseline: the replicas' params
-    # The tokenizer file moved away: the error names it; --tokenizer points at the new place.
+    # The run dir holds its own copy (issue 21): sampling does not need data.tokenizer's file.
+    copy = os.path.join(run_dir, "tokenizer.json")
+    assert open(copy, "rb").read() == open(tok_path, "rb").read() and os.stat(copy).st_mode & 0o777 == 0o644
     moved = tok_path + ".moved"
     shutil.move(tok_path, moved)
     try:
-        assert sample_main(["--run-dir", run_dir, "--max-tokens", "4"]) == 2
-        err = capsys.readouterr().err
-        assert tok_path in err and "--tokenizer" in err
-        assert sample_main(["--run-dir", run_dir, "--max-tokens", "4", "--tokenizer", moved]) == 0
+        assert sample_main(["--run-dir", run_dir, "--prompt", "def f", "--max-tokens", "8", "--no-eos-stop"]) == 0
+        assert capsys.readouterr().out == out.out  # the same text, from the copy
+        # A run dir without the copy (trained before it existed): the error names the file and the flag.
+        shutil.move(copy, copy + ".aside")
+        try:
+            assert sample_main(["--run-dir", run_dir, "--max-tokens", "4"]) == 2
+            err = capsys.readouterr().err
+            assert tok_path in err and "--tokenizer" in err
+            assert sample_main(["--run-dir", run_dir, "--max-tokens", "4", "--tokenizer", moved]) == 0
+        finally:
+            shutil.move(copy + ".aside", copy)
     finally:
         shutil.move(moved, tok_path)
 
@@ -202,3 +211,28 @@ def test_top_p_draws_only_from_the_nucleus():
         rows = jnp.asarray(np.tile(logits, (400, 1)))
         drawn = set(np.asarray(choose(rows, jax.random.key(1), temperature, top_k, 16, top_p)).tolist())
         assert drawn == nucleus, (top_p, temperature, top_k, drawn, nucleus)
+
+
+def test_run_dir_tokenizer_copy_is_never_replaced_by_another(tmp_path):
+    """Training stores data.tokenizer in RUN_DIR/tokenizer.json once; a later run on that dir with
+    another tokenizer file is refused, naming both, and the copy is left as it was."""
+    from edit_jax.data import DataError
+    from edit_jax.trained import store_run_tokenizer
+
+    cfg = tiny_config()
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text('{"version": "1.0", "a": 1}')
+    second.write_text('{"version": "1.0", "b": 2}')
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg.data.tokenizer = str(first)
+    store_run_tokenizer(cfg, str(run_dir))
+    store_run_tokenizer(cfg, str(run_dir))  # the same file again: nothing to do
+    assert (run_dir / "tokenizer.json").read_text() == first.read_text()
+    cfg.data.tokenizer = str(second)
+    with pytest.raises(DataError, match=r"tokenizer.json differs from data.tokenizer=.*b.json"):
+        store_run_tokenizer(cfg, str(run_dir))
+    assert (run_dir / "tokenizer.json").read_text() == first.read_text()
+    cfg.data.tokenizer = "byte"
+    store_run_tokenizer(cfg, str(tmp_path / "none"))  # the byte tokenizer: no file, nothing written
+    assert not (tmp_path / "none").exists()
