@@ -7,9 +7,12 @@ Writes into ``--out``:
 - ``config.json``: a ``LlamaForCausalLM`` config (sizes, rope theta, norm eps, tied embeddings,
   vocabulary, context);
 - ``model.safetensors``: the params (θ̄, see trained.py) under the standard Llama tensor names;
-- ``tokenizer.json`` when the run used one (the byte tokenizer has no file: ids are byte values
-  0..255 and EOS is 256, recorded in ``edit_jax_export.json``);
+- ``tokenizer.json`` (the run's; for the byte tokenizer one with the same ids),
+  ``tokenizer_config.json`` and ``generation_config.json`` (``hf_tokenizer.py``): the directory
+  loads with ``AutoTokenizer`` / ``AutoModelForCausalLM`` as it is;
 - ``edit_jax_export.json``: where the weights came from (run dir, step, method, θ̄ or replica).
+
+Every file is written world-readable (0644): an export is meant to be shared.
 
 Layouts. Our Dense kernels are [in, out] and a Hugging Face ``Linear`` weight is [out, in], so
 every projection is transposed. No permutation of q/k is needed: our q/k heads are contiguous
@@ -33,10 +36,13 @@ from typing import Any
 import numpy as np
 
 from edit_jax.config import Config, ModelConfig
+from edit_jax.data.tokenizers import BYTE_EOS
+from edit_jax.hf_tokenizer import EOS_TOKEN, byte_tokenizer_json, generation_config, tokenizer_config, with_eos
 from edit_jax.trained import TrainedModelError, load_tokenizer, load_trained, tokenizer_file
 
 DTYPES = ("float32", "bfloat16", "float16")
-WRITTEN = ("config.json", "model.safetensors", "tokenizer.json", "edit_jax_export.json")
+WRITTEN = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+           "edit_jax_export.json")
 
 
 class ExportError(RuntimeError):
@@ -92,7 +98,7 @@ def hf_config(cfg: Config, dtype: str = "float32", eos_id: int | None = None) ->
         "mlp_bias": False,
         "tie_word_embeddings": m.tie_embeddings,
         "initializer_range": m.init_std,
-        "bos_token_id": None,
+        "bos_token_id": eos_id,  # a document starts after an EOS (hf_tokenizer.py)
         "eos_token_id": eos_id,
         "pad_token_id": None,
         "pretraining_tp": 1,
@@ -161,17 +167,30 @@ def _write_files(out: str, cfg: Config, params: Any, dtype: str, eos_id: int | N
         written.append(os.path.join(out, name))
         return written[-1]
 
+    def write_json(name, obj):
+        with open(path(name), "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+
     save_file(hf_tensors(cfg.model, params, dtype), path("model.safetensors"), metadata={"format": "pt"})
-    with open(path("config.json"), "w") as f:
-        json.dump(hf_config(cfg, dtype, eos_id), f, indent=2)
-        f.write("\n")
-    if tokenizer_path is not None:
-        shutil.copyfile(tokenizer_path, path("tokenizer.json"))
-    elif force and os.path.exists(os.path.join(out, "tokenizer.json")):
-        os.remove(os.path.join(out, "tokenizer.json"))  # a stale one from an earlier export
-    with open(path("edit_jax_export.json"), "w") as f:
-        json.dump(provenance or {}, f, indent=2)
-        f.write("\n")
+    eos = BYTE_EOS if eos_id is None else int(eos_id)
+    write_json("config.json", hf_config(cfg, dtype, eos))
+    if tokenizer_path is None:  # the byte tokenizer, as a file Hugging Face loads
+        tokenizer, eos_token = byte_tokenizer_json(eos), EOS_TOKEN
+        write_json("tokenizer.json", tokenizer)
+    else:
+        with open(tokenizer_path, encoding="utf-8") as f:
+            original = json.load(f)
+        tokenizer, eos_token = with_eos(original, eos)
+        if tokenizer is original:
+            shutil.copyfile(tokenizer_path, path("tokenizer.json"))  # the run's file, byte for byte
+        else:  # edit-jax's EOS is one id past its vocabulary: added, so that generation stops
+            write_json("tokenizer.json", tokenizer)
+    write_json("tokenizer_config.json", tokenizer_config(eos_token, cfg.data.seq_len))
+    write_json("generation_config.json", generation_config(eos, cfg.data.seq_len))
+    write_json("edit_jax_export.json", provenance or {})
+    for p in written:
+        os.chmod(p, 0o644)
 
 
 def export_run(run_dir: str, out: str, *, step: int | None = None, dtype: str = "float32",

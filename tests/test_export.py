@@ -15,7 +15,7 @@ import pytest
 import safetensors
 
 from edit_jax import model as model_lib
-from edit_jax.export import ExportError, main as export_main, write_export
+from edit_jax.export import WRITTEN, ExportError, main as export_main, write_export
 from edit_jax.trained import load_trained
 from tests.helpers import damage_checkpoint_arrays, tiny_config
 from tests.trained_runs import edit_run, tokenizer_run
@@ -133,7 +133,14 @@ def test_export_run_cli(tmp_path_factory, tmp_path, capsys):
     _, run_dir = edit_run(tmp_path_factory)
     out = tmp_path / "hf"
     assert export_main(["--run-dir", run_dir, "--out", str(out)]) == 0
-    assert sorted(os.listdir(out)) == ["config.json", "edit_jax_export.json", "model.safetensors"]  # byte: no file
+    assert sorted(os.listdir(out)) == sorted(WRITTEN)  # the byte tokenizer as a file too
+    assert all(os.stat(out / name).st_mode & 0o777 == 0o644 for name in WRITTEN)  # before: safetensors 0600
+    with open(out / "tokenizer_config.json") as f:
+        tok_cfg = json.load(f)
+    with open(out / "generation_config.json") as f:
+        gen_cfg = json.load(f)
+    assert tok_cfg["eos_token"] == "<|endoftext|>" and tok_cfg["model_max_length"] == 32
+    assert gen_cfg == {"bos_token_id": 256, "eos_token_id": 256, "max_length": 32}
     with open(out / "edit_jax_export.json") as f:
         prov = json.load(f)
     assert prov["step"] == 6 and prov["params"].startswith("outer") and prov["eos_token_id"] == 256
@@ -218,3 +225,33 @@ def test_export_to_an_unwritable_out_leaves_nothing(tmp_path_factory, tmp_path, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(out) in err and os.strerror(errno.ENOSPC) in err, err
     assert not out.exists()
+
+
+def test_byte_tokenizer_export_has_our_ids():
+    """The exported byte tokenizer, read by the `tokenizers` library itself: every byte of a text
+    with multi-byte characters, tabs, newlines and runs of spaces is its own id (= edit-jax's byte
+    ids), EOS is 256, and decoding gives the text back."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from edit_jax.data.tokenizers import make_tokenizer
+    from edit_jax.hf_tokenizer import byte_tokenizer_json
+
+    hf = tokenizers.Tokenizer.from_str(json.dumps(byte_tokenizer_json(256)))
+    ours = make_tokenizer("byte")
+    for text in ["def f(x):\n\treturn  x  # é, €, 日本\n", " leading", "", "\u00ff\u0100 \x7f\x00"]:
+        ids = hf.encode(text).ids
+        assert ids == list(ours.encode(text)) == list(text.encode("utf-8")), text
+        assert hf.decode(ids) == text
+    assert hf.encode("a<|endoftext|>b").ids == [97, 256, 98] and hf.get_vocab_size() == 257
+
+
+def test_exported_directory_loads_in_transformers(tmp_path_factory, tmp_path):
+    """Where transformers is installed: AutoTokenizer on the byte-tokenizer export round-trips a
+    text with our ids and knows EOS (skipped otherwise; the file-level checks above always run)."""
+    transformers = pytest.importorskip("transformers")
+    _, run_dir = edit_run(tmp_path_factory)
+    out = tmp_path / "hf"
+    assert export_main(["--run-dir", run_dir, "--out", str(out)]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    text = "def f(x):\n    return x  # é\n"
+    assert tok(text)["input_ids"] == list(text.encode("utf-8")) and tok.eos_token_id == 256
+    assert tok.decode(list(text.encode("utf-8"))) == text
