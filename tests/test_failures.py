@@ -366,8 +366,10 @@ def test_full_disk_during_a_save_is_one_message(tmp_path, processes):
                                                 "keep_checkpoints=5"))
     script = (f"mount -t tmpfs -o size=48m tmpfs {disk} && mkdir -p {run_dir} && "
               f"(while [ ! -d {run_dir}/checkpoints/2 ]; do sleep 0.1; done; "
-              f"dd if=/dev/zero of={disk}/fill bs=1M >/dev/null 2>&1) & "
-              f"{cmd}; rc=$?; cp -r {run_dir} {out_dir}; exit $rc")
+              f"dd if=/dev/zero of={disk}/fill bs=1M >/dev/null 2>&1) & filler=$!; "
+              # (a run that ends before checkpoint 2 must not leave the filler waiting: the test
+              # would wait for its output until the timeout instead of reporting the run's error)
+              f"{cmd}; rc=$?; kill $filler 2>/dev/null; cp -r {run_dir} {out_dir}; exit $rc")
     proc = subprocess.run(["unshare", "-Urm", "sh", "-c", script], cwd=REPO, env=_cli_env(), capture_output=True,
                           text=True, timeout=300)
     out = proc.stdout + proc.stderr
