@@ -102,6 +102,8 @@ def run(cfg: Config, run_dir: str | None, *, stop, say: Callable[[str], None], p
             raise
     if state is None:
         state = machinery.init_state(cfg.seed)
+        if cfg.model.init_from:
+            say(f"edit-jax: params from model.init_from={cfg.model.init_from}")
     log = open_log(run_dir, resumed_from, lead, cfg.log.tensorboard)
     multihost.barrier()  # the log is truncated (process 0) before any worker appends to it
 

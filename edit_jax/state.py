@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from edit_jax.config import Config, ConfigError
 from edit_jax.family import model_family
+from edit_jax.hf_import import load_params
 from edit_jax.methods import MethodPlan, Plan, plan_for
 from edit_jax.optim import inner_optimizer
 from edit_jax.outer import Detector, make_outer_optimizer, sgd_trace, with_sgd_trace
@@ -94,10 +95,12 @@ def init_outer_opt_state(opt: optax.GradientTransformation, params: Any) -> dict
     return {"root": opt.init(params["root"]), "layers": jax.vmap(opt.init)(params["layers"])}
 
 
-def make_state(cfg: Config, plan: Plan, key: jax.Array) -> TrainState:
-    """A fresh state: every replica starts from the same params; θ̄ = those params."""
+def make_state(cfg: Config, plan: Plan, key: jax.Array, params: Any = None) -> TrainState:
+    """A fresh state: every replica starts from the same params (``params``, or a random init);
+    θ̄ = those params."""
     n = cfg.mesh.replica
-    params = model_family(cfg.model.family).init_params(cfg.model, key)
+    if params is None:
+        params = model_family(cfg.model.family).init_params(cfg.model, key)
     outer = None
     if plan.uses_outer:
         outer = OuterState(params, init_outer_opt_state(make_outer_optimizer(plan.outer), params),
@@ -183,8 +186,15 @@ class StateLayout:
                             self.state_shardings)
 
     def init_state(self, seed: int) -> TrainState:
-        return jax.jit(partial(make_state, self.cfg, self.plan), out_shardings=self.state_shardings)(
-            jax.random.key(seed))
+        """A fresh state from ``seed``; with ``model.init_from`` its params are the directory's,
+        loaded sharded like θ̄ (over ``shard``: no device holds a whole copy)."""
+        make = jax.jit(partial(make_state, self.cfg, self.plan), out_shardings=self.state_shardings)
+        if not self.cfg.model.init_from:
+            return make(jax.random.key(seed))
+        abstract = jax.eval_shape(partial(model_family(self.cfg.model.family).init_params, self.cfg.model),
+                                  jax.random.key(0))
+        shardings = named(self.mesh, outer_specs(abstract, self.shard_dims))
+        return make(jax.random.key(seed), load_params(self.cfg.model, abstract, shardings))
 
     def outer_to_device(self, outer: OuterState) -> OuterState:
         """θ̄ and the outer optimizer state where a sync computes on them (inside jit)."""

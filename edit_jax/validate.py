@@ -8,6 +8,7 @@ part as its ``validate(cfg)``, next to what it checks against:
 
 - ``data.sources``: ``data.source`` (the ``SOURCES`` registry), ``data.paths``, ``data.token_dtype``;
 - ``family``: ``model.family``;
+- ``hf_import``: ``model.init_from`` (its config.json; ``load_config`` first adopts its architecture);
 - ``methods``: ``sync.method``, ``sync.outer_optimizer``, what a method allows (A-EDiT, CO2);
 - ``placement``: the ``mesh.placement`` file;
 - ``multihost``: ``mesh.processes`` and the multi-process rules, ``debug.slowdown``;
@@ -26,7 +27,7 @@ when its first backend starts; tests/test_imports.py checks this).
 
 from __future__ import annotations
 
-from edit_jax import config, family, methods, multihost, placement, tensorboard
+from edit_jax import config, family, hf_import, methods, multihost, placement, tensorboard
 from edit_jax.config import Config, ConfigError
 from edit_jax.data import corrupt, sources
 
@@ -36,6 +37,7 @@ def validate(cfg: Config) -> None:
     config.check_fields(cfg)
     sources.validate(cfg)
     family.validate(cfg)
+    hf_import.validate(cfg)
     methods.validate(cfg)
     placement.validate(cfg)
     multihost.validate(cfg)
@@ -44,9 +46,9 @@ def validate(cfg: Config) -> None:
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
-    """Loads ``path`` (a Python file with ``get_config()``, or a preset name), applies overrides and
-    validates the result."""
-    cfg = config.read_config(path, overrides)
+    """Loads ``path`` (a Python file with ``get_config()``, or a preset name), applies overrides,
+    takes the architecture from ``model.init_from`` where set, and validates the result."""
+    cfg = hf_import.adopt_architecture(config.read_config(path, overrides), overrides)
     validate(cfg)
     return cfg
 
