@@ -168,6 +168,8 @@ class LogConfig:
     """Where records go besides RUN_DIR/metrics.jsonl (absent from older configs: defaults apply)."""
 
     tensorboard: bool = False  # also as TensorBoard scalars in RUN_DIR/tb/ (needs tensorboardX)
+    wandb: bool = False  # also to Weights & Biases (needs wandb; WANDB_MODE=offline works without an account)
+    wandb_project: str = "edit-jax"
     # One device's peak TFLOP/s for the records' ``mfu``; 0: known A100 / H100 / H200 from the
     # device's kind (dense bf16), none on other devices (edit_jax/throughput.py).
     peak_tflops: float = 0.0

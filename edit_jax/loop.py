@@ -40,11 +40,12 @@ from edit_jax.data.corrupt import parse_corrupt
 from edit_jax.drivers import AsyncWorkers, LockStep, Wants, wants_async
 from edit_jax.evaluate import Evaluator
 from edit_jax.methods import plan_for
-from edit_jax.records import open_log, replace_file, sync_fields, worker_log
+from edit_jax.records import open_log, read_records, replace_file, sync_fields, worker_log
 from edit_jax.resume import DivergedError, check_before_save, restore_verified
 from edit_jax.sharding import make_mesh
 from edit_jax.step import Machinery
 from edit_jax.trained import store_run_tokenizer
+from edit_jax.wandb_log import WandbLog
 
 
 @dataclass
@@ -105,6 +106,14 @@ def run(cfg: Config, run_dir: str | None, *, stop, say: Callable[[str], None], p
         if cfg.model.init_from:
             say(f"edit-jax: params from model.init_from={cfg.model.init_from}")
     log = open_log(run_dir, resumed_from, lead, cfg.log.tensorboard)
+    if cfg.log.wandb and run_dir and lead:
+        try:
+            log = WandbLog(log, run_dir, cfg, earlier=read_records(os.path.join(run_dir, "metrics.jsonl")))
+        except Exception:
+            log.close()
+            if ckpt is not None:
+                ckpt.close()
+            raise
     multihost.barrier()  # the log is truncated (process 0) before any worker appends to it
 
     start_step = k = int(multihost.local_value(state.step))

@@ -13,7 +13,8 @@ part as its ``validate(cfg)``, next to what it checks against:
 - ``placement``: the ``mesh.placement`` file;
 - ``multihost``: ``mesh.processes`` and the multi-process rules, ``debug.slowdown``;
 - ``data.corrupt``: ``debug.corrupt``;
-- ``tensorboard``: ``log.tensorboard`` (tensorboardX installed).
+- ``tensorboard``: ``log.tensorboard`` (tensorboardX installed);
+- ``wandb_log``: ``log.wandb`` (wandb installed), ``log.wandb_project``.
 
 ``validate`` runs ``check_fields`` first (so a part may assume ranges hold, e.g. ``mesh.replica
 > 0``), then each part in that order; the first broken rule raises ``ConfigError`` naming its key.
@@ -27,7 +28,7 @@ when its first backend starts; tests/test_imports.py checks this).
 
 from __future__ import annotations
 
-from edit_jax import config, family, hf_import, methods, multihost, placement, tensorboard
+from edit_jax import config, family, hf_import, methods, multihost, placement, tensorboard, wandb_log
 from edit_jax.config import Config, ConfigError
 from edit_jax.data import corrupt, sources
 
@@ -43,6 +44,7 @@ def validate(cfg: Config) -> None:
     multihost.validate(cfg)
     corrupt.validate(cfg)
     tensorboard.validate(cfg)
+    wandb_log.validate(cfg)
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:

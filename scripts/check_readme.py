@@ -4,10 +4,11 @@
 
 Every ```bash block of README.md is read in order; each `edit-jax ...` / `python -m edit_jax ...`
 command (a `&&` chain is split, `\\` continuations joined, comments dropped, optional `[...]`
-parts left out) runs in a `git clone` of this repository's HEAD, with the Python running this
-script (its edit-jax installation, the clone's code first on PYTHONPATH). `train` commands get
-`steps=N` appended (a later override wins): "runnable as written, with small steps". The demo of
-README command 1 runs first, as a new user would. Commands that need what a CPU machine does not
+parts left out, `VAR=value` prefixes passed as its environment) runs in a `git clone` of this
+repository's HEAD, with the Python running this script (its edit-jax installation, the clone's
+code first on PYTHONPATH). `train` commands get `steps=N` appended (a later override wins):
+"runnable as written, with small steps". The demo of README command 1 runs first, as a new user
+would. Commands that need what a CPU machine does not
 have (GPUs and a cluster: `--distributed`, `srun`; the FineWeb-Edu parquet files and the paper
 presets reading them) are listed as skipped with the reason. Prints a table, writes JSON, exits 1
 if any command failed.
@@ -40,18 +41,23 @@ def readme_commands(text: str) -> list[str]:
                     words = shlex.split(part, comments=True)
                 except ValueError:
                     continue
-                while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):  # VAR=value prefixes (cluster recipes)
-                    words = words[1:]
-                if words[:1] == ["edit-jax"] or words[:3] == ["python", "-m", "edit_jax"]:
+                n = 0
+                while n < len(words) and re.fullmatch(r"[A-Z_]+=.*", words[n]):  # VAR=value prefixes
+                    n += 1
+                if words[n:n + 1] == ["edit-jax"] or words[n:n + 3] == ["python", "-m", "edit_jax"]:
                     commands.append(shlex.join(words))
-                elif words[:1] == ["srun"]:
+                elif words[n:n + 1] == ["srun"]:
                     commands.append(shlex.join(words))
     return commands
 
 
-def as_run(command: str, steps: int) -> list[str]:
-    """The command's words with optional [...] groups left out and, for train, steps appended."""
-    words, out, depth = shlex.split(command), [], 0
+def as_run(command: str, steps: int) -> tuple[dict[str, str], list[str]]:
+    """The command's ``VAR=value`` prefixes (its environment) and its words with optional [...]
+    groups left out and, for train, steps appended."""
+    words, out, depth, env = shlex.split(command), [], 0, {}
+    while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
     for w in words:
         if w.startswith("["):
             depth += 1
@@ -65,7 +71,7 @@ def as_run(command: str, steps: int) -> list[str]:
         out = [sys.executable, "-m", "edit_jax"] + out[1:]
     elif out[0] == "python":
         out[0] = sys.executable
-    return out
+    return env, out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         if skip:
             rows.append({"command": command, "status": "skipped", "why": skip})
             continue
-        run = as_run(command, args.steps)
+        extra, run = as_run(command, args.steps)
         t0 = time.perf_counter()
-        proc = subprocess.run(run, cwd=clone, env=env, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(run, cwd=clone, env={**env, **extra}, capture_output=True, text=True, timeout=900)
         out = (proc.stdout + proc.stderr).strip().splitlines()
         rows.append({"command": command, "status": "ok" if proc.returncode == 0 else "FAILED", "exit": proc.returncode,
                      "seconds": round(time.perf_counter() - t0, 1), "last_line": out[-1][:160] if out else ""})
