@@ -19,7 +19,9 @@ from jax.sharding import PartitionSpec as P
 from edit_jax import hlo, multihost
 from edit_jax.config import ConfigError, MeshConfig
 from edit_jax.drivers import WorkerSteps
+from edit_jax.export import write_export
 from edit_jax.methods import TimeSchedule, plan_for
+from edit_jax.model import init_params
 from edit_jax.outer import Penalty, mix_step_weights
 from edit_jax.sharding import make_mesh
 from edit_jax.step import Machinery
@@ -169,13 +171,22 @@ LIFTED = ["sync.outer_sharding=replica_shard", "sync.cpu_offload=true", "log.ten
 
 
 @pytest.mark.parametrize("method,extra", [("edit", []), ("diloco", []), ("co2", []), ("edit", LIFTED)],
-                         ids=["edit", "diloco", "co2", "edit-replica_shard-offload-tensorboard"])
-def test_two_processes_equal_one_program(tmp_path, method, extra):
+                         ids=["edit", "diloco", "co2", "edit-replica_shard-offload-tensorboard-init_from-wandb"])
+def test_two_processes_equal_one_program(tmp_path, monkeypatch, method, extra):
     """2 processes x 2 devices give the single-process 2 x 2 run's losses (every kind of step:
     HSDP warmup, local steps, and the method's sync). The last case also uses what only one
     process could do before the one loop: θ̄ split over replica too, kept in host memory, and
-    TensorBoard scalars (written by process 0)."""
+    TensorBoard scalars (written by process 0); and what a cluster user adds: Hugging Face
+    weights to start from (each process loading its own devices' slices) and W&B (process 0)."""
     over = [f"method={method}", "steps=8", "sync.warmup_steps=2", "sync.tau=3", "eval_every=0", *extra]
+    if extra is LIFTED:
+        for key, value in [("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"),
+                           ("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))]:
+            monkeypatch.setenv(key, value)
+        hf = str(tmp_path / "hf")
+        tiny = load_config(os.path.join(REPO, "configs/tiny.py"))
+        write_export(hf, tiny, init_params(tiny.model, jax.random.key(5)))
+        over += [f"model.init_from={hf}", "log.wandb=true"]
     code, out = _run_cli(tmp_path / "mp", *over)
     assert code == 0, out[-3000:]
     cfg = load_config(os.path.join(REPO, "configs/tiny.py"), [o for o in TINY if "processes" not in o] + over)
@@ -190,6 +201,8 @@ def test_two_processes_equal_one_program(tmp_path, method, extra):
     if "log.tensorboard=true" in extra:
         events = [f for f in os.listdir(tmp_path / "mp" / "tb") if f.startswith("events.")]
         assert len(events) == 1, events  # process 0's writer only
+        assert f"params from model.init_from={hf}" in out
+        assert len([d for d in os.listdir(tmp_path / "mp" / "wandb") if d.startswith("offline-run-")]) == 1
 
 
 def test_a_edit_straggler_fast_worker_takes_more_steps(tmp_path):
