@@ -89,6 +89,9 @@ class DataConfig:
     val_fraction: float = 0.05  # fraction of documents (files) held out for validation
     seed: int = 0  # shuffling seed (separate from the model seed)
     allow_binary: bool = False  # "text": accept files that look binary (NUL bytes, mostly non-text bytes)
+    # "parquet": background processes that read and tokenize row groups ahead of training (each
+    # training process has its own); 0: one thread of the training process.
+    workers: int = 1
 
 
 @dataclass

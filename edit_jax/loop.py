@@ -84,7 +84,14 @@ def run(cfg: Config, run_dir: str | None, *, stop, say: Callable[[str], None], p
     corpus = load_corpus(cfg.data)
     check_model_vocab(corpus, cfg.model.vocab_size)
     stream = make_train_stream(corpus, cfg.data.seq_len, cfg.batch_size, cfg.mesh.replica, cfg.data.seed)
-    val = val_batches(corpus, cfg.data.seq_len, cfg.batch_size, cfg.eval_batches)
+    try:
+        val = val_batches(corpus, cfg.data.seq_len, cfg.batch_size, cfg.eval_batches)
+    except Exception:
+        stream.close()
+        raise
+    if 0 < len(val) < cfg.eval_batches:
+        say(f"edit-jax: validation on {len(val)} batches (eval_batches={cfg.eval_batches}): the validation split "
+            f"{'read at start ' if corpus.streamed is not None else ''}holds no more")
     corrupt = parse_corrupt(cfg.debug.corrupt)  # None unless the testing knob is set
 
     ckpt, resumed_from, state, data_state = None, None, None, None
@@ -100,6 +107,7 @@ def run(cfg: Config, run_dir: str | None, *, stop, say: Callable[[str], None], p
                 store_run_tokenizer(cfg, run_dir)  # the run dir is self-contained (sample, export)
         except Exception:
             ckpt.close()
+            stream.close()
             raise
     if state is None:
         state = machinery.init_state(cfg.seed)
@@ -111,6 +119,7 @@ def run(cfg: Config, run_dir: str | None, *, stop, say: Callable[[str], None], p
             log = WandbLog(log, run_dir, cfg, earlier=read_records(os.path.join(run_dir, "metrics.jsonl")))
         except Exception:
             log.close()
+            stream.close()
             if ckpt is not None:
                 ckpt.close()
             raise
@@ -145,7 +154,10 @@ def run(cfg: Config, run_dir: str | None, *, stop, say: Callable[[str], None], p
         global_state = driver.global_state(state)
         if check_before_save(global_state, step, machinery.plan.uses_outer, final, ckpt.latest_step()):
             stream.step = step
-            ckpt.save(step, global_state, {**stream.get_state(), **driver.data_extra()}, cfg)
+            # A streamed corpus keeps each replica's position in the process that trains it: the
+            # processes exchange them here (every process saves), so the checkpoint has them all.
+            data = stream.get_state(gather=multihost.exchange_floats if multi else None)
+            ckpt.save(step, global_state, {**data, **driver.data_extra()}, cfg)
         else:
             say(f"edit-jax: step {step}: some workers are non-finite (they are rolled back at their next sync); "
                 f"checkpoint skipped, the last one ({ckpt.latest_step()}) is kept")
@@ -246,6 +258,7 @@ def run(cfg: Config, run_dir: str | None, *, stop, say: Callable[[str], None], p
         if ckpt is not None:
             ckpt.close()
         log.close()
+        stream.close()  # a streamed corpus's reader processes
     if diverged is not None:
         raise DivergedError(diverged)
     return TrainResult(steps=k, final_loss=last_loss, final_val_loss=val_loss,

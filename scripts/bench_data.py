@@ -8,10 +8,13 @@ child process: its wall time, its peak RSS (``os.wait4``'s ``ru_maxrss`` of that
 from the child's start to its first training batch (a second child that only builds the corpus and
 the stream and takes one batch). Corpora: the stdlib corpus (the reference), generated token
 shards of each ``--sizes-gb`` (an index.json per directory, as ``edit-jax tokenize`` writes), the
-tokenized parquet files and the parquet files read directly (data.source=parquet).
+tokenized parquet files and the parquet files streamed (data.source=parquet) with the reader in
+the training process (``data.workers=0``: the peak RSS includes the tokenizing) and in a reader
+process (``data.workers=1``: the training process's own peak).
 
 Then the token-shard stream's own tokens/s in one process (no model: ``TrainStream.next()`` on
-batches of the 1B preset's per-host shape) beside the tokens/s one host of the paper's 1B preset
+batches of the 1B preset's per-host shape), and the streamed parquet source's (row groups read and
+tokenized by 0, 1 or 2 reader processes, byte tokenizer and tokenizer.json), beside the tokens/s one host of the paper's 1B preset
 consumes on 8 GPUs (ASSUMPTION: 40% MFU of a 989 TFLOP/s bf16 H100, model.flops_per_token), and
 ``edit-jax tokenize``'s tokens/s per worker with the byte tokenizer and with a tokenizer.json
 (a byte-level BPE of ``--bpe-vocab`` ids trained here on the generated text with the
@@ -177,14 +180,36 @@ def stream_tokens_per_s(shard_dir: str, seq_len: int, rows: int, seconds: float 
     from edit_jax.data import load_corpus, make_train_stream
 
     corpus = load_corpus(DataConfig(source="tokens", paths=(shard_dir,), seq_len=seq_len))
-    stream = make_train_stream(corpus, seq_len, rows, 1, seed=0)
+    n, dt = timed_batches(make_train_stream(corpus, seq_len, rows, 1, seed=0), seconds)
+    return {"batches": n, "rows": rows, "seq_len": seq_len, "tokens_per_s": n * rows * seq_len / dt}
+
+
+def timed_batches(stream, seconds: float) -> tuple[int, float]:
+    """Batches taken in about ``seconds`` after the first (not timed), and the seconds."""
     stream.next()
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         stream.next()
         n += 1
-    dt = time.perf_counter() - start
-    return {"batches": n, "rows": rows, "seq_len": seq_len, "tokens_per_s": n * rows * seq_len / dt}
+    return n, time.perf_counter() - start
+
+
+def parquet_stream_tokens_per_s(parquet: list[str], tokenizer: str, workers: int, seq_len: int, rows: int,
+                                seconds: float = 10.0) -> dict:
+    """The streamed parquet source's own throughput (one process, one replica, no model): row
+    groups read, split and tokenized by ``workers`` reader processes (0: a thread) while batches
+    are taken. The first batch (reader start, first row group) is not timed."""
+    from edit_jax.config import DataConfig
+    from edit_jax.data import load_corpus, make_train_stream
+
+    corpus = load_corpus(DataConfig(source="parquet", paths=tuple(parquet), seq_len=seq_len, tokenizer=tokenizer,
+                                    workers=workers))
+    stream = make_train_stream(corpus, seq_len, rows, 1, seed=0)
+    n, dt = timed_batches(stream, seconds)
+    stream.close()
+    name = "byte" if tokenizer == "byte" else os.path.basename(tokenizer)
+    return {"corpus": f"parquet streamed, {name}, data.workers={workers}", "batches": n, "rows": rows,
+            "seq_len": seq_len, "tokens_per_s": n * rows * seq_len / dt}
 
 
 def paper_host_tokens_per_s() -> dict:
@@ -259,8 +284,12 @@ def main() -> None:
     result["tokenize"].append(tokenize_rate(parquet, tok_dir, "byte", 1))
     result["runs"].append(tiny_run(f"tokenized parquet ({args.parquet_mb:g} MB text)",
                                    ["data.source=tokens", f"data.paths={tok_dir}"], work))
-    result["runs"].append(tiny_run(f"parquet direct ({args.parquet_files} files)",
-                                   ["data.source=parquet", "data.paths=" + ",".join(parquet)], work))
+    # Streamed parquet: with data.workers=0 the reading and tokenizing thread is inside the
+    # measured process (its RSS is everything); with 1 reader process the training process's own.
+    for workers in (0, 1):
+        result["runs"].append(tiny_run(f"parquet streamed ({args.parquet_files} files), data.workers={workers}",
+                                       ["data.source=parquet", "data.paths=" + ",".join(parquet),
+                                        f"data.workers={workers}"], work))
     host = paper_host_tokens_per_s()
     result["paper_1b_host"] = host
     for gb in args.sizes_gb:
@@ -283,9 +312,12 @@ def main() -> None:
              f"{r['peak_rss_gb'] / ref['peak_rss_gb']:.2f}x" if r.get("peak_rss_gb") else "-"] for r in result["runs"]]
     print_table("tiny training run (configs/tiny.py steps=4), one process",
                 ["corpus", "wall s", "first batch s", "peak RSS GB", "RSS vs stdlib"], rows)
-    rows = [[s["corpus"], f"{s['rows']} x {s['seq_len']}", f"{s['tokens_per_s'] / 1e6:.1f} M",
-             f"{s['tokens_per_s'] / host['tokens_per_s_per_host']:.0f}x"] for s in result["stream"]]
-    print_table("token-shard stream, one process, no model", ["corpus", "batch", "tokens/s", "vs 1B preset host"],
+    for tokenizer, workers in [("byte", 0), ("byte", 1)] + ([(bpe, 1), (bpe, 2)] if bpe else []):
+        result["stream"].append(parquet_stream_tokens_per_s(parquet, tokenizer, workers, host["seq_len"],
+                                                            host["rows_per_host_step"]))
+    rows = [[s["corpus"], f"{s['rows']} x {s['seq_len']}", f"{s['tokens_per_s'] / 1e6:.2f} M",
+             f"{s['tokens_per_s'] / host['tokens_per_s_per_host']:.1f}x"] for s in result["stream"]]
+    print_table("token-shard and streamed-parquet streams, one process, no model", ["corpus", "batch", "tokens/s", "vs 1B preset host"],
                 rows, note=f"1B preset host: {host['tokens_per_s_per_host'] / 1e3:.0f} K tokens/s "
                            f"(ASSUMPTION: {host['assumption']})")
     rows = [[t.get("tokenizer"), t.get("workers"), t.get("tokens"), t.get("seconds"),

@@ -253,16 +253,29 @@ def test_tokens_npy_and_bin_sources(tmp_path):
 
 
 def test_parquet_source(tmp_path):
+    """Streamed: nothing is read at load; the training rows and validation rows together are the
+    non-empty rows, each followed by EOS (the per-replica order is tests/test_parquet_stream.py's)."""
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     rows = [f"row {i} says hello" for i in range(80)] + [None, ""]
     path = str(tmp_path / "d.parquet")
-    pq.write_table(pa.table({"body": rows, "n": list(range(82))}), path)
-    c = D.load_corpus(DataConfig(source="parquet", paths=(path,), text_column="body", seq_len=8, val_fraction=0.2))
-    assert c.info["rows"] == 80 and 0 < c.info["val_rows"] < 80
-    total = bytes(t for t in np.concatenate([c.train_tokens, c.val_tokens]).tolist() if t != 256)
+    pq.write_table(pa.table({"body": rows, "n": list(range(82))}), path, row_group_size=41)
+    c = D.load_corpus(DataConfig(source="parquet", paths=(path,), text_column="body", seq_len=8, val_fraction=0.2,
+                                 workers=0))
+    assert c.info["rows"] == 82 and c.info["row_groups"] == 2 and c.train_tokens is None
+    val = c.streamed.val_tokens(None)
+    stream = D.make_train_stream(c, 8, 2, 2, 0)  # one row of 9 tokens per replica
+    train = []
+    for r in range(2):  # one replica's whole epoch: the first row group's train tokens
+        unit = D.parquet_stream.replica_units(2, 0, 0, r, 2)[0]
+        n = c.streamed.result(c.streamed.submit(int(unit), "test"), int(unit))[0].size
+        train += [stream.replica_batch(r, k).ravel() for k in range(n // 9)]
+        rest = n % 9
+        if rest:
+            train.append(stream.replica_batch(r, n // 9).ravel()[:rest])
+    total = bytes(t for t in np.concatenate(train + [val]).tolist() if t != 256)
     assert sorted(total) == sorted("".join(rows[:80]).encode())
-    assert int((c.train_tokens == 256).sum() + (c.val_tokens == 256).sum()) == 80
+    assert int(sum((t == 256).sum() for t in train) + (val == 256).sum()) == 80
     with pytest.raises(D.DataError, match=r"d\.parquet.*no column 'text'"):
         D.load_corpus(DataConfig(source="parquet", paths=(path,), seq_len=8))
 

@@ -168,17 +168,78 @@ def _records(run_dir):
 
 
 LIFTED = ["sync.outer_sharding=replica_shard", "sync.cpu_offload=true", "log.tensorboard=true"]
+PARQUET = ["data.workers=1", "data.val_fraction=0.2"]  # + data.source=parquet on files made by the test
+SHARDS = ["data.source=tokens"]  # + data.paths: a shard directory tokenized by the test
 
 
-@pytest.mark.parametrize("method,extra", [("edit", []), ("diloco", []), ("co2", []), ("edit", LIFTED)],
-                         ids=["edit", "diloco", "co2", "edit-replica_shard-offload-tensorboard-init_from-wandb"])
+def _shard_dir(where) -> str:
+    from edit_jax.data.tokenize import tokenize
+
+    rng = np.random.default_rng(1)
+    jsonl = where / "docs.jsonl"
+    with open(jsonl, "w") as f:
+        for i in range(400):
+            f.write(json.dumps({"text": f"doc {i} " + "".join(chr(97 + int(c)) for c in rng.integers(0, 26, 60))}) + "\n")
+    out = str(where / "shards")
+    tokenize([str(jsonl)], out, val_fraction=0.1, shard_tokens=4000, progress=False)
+    return out
+
+
+def _windows_read(trace, seq_len) -> dict[int, list[int]]:
+    """pid -> the train windows it read (start // (seq_len + 1)), from the data trace."""
+    out: dict[int, list[int]] = {}
+    for rec in map(json.loads, open(trace)):
+        if rec.get("split") == "train":
+            assert rec["stop"] - rec["start"] == seq_len + 1 and rec["start"] % (seq_len + 1) == 0, rec
+            out.setdefault(rec["pid"], []).append(rec["start"] // (seq_len + 1))
+    return out
+
+
+def _parquet_files(where) -> list[str]:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rng = np.random.default_rng(0)
+    paths = []
+    for k in range(2):  # 2 files x 4 row groups of 60 documents
+        rows = [f"doc {k}-{i} " + "".join(chr(97 + int(c)) for c in rng.integers(0, 26, int(rng.integers(3, 90))))
+                for i in range(240)]
+        paths.append(str(where / f"part{k}.parquet"))
+        pq.write_table(pa.table({"text": rows}), paths[-1], row_group_size=60)
+    return paths
+
+
+def _trained_units(trace) -> dict[int, tuple[set, set]]:
+    """pid -> (replicas, row groups) it read for training, from the data trace."""
+    out: dict[int, tuple[set, set]] = {}
+    for rec in map(json.loads, open(trace)):
+        if rec["purpose"] == "train":
+            reps, units = out.setdefault(rec["pid"], (set(), set()))
+            reps.add(rec["replica"])
+            units.add(rec["unit"])
+    return out
+
+
+@pytest.mark.parametrize("method,extra", [("edit", []), ("diloco", SHARDS), ("co2", []), ("edit", LIFTED),
+                                          ("edit", PARQUET)],
+                         ids=["edit", "diloco-token_shards", "co2", "edit-replica_shard-offload-tensorboard-init_from-wandb",
+                              "edit-streamed_parquet"])
 def test_two_processes_equal_one_program(tmp_path, monkeypatch, method, extra):
     """2 processes x 2 devices give the single-process 2 x 2 run's losses (every kind of step:
-    HSDP warmup, local steps, and the method's sync). The last case also uses what only one
+    HSDP warmup, local steps, and the method's sync). The fourth case also uses what only one
     process could do before the one loop: θ̄ split over replica too, kept in host memory, and
     TensorBoard scalars (written by process 0); and what a cluster user adds: Hugging Face
-    weights to start from (each process loading its own devices' slices) and W&B (process 0)."""
+    weights to start from (each process loading its own devices' slices) and W&B (process 0).
+    The DiLoCo case trains on token shards: each process reads only its replica's windows (the
+    read trace), and the two read what the one process read. The last streams parquet files: each process reads and tokenizes (in a reader process) only
+    its own replica's row groups, and the final checkpoint holds both replicas' positions (the
+    processes exchange them), as the single process's does."""
     over = [f"method={method}", "steps=8", "sync.warmup_steps=2", "sync.tau=3", "eval_every=0", *extra]
+    if extra is PARQUET:
+        over += ["data.source=parquet", "data.paths=" + ",".join(_parquet_files(tmp_path))]
+    if extra is SHARDS:
+        over += [f"data.paths={_shard_dir(tmp_path)}"]
+    if extra in (PARQUET, SHARDS):
+        monkeypatch.setenv("EDIT_JAX_DATA_TRACE", str(tmp_path / "trace_mp.jsonl"))
     if extra is LIFTED:
         for key, value in [("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"),
                            ("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))]:
@@ -190,6 +251,8 @@ def test_two_processes_equal_one_program(tmp_path, monkeypatch, method, extra):
     code, out = _run_cli(tmp_path / "mp", *over)
     assert code == 0, out[-3000:]
     cfg = load_config(os.path.join(REPO, "configs/tiny.py"), [o for o in TINY if "processes" not in o] + over)
+    if extra in (PARQUET, SHARDS):
+        monkeypatch.setenv("EDIT_JAX_DATA_TRACE", str(tmp_path / "trace_sp.jsonl"))
     single = train(cfg, str(tmp_path / "sp"), progress=False, devices=jax.devices()[:4])
     want = {r["step"]: r["replica_loss"] for r in single.history}
     got = {r["step"]: r["replica_loss"] for r in _records(tmp_path / "mp") if "loss" in r}
@@ -203,13 +266,38 @@ def test_two_processes_equal_one_program(tmp_path, monkeypatch, method, extra):
         assert len(events) == 1, events  # process 0's writer only
         assert f"params from model.init_from={hf}" in out
         assert len([d for d in os.listdir(tmp_path / "mp" / "wandb") if d.startswith("offline-run-")]) == 1
+    if extra is SHARDS:
+        per_pid = _windows_read(tmp_path / "trace_mp.jsonl", cfg.data.seq_len)
+        assert len(per_pid) == 2, per_pid
+        (a, b), rows = per_pid.values(), cfg.batch_size // 2
+        assert len(a) == len(set(a)) == len(b) == len(set(b)) == 8 * rows  # each window once, B/N a step
+        assert not set(a) & set(b)
+        (single_windows,) = _windows_read(tmp_path / "trace_sp.jsonl", cfg.data.seq_len).values()
+        assert set(a) | set(b) == set(single_windows)
+    if extra is PARQUET:
+        per_pid = _trained_units(tmp_path / "trace_mp.jsonl")
+        assert len(per_pid) == 2, per_pid
+        (reps_a, units_a), (reps_b, units_b) = per_pid.values()
+        assert {len(reps_a), len(reps_b)} == {1} and reps_a != reps_b  # one replica per process
+        assert units_a and units_b and not units_a & units_b  # disjoint row groups
+        single_units = _trained_units(tmp_path / "trace_sp.jsonl")  # the one process read both sets
+        assert set().union(*(u for _, u in single_units.values())) == units_a | units_b
+        saved = [json.load(open(tmp_path / d / "checkpoints" / "8" / "data" / "metadata")) for d in ("mp", "sp")]
+        assert saved[0]["kind"] == "parquet-stream" and saved[0] == saved[1], saved
+        assert all(c[0] == 8 for c in saved[0]["cursors"])
 
 
 def test_a_edit_straggler_fast_worker_takes_more_steps(tmp_path):
-    code, out = _run_cli(tmp_path, "method=a_edit", "steps=24", "sync.warmup_steps=0", "sync.tau_time=3",
-                         "debug.slowdown=1:3.0", "eval_every=0", "checkpoint_every=0")
+    """A-EDiT with worker 1 slowed 3x, on streamed parquet: the fast worker takes more steps and
+    more weight, and reads its own data further: the final checkpoint's data state has each
+    worker's stream cursor at that worker's own step count (gathered from both processes)."""
+    files = _parquet_files(tmp_path)
+    run = tmp_path / "run"
+    code, out = _run_cli(run, "method=a_edit", "steps=24", "sync.warmup_steps=0", "sync.tau_time=3",
+                         "debug.slowdown=1:3.0", "eval_every=0", "checkpoint_every=0", *PARQUET,
+                         "data.source=parquet", "data.paths=" + ",".join(files))
     assert code == 0, out[-3000:]
-    recs = _records(tmp_path)
+    recs = _records(run)
     syncs = [r for r in recs if r.get("sync")]
     assert syncs, out[-2000:]
     since = np.array([s["worker_steps_since"] for s in syncs])
@@ -219,6 +307,10 @@ def test_a_edit_straggler_fast_worker_takes_more_steps(tmp_path):
     last = max(r["step"] for r in recs if r.get("worker") == 0)
     assert last > max(r["step"] for r in recs if r.get("worker") == 1)
     assert any("val_loss" in r for r in recs)  # the final evaluation on θ̄
+    final = str(max(int(d) for d in os.listdir(run / "checkpoints") if d.isdigit()))
+    data = json.load(open(run / "checkpoints" / final / "data" / "metadata"))
+    assert [c[0] for c in data["cursors"]] == data["worker_steps"], data
+    assert data["worker_steps"][0] > data["worker_steps"][1]
 
 
 def _fault_after_first_checkpoint(tmp_path, sig, timeout):

@@ -6,8 +6,8 @@ The path from config to batches:
    into a single token stream (documents concatenated, an EOS id after each one). The sources are
    ``stdlib`` (the default, needs no files: the interpreter's standard-library ``.py`` files),
    ``text`` (text files or globs), ``tokens`` (pre-tokenized ``.npy`` / ``.bin`` arrays, used as
-   they are) and ``parquet`` (a text column of parquet files); each module in ``sources/`` says
-   how it reads and splits its input.
+   they are) and ``parquet`` (a text column of parquet files, streamed: ``parquet_stream``); each
+   module in ``sources/`` says how it reads and splits its input.
 
 2. A split's stream is cut into non-overlapping windows of ``seq_len + 1`` tokens (stride
    ``seq_len + 1``; the tail shorter than a window is dropped). A window ``w`` gives
@@ -29,7 +29,9 @@ Modules: ``errors`` (DataError), ``tokenizers`` (byte and tokenizer.json tokeniz
 (one module per source plus the ``SOURCES`` registry; to add a source: one file there and one
 registry line), ``corpus`` (``Corpus``, ``load_corpus``), ``streams`` (windows, ``TrainStream``,
 validation batches), ``shards`` (the shard directory: index, ``ConcatTokens``, checks),
-``tokenize`` (``edit-jax tokenize``). This module is the public API: it re-exports the first ones.
+``tokenize`` (``edit-jax tokenize``), ``parquet_stream`` (``data.source=parquet``: row groups read and
+tokenized in the background, per-replica streams with O(1) cursors). This module is the public API:
+it re-exports the first ones.
 """
 
 from __future__ import annotations

@@ -21,16 +21,19 @@ from edit_jax.data.tokenizers import make_tokenizer
 
 @dataclass
 class Corpus:
-    """One packed token stream per split. Token arrays are 1-D unsigned ints (may be memmaps)."""
+    """One packed token stream per split. Token arrays are 1-D unsigned ints (may be memmaps); for
+    a streamed source (``data.source=parquet``) they are None and ``streamed`` reads the documents
+    as training needs them (``parquet_stream.ParquetCorpus``)."""
 
-    train_tokens: np.ndarray
-    val_tokens: np.ndarray
+    train_tokens: np.ndarray | None
+    val_tokens: np.ndarray | None
     vocab_size: int
     eos_id: int
     description: str
     tokenizer: str = "byte"
     info: dict = field(default_factory=dict)  # numbers for logs: files, bytes, tokens, load_seconds, split
     train_fingerprint: int | None = None  # known without a scan (token shards' index); None: sampled
+    streamed: object | None = None  # a ParquetCorpus (data.source=parquet), else None
 
 
 def check_model_vocab(corpus: Corpus, model_vocab_size: int) -> None:
@@ -54,6 +57,11 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     files = _expand_paths(cfg.paths, cfg.source) if source.needs_paths else []
     result = source.load(tok, files, cfg)
     train, val, what = result.train, result.val, result.what
+    if result.streamed is not None:  # nothing read yet: the stream and val_batches check the splits
+        info = dict(files=result.files, bytes=result.bytes, split=result.split, **result.info,
+                    load_seconds=round(time.perf_counter() - start, 3))
+        desc = f"{cfg.source}: {what}, {_human(result.bytes)}B on disk, tokenizer {tok.name}"
+        return Corpus(None, None, tok.vocab_size, tok.eos_id, desc, tok.name, info, streamed=result.streamed)
     info = dict(files=result.files, bytes=result.bytes, split=result.split, **result.info,
                 train_tokens=int(train.size), val_tokens=int(val.size),
                 load_seconds=round(time.perf_counter() - start, 3))

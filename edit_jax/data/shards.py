@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edit_jax.data.documents import SPLITS
 from edit_jax.data.errors import DataError
 
 INDEX_NAME = "index.json"
 INDEX_FORMAT = "edit-jax token shards"
 INDEX_VERSION = 1
-SPLITS = ("train", "val")
 
 
 def shard_name(split: str, k: int) -> str:
@@ -90,6 +90,17 @@ class ShardFile:
         return self.size
 
 
+# Tests and debugging: with this variable naming a file, every read of a token range of a shard
+# split and every parquet row group a stream reads is appended to it as a JSON line (with the
+# process id), so a multi-process test can see what each process read. Unset: nothing is written.
+TRACE_ENV = "EDIT_JAX_DATA_TRACE"
+
+
+def trace_read(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), **record}) + "\n")
+
+
 class ConcatTokens:
     """A read-only 1-D token array that is the concatenation of ``parts`` (arrays, memmaps or
     ``ShardFile``s),
@@ -97,8 +108,9 @@ class ConcatTokens:
     ``len``, slicing (any positive step) and ``np.asarray`` (which does copy everything: tests
     and small corpora only)."""
 
-    def __init__(self, parts: list[np.ndarray]):
+    def __init__(self, parts: list[np.ndarray], label: str = ""):
         parts = [p.reshape(-1) for p in parts if p.size]
+        self.label, self.trace = label, os.environ.get(TRACE_ENV) or None  # label: the split, in the trace
         if not parts:
             raise ValueError("ConcatTokens needs at least one non-empty part")
         self.parts = parts
@@ -124,6 +136,8 @@ class ConcatTokens:
             raise ValueError("ConcatTokens supports positive slice steps only")
         if stop <= start:
             return np.empty(0, self.dtype)
+        if self.trace:
+            trace_read(self.trace, {"split": self.label, "start": start, "stop": stop})
         first = int(np.searchsorted(self.starts, start, side="right")) - 1
         last = int(np.searchsorted(self.starts, stop - 1, side="right")) - 1
         out, pos = [], start  # pos: the next global index to take (on the step grid)
@@ -226,7 +240,7 @@ def open_split(directory: str, index: dict, split: str, path: str) -> ConcatToke
     if not parts:
         raise DataError(f"token shard index {path!r}: the {split} split is empty (no tokens); re-tokenize with "
                         f"more documents{' or a larger --val-fraction' if split == 'val' else ''}")
-    return ConcatTokens(parts)
+    return ConcatTokens(parts, split)
 
 
 def split_fingerprint(index: dict, split: str) -> int:

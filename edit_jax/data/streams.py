@@ -11,6 +11,7 @@ import numpy as np
 
 from edit_jax.data.corpus import Corpus
 from edit_jax.data.errors import DataError
+from edit_jax.data.parquet_stream import ParquetStream
 
 
 def num_windows(tokens: np.ndarray, seq_len: int) -> int:
@@ -120,7 +121,9 @@ class TrainStream:
     def __iter__(self):
         return self
 
-    def get_state(self) -> dict:
+    def get_state(self, gather=None) -> dict:
+        """The global step and the identity fields; the same in every process (``gather``, used by
+        per-replica streams, is not needed)."""
         return {"version": self.STATE_VERSION, "step": self.step, "epoch": self.epoch, "seed": self.seed,
                 "batch_size": self.batch_size, "seq_len": self.seq_len, "num_replicas": self.num_replicas,
                 "num_windows": self.num_windows, "fingerprint": self.fingerprint}
@@ -145,8 +148,15 @@ class TrainStream:
         self.step = step
 
 
-def make_train_stream(corpus: Corpus, seq_len: int, batch_size: int, num_replicas: int, seed: int) -> TrainStream:
-    """See TrainStream. ``batch_size`` is global and must be divisible by ``num_replicas``."""
+    def close(self) -> None:
+        pass
+
+
+def make_train_stream(corpus: Corpus, seq_len: int, batch_size: int, num_replicas: int, seed: int):
+    """See TrainStream (or ``ParquetStream`` for a streamed corpus: per-replica streams with the same
+    interface). ``batch_size`` is global and must be divisible by ``num_replicas``."""
+    if corpus.streamed is not None:
+        return ParquetStream(corpus.streamed, seq_len, batch_size, num_replicas, seed)
     return TrainStream(corpus, seq_len, batch_size, num_replicas, seed)
 
 
@@ -155,15 +165,22 @@ def val_batches(corpus: Corpus, seq_len: int, batch_size: int, max_batches: int 
     ``[batch_size, seq_len + 1]``; the same list every call (no shuffle, no overlap)."""
     if seq_len <= 0 or batch_size <= 0:
         raise DataError(f"val batches: seq_len and batch_size must be positive, got {seq_len}, {batch_size}")
-    n = num_windows(corpus.val_tokens, seq_len)
+    val_tokens = corpus.val_tokens
+    if corpus.streamed is not None:  # read the validation documents of the first row groups, as many as needed
+        want = None if max_batches is None else max(1, int(max_batches)) * batch_size * (seq_len + 1)
+        val_tokens = corpus.streamed.val_tokens(want)
+    n = num_windows(val_tokens, seq_len)
     avail = n // batch_size
     if avail == 0:
-        raise DataError(f"validation split of corpus ({corpus.description}) has {corpus.val_tokens.size} tokens = "
+        raise DataError(f"validation split of corpus ({corpus.description}) has {val_tokens.size} tokens = "
                         f"{n} windows of seq_len+1 = {seq_len + 1}; one batch needs batch_size = {batch_size} "
-                        f"windows. Raise data.val_fraction, add data or lower the batch size / data.seq_len")
+                        f"windows. Raise data.val_fraction, add data or lower the batch size / data.seq_len"
+                        + (f" (streamed parquet reads validation documents from the first "
+                           f"{corpus.streamed.VAL_MAX_UNITS} row groups at most; or tokenize the corpus)"
+                           if corpus.streamed is not None else ""))
     count = avail if max_batches is None else max(0, min(int(max_batches), avail))
     w = seq_len + 1
-    flat = np.asarray(corpus.val_tokens[:count * batch_size * w], dtype=np.int32)
+    flat = np.asarray(val_tokens[:count * batch_size * w], dtype=np.int32)
     return [b for b in flat.reshape(count, batch_size, w)]
 
 

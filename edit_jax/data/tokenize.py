@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edit_jax.data.documents import parquet_row_groups, row_group_documents, split_and_pack
 from edit_jax.data.errors import DataError
 from edit_jax.data.shards import (INDEX_FORMAT, INDEX_NAME, INDEX_VERSION, SPLITS, dtype_for_vocab, shard_name,
                                   tokenizer_identity)
-from edit_jax.data.sources.base import _is_val
 from edit_jax.data.tokenizers import make_tokenizer
 
 PARTS = ".parts"
@@ -96,48 +96,16 @@ def plan_units(files: list[str], text_column: str) -> list[Unit]:
                 raise DataError(f"tokenize: input {p!r} is empty; expected {kind} documents")
             units.append(Unit(len(units), p, kind))
             continue
-        pq = _pyarrow_parquet()
-        try:
-            meta = pq.ParquetFile(p)
-        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
-            raise DataError(f"tokenize: parquet file {p!r}: cannot read it as parquet ({e})") from e
-        names = meta.schema_arrow.names
-        if text_column not in names:
-            raise DataError(f"tokenize: parquet file {p!r}: no column {text_column!r} (--text-column); "
-                            f"columns are {', '.join(names)}")
-        for g in range(meta.metadata.num_row_groups):
+        for g, _, _ in parquet_row_groups(p, text_column, "tokenize: ", "--text-column"):
             units.append(Unit(len(units), p, "parquet", g))
     return units
-
-
-def _pyarrow_parquet():
-    try:
-        import pyarrow.parquet as pq  # noqa: PLC0415 - optional dependency
-    except ImportError as e:
-        raise DataError("tokenize: parquet inputs need pyarrow: pip install edit-jax[parquet]") from e
-    return pq
 
 
 def _documents(unit: Unit, job: Job):
     """Yields batches of (name, raw UTF-8 bytes) documents of one unit; a batch is bounded by a
     row group (parquet) or about JSONL_BATCH_BYTES of text (jsonl)."""
     if unit.kind == "parquet":
-        pq = _pyarrow_parquet()
-        table = pq.ParquetFile(unit.path).read_row_group(unit.row_group, columns=[job.text_column])
-        batch = []
-        for i, v in enumerate(table.column(job.text_column).to_pylist()):
-            if v is None:
-                continue
-            if isinstance(v, str):
-                raw = v.encode("utf-8")
-            elif isinstance(v, (bytes, bytearray)):
-                raw = bytes(v)
-            else:
-                raise DataError(f"tokenize: parquet file {unit.path!r}: column {job.text_column!r} must hold text, "
-                                f"row group {unit.row_group} row {i} is {type(v).__name__}")
-            if raw:
-                batch.append((f"{unit.path}[row group {unit.row_group}, row {i}]", raw))
-        yield batch
+        yield row_group_documents(unit.path, unit.row_group, job.text_column, "tokenize: ")
     elif unit.kind == "jsonl":
         batch, size = [], 0
         with open(unit.path, "rb") as f:
@@ -200,22 +168,11 @@ def tokenize_unit(unit: Unit, job: Job) -> dict:
             for _, raw in batch:
                 text_hash.update(len(raw).to_bytes(8, "little"))
                 text_hash.update(raw)
-            encoded = tok.encode_documents(batch)
-            is_val = [_is_val(raw, job.val_fraction) for _, raw in batch]
-            for split in SPLITS:
-                chosen = [e for v, e in zip(is_val, encoded) if v == (split == "val")]
-                if not chosen:
-                    continue
-                out = np.empty(sum(e.size for e in chosen) + len(chosen), dtype=dtype)
-                pos = 0
-                for e in chosen:
-                    out[pos:pos + e.size] = e
-                    pos += e.size
-                    out[pos] = tok.eos_id
-                    pos += 1
-                files[split].write(out.tobytes())
-                counts[split] += out.size
-                docs[split] += len(chosen)
+            for split, (packed, ndocs) in split_and_pack(tok, batch, job.val_fraction, dtype).items():
+                if ndocs:
+                    files[split].write(packed.tobytes())
+                    counts[split] += packed.size
+                    docs[split] += ndocs
     finally:
         for f in files.values():
             f.close()

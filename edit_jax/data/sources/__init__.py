@@ -26,6 +26,8 @@ def validate(cfg: Config) -> None:
     require(d.source in SOURCES, "data.source", f"expected one of {', '.join(SOURCES)}; got {d.source!r}")
     require(not SOURCES[d.source].needs_paths or len(d.paths) > 0, "data.paths",
             f"data.source={d.source!r} needs at least one path or glob")
+    require(isinstance(d.workers, int) and not isinstance(d.workers, bool) and d.workers >= 0, "data.workers",
+            f"expected a non-negative int (reader processes; 0: a thread), got {d.workers!r}")
     require(d.token_dtype in tokens.TOKEN_DTYPES, "data.token_dtype",
             f"expected {', '.join(tokens.TOKEN_DTYPES[:-1])} or {tokens.TOKEN_DTYPES[-1]}, got {d.token_dtype!r}")
 

@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from edit_jax.config import DataConfig
+from edit_jax.data.documents import is_val as _is_val  # noqa: F401 - the sources' split rule
 from edit_jax.data.errors import DataError
 
 
@@ -17,8 +18,8 @@ from edit_jax.data.errors import DataError
 class SourceResult:
     """One source's packed splits and what ``load_corpus`` reports about them."""
 
-    train: np.ndarray  # packed 1-D token stream of the training split
-    val: np.ndarray  # packed 1-D token stream of the validation split
+    train: np.ndarray | None  # packed 1-D token stream of the training split (None: streamed)
+    val: np.ndarray | None  # packed 1-D token stream of the validation split (None: streamed)
     what: str  # the corpus in a few words, for the description and errors ("3 files")
     split: str  # how it was split ("file-level (sha256 of path)"); the part before " (" is shown
     files: int  # input files read
@@ -27,6 +28,8 @@ class SourceResult:
     # The train stream's identity when the source knows it without reading the tokens (shard
     # indexes); None: streams.fingerprint samples the tokens.
     fingerprint: int | None = None
+    # A streamed source (parquet) reads its documents during training instead: train / val are None.
+    streamed: object | None = None
 
 
 @dataclass(frozen=True)
@@ -36,13 +39,6 @@ class Source:
 
     load: Callable[[object, list, "DataConfig"], SourceResult]
     needs_paths: bool = True
-
-
-def _is_val(key: bytes, val_fraction: float) -> bool:
-    # sha256 of a stable key (not Python's salted hash()) so the split is identical on every machine,
-    # in every process and regardless of the order files are listed in.
-    h = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
-    return h < val_fraction * 2.0**64
 
 
 def _pack(docs: Sequence[np.ndarray], eos_id: int, dtype) -> np.ndarray:

@@ -61,7 +61,7 @@ def _load_shard_dirs(tok, files: list[str]) -> SourceResult:
     sets = [open_shards(p, tok) for p in files]
     trains = [part for s in sets for part in s.train.parts]
     vals = [part for s in sets for part in s.val.parts]
-    train, val = ConcatTokens(trains), ConcatTokens(vals)
+    train, val = ConcatTokens(trains, "train"), ConcatTokens(vals, "val")
     fp = sets[0].fingerprint
     for s in sets[1:]:
         fp = (fp * 1_000_003 + s.fingerprint) % 2**32
@@ -100,6 +100,6 @@ def load(tok, files: list[str], cfg) -> SourceResult:
     if len(files) == 1:
         train, val = trains[0], vals[0]  # views of the memmap: no copy of a possibly huge file
     else:
-        train, val = ConcatTokens(trains), ConcatTokens(vals)  # virtual: the files stay memory-mapped
+        train, val = ConcatTokens(trains, "train"), ConcatTokens(vals, "val")  # virtual: the files stay memory-mapped
     return SourceResult(train, val, what=f"{len(files)} token file{'s' if len(files) != 1 else ''}",
                         split="array-level (last val_fraction of each array)", files=len(files), bytes=nbytes)

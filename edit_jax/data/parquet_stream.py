@@ -1,0 +1,384 @@
+"""Streaming parquet (``data.source=parquet``): train on parquet text without tokenizing it first.
+
+Start-up reads only the files' footers: the corpus is a list of units, one per row group
+(``list_row_groups``). Training reads a unit when a replica's stream reaches it, in background
+worker processes (``data.workers``; 0: a thread of the training process) that read the row group,
+split its documents train / validation by the sha256 of their text (the rule of every source and
+of ``edit-jax tokenize``) and tokenize them; one or two units per replica are read ahead, so
+memory is bounded by a few row groups, never a file.
+
+Each replica has a stream of its own (``ParquetStream``), disjoint from the others': in epoch
+``e`` the units are permuted by (``data.seed``, ``e``) and replica ``r`` of ``N`` takes units
+``perm[r::N]``; its stream is their train tokens concatenated (an EOS after each document), cut
+into windows of ``seq_len + 1`` tokens, ``B/N`` windows a step. A replica's position is a cursor
+``(k, epoch, pos, offset)``: the next step, the epoch, the unit's place in the replica's order and
+the token offset in it. The cursor is all a resume needs (one unit is read again, no replay from
+the start), and it is O(1). With several processes each process reads only the units of the
+replicas it trains; at a checkpoint the processes exchange their cursors (``get_state(gather)``),
+so process 0 writes every replica's position.
+
+What this source does not do, by design: random access to an arbitrary step (a replica asks for
+its steps in order, as the drivers do), and elastic restarts with another ``mesh.replica`` (the
+unit -> replica assignment depends on N). ``edit-jax tokenize`` then ``data.source=tokens`` has
+both, and reads nothing at start.
+
+Validation: the validation documents of the units in file order, read at start until the run's
+``eval_batches`` are full (about ``1/val_fraction`` times their tokens of text is read), from at
+most ``VAL_MAX_UNITS`` row groups.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import json
+import multiprocessing as mp
+import os
+import zlib
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+
+import numpy as np
+
+from edit_jax.data.documents import parquet_row_groups, row_group_documents, split_and_pack
+from edit_jax.data.errors import DataError
+from edit_jax.data.shards import TRACE_ENV, tokenizer_identity, trace_read
+from edit_jax.data.tokenizers import make_tokenizer
+
+PREFETCH_UNITS = 2  # units read ahead per replica (each a row group of tokens)
+# Validation reads at most this many row groups at start (FineWeb-Edu's hold about 1 M tokens
+# each: some 250 M tokens of text, 12 M validation tokens at val_fraction 0.05). A run that asks
+# for more evaluates on what they hold, and says so.
+VAL_MAX_UNITS = 256
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    path: str
+    row_group: int
+    rows: int
+    bytes: int  # its uncompressed size, from the footer
+
+
+def list_row_groups(files: list[str], column: str) -> list[RowGroup]:
+    """Every row group of ``files``, in file order; reads footers only. Each file must be parquet
+    with a column ``column`` (``data.text_column``)."""
+    units: list[RowGroup] = []
+    for p in files:
+        units += [RowGroup(p, *g) for g in parquet_row_groups(p, column, "", "data.text_column")]
+    return units
+
+
+_TOKENIZERS: dict = {}  # one per process and spec, made once
+
+
+def read_unit(path: str, row_group: int, column: str, tokenizer: str, val_fraction: float,
+              dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """One row group -> (train tokens, validation tokens), each its documents packed with an EOS
+    after each one, in row order. Runs in a reader process (or thread)."""
+    tok = _TOKENIZERS.get(tokenizer)
+    if tok is None:
+        tok = _TOKENIZERS[tokenizer] = make_tokenizer(tokenizer)
+    docs = row_group_documents(path, row_group, column)
+    packed = split_and_pack(tok, docs, val_fraction, np.dtype(dtype))
+    return packed["train"][0], packed["val"][0]
+
+
+class ParquetCorpus:
+    """The row groups of a parquet corpus and the readers that tokenize them (shared by the
+    training stream and the validation batches)."""
+
+    VAL_MAX_UNITS = VAL_MAX_UNITS
+
+    def __init__(self, units: list[RowGroup], column: str, tokenizer, val_fraction: float, workers: int,
+                 dtype):
+        if not units:
+            raise DataError("data.source='parquet': the files hold no row groups; expected documents")
+        self.units, self.column, self.val_fraction, self.workers = units, column, float(val_fraction), int(workers)
+        self.tokenizer_spec = tokenizer.name  # "byte" or the tokenizer.json path (the readers make their own)
+        self.eos_id, self.dtype = tokenizer.eos_id, np.dtype(dtype).name
+        self._pool: cf.Executor | None = None
+        self._val: list[np.ndarray] = []  # validation tokens of units [0, len(_val))
+        identity = [[os.path.basename(u.path), u.row_group, u.rows, u.bytes] for u in units]
+        self.fingerprint = zlib.crc32(json.dumps([identity, column, tokenizer_identity(tokenizer)["sha256"],
+                                                  self.val_fraction]).encode())
+        self.trace = os.environ.get(TRACE_ENV) or None
+
+    def describe(self) -> str:
+        files = len({u.path for u in self.units})
+        return (f"{files} parquet file{'s' if files != 1 else ''}, {len(self.units)} row groups, "
+                f"{sum(u.rows for u in self.units)} rows, streamed")
+
+    def _executor(self) -> cf.Executor:
+        if self._pool is None:
+            if self.workers == 0:
+                self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="edit-jax-parquet")
+            else:  # spawn: the training process has started JAX's threads, so fork is unsafe
+                self._pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"))
+        return self._pool
+
+    def submit(self, index: int, purpose: str, replica: int = -1) -> cf.Future:
+        """Starts reading unit ``index`` in the background."""
+        u = self.units[index]
+        if self.trace:  # shards.TRACE_ENV: what each process reads (tests)
+            trace_read(self.trace, {"unit": index, "purpose": purpose, "replica": replica})
+        return self._executor().submit(read_unit, u.path, u.row_group, self.column, self.tokenizer_spec,
+                                       self.val_fraction, self.dtype)
+
+    def result(self, future: cf.Future, index: int) -> tuple[np.ndarray, np.ndarray]:
+        u = self.units[index]
+        try:
+            return future.result()
+        except DataError:
+            raise
+        except BrokenProcessPool as e:
+            raise DataError(f"parquet file {u.path!r} row group {u.row_group}: the reader process died while "
+                            f"tokenizing it (out of memory?); lower data.workers or use data.workers=0") from e
+        except Exception as e:  # noqa: BLE001
+            raise DataError(f"parquet file {u.path!r} row group {u.row_group}: cannot read it ({e})") from e
+
+    def val_tokens(self, count: int | None) -> np.ndarray:
+        """At least ``count`` validation tokens (None: all), from the units in file order, or what
+        the first ``VAL_MAX_UNITS`` units hold if that is fewer; read once and kept (the same
+        every call)."""
+        have, limit = sum(v.size for v in self._val), min(len(self.units), self.VAL_MAX_UNITS)
+        while (count is None or have < count) and len(self._val) < limit:
+            first = len(self._val)
+            batch = range(first, min(limit, first + max(1, self.workers)))  # the readers in parallel
+            futures = [(i, self.submit(i, "val")) for i in batch]
+            for i, fut in futures:
+                self._val.append(self.result(fut, i)[1])
+                have += self._val[-1].size
+        return np.concatenate(self._val) if self._val else np.zeros(0, self.dtype)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+def _order_seed(seed: int) -> list[int]:
+    return [abs(int(seed)), int(seed < 0), 0xED17]
+
+
+def replica_units(num_units: int, seed: int, epoch: int, replica: int, num_replicas: int) -> np.ndarray:
+    """Replica ``replica``'s units in epoch ``epoch``: a permutation of all units by (seed, epoch),
+    every ``num_replicas``-th from ``replica`` (so the replicas' units are disjoint in an epoch)."""
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(_order_seed(seed) + [int(epoch)])))
+    return rng.permutation(num_units)[replica::num_replicas]
+
+
+@dataclass
+class Cursor:
+    """A replica's position: the next step ``k`` it produces, and where its tokens continue (the
+    unit ``pos`` of its epoch ``epoch`` order, token ``offset`` in that unit's train tokens)."""
+
+    k: int = 0
+    epoch: int = 0
+    pos: int = 0
+    offset: int = 0
+
+    def as_list(self) -> list[int]:
+        return [self.k, self.epoch, self.pos, self.offset]
+
+
+class _Replica:
+    """One replica's stream: its cursor, the unit it is in, its read-ahead and its last batch."""
+
+    def __init__(self):
+        self.cursor = Cursor()
+        self.tokens: np.ndarray | None = None  # the train tokens of the cursor's unit, once read
+        self.ahead: collections.deque = collections.deque()  # ((epoch, pos), future)
+        self.last: tuple[int, np.ndarray] | None = None
+        self.touched = False  # this process produced batches for it
+
+
+class ParquetStream:
+    """Per-replica streams of windows over a ``ParquetCorpus`` with ``TrainStream``'s interface
+    (``replica_batch``, ``next``, ``get_state`` / ``set_state``). A replica's steps are produced
+    in order; ``replica_batch(r, k)`` for the step just produced returns it again."""
+
+    STATE_VERSION = 1
+    KIND = "parquet-stream"
+
+    def __init__(self, corpus: ParquetCorpus, seq_len: int, batch_size: int, num_replicas: int, seed: int):
+        if seq_len <= 0 or batch_size <= 0 or num_replicas <= 0:
+            raise DataError(f"train stream: seq_len, batch_size and num_replicas must be positive, got "
+                            f"{seq_len}, {batch_size}, {num_replicas}")
+        if batch_size % num_replicas:
+            raise DataError(f"train stream: batch_size {batch_size} must be divisible by num_replicas {num_replicas}")
+        if len(corpus.units) < num_replicas:
+            raise DataError(f"data.source='parquet' streams whole row groups to replicas: {len(corpus.units)} row "
+                            f"groups for mesh.replica={num_replicas} replicas; each replica needs one. Write the "
+                            f"files with smaller row groups, or tokenize them (edit-jax tokenize) and use "
+                            f"data.source=tokens")
+        self.corpus = corpus
+        self.seq_len, self.batch_size, self.num_replicas, self.seed = seq_len, batch_size, num_replicas, int(seed)
+        self.rows = batch_size // num_replicas
+        self.fingerprint = corpus.fingerprint
+        self.step = 0
+        self._replicas = [_Replica() for _ in range(num_replicas)]
+        self._orders: dict[tuple[int, int], np.ndarray] = {}
+
+    # ------------------------------------------------------------------ positions and units
+
+    def _order(self, replica: int, epoch: int) -> np.ndarray:
+        key = (replica, epoch)
+        if key not in self._orders:
+            if len(self._orders) > 4 * self.num_replicas:
+                self._orders.clear()
+            self._orders[key] = replica_units(len(self.corpus.units), self.seed, epoch, replica, self.num_replicas)
+        return self._orders[key]
+
+    def _unit(self, replica: int, epoch: int, pos: int) -> int:
+        return int(self._order(replica, epoch)[pos])
+
+    def _following(self, replica: int, epoch: int, pos: int) -> tuple[int, int]:
+        return (epoch, pos + 1) if pos + 1 < len(self._order(replica, epoch)) else (epoch + 1, 0)
+
+    def _read_ahead(self, r: int) -> None:
+        rep, c = self._replicas[r], self._replicas[r].cursor
+        want, key = [], (c.epoch, c.pos)
+        for _ in range(PREFETCH_UNITS):
+            key = self._following(r, *key)
+            want.append(key)
+        have = [k for k, _ in rep.ahead]
+        if have != want[:len(have)]:  # the position jumped (restore): drop what was read ahead
+            for _, fut in rep.ahead:
+                fut.cancel()
+            rep.ahead.clear()
+        for key in want[len(rep.ahead):]:
+            rep.ahead.append((key, self.corpus.submit(self._unit(r, *key), "train", r)))
+
+    def _load(self, r: int) -> np.ndarray:
+        """The train tokens of replica ``r``'s current unit (from the read-ahead when it has them)."""
+        rep, c = self._replicas[r], self._replicas[r].cursor
+        if rep.tokens is None:
+            unit = self._unit(r, c.epoch, c.pos)
+            if rep.ahead and rep.ahead[0][0] == (c.epoch, c.pos):
+                fut = rep.ahead.popleft()[1]
+            else:
+                fut = self.corpus.submit(unit, "train", r)
+            rep.tokens = self.corpus.result(fut, unit)[0]
+            self._read_ahead(r)
+        return rep.tokens
+
+    def _produce(self, r: int) -> np.ndarray:
+        """Replica ``r``'s next batch [B/N, seq_len + 1]; advances its cursor."""
+        rep, c = self._replicas[r], self._replicas[r].cursor
+        need = self.rows * (self.seq_len + 1)
+        out = np.empty(need, np.int32)
+        filled, empty_run = 0, 0
+        while filled < need:
+            tokens = self._load(r)
+            take = min(need - filled, tokens.size - c.offset)
+            out[filled:filled + take] = tokens[c.offset:c.offset + take]
+            filled, c.offset = filled + take, c.offset + take
+            empty_run = 0 if take else empty_run + 1
+            if empty_run > len(self.corpus.units):
+                raise DataError(f"data.source='parquet': replica {r}'s row groups hold no training documents "
+                                f"(every row empty or in the validation split); add data or lower data.val_fraction")
+            if c.offset >= tokens.size:  # the cursor never rests at a unit's end: positions are canonical
+                c.epoch, c.pos = self._following(r, c.epoch, c.pos)
+                c.offset, rep.tokens = 0, None
+        c.k += 1
+        return out.reshape(self.rows, self.seq_len + 1)
+
+    # ------------------------------------------------------------------ TrainStream's interface
+
+    def replica_batch(self, replica: int, step: int | None = None) -> np.ndarray:
+        """Replica ``replica``'s rows of step ``step`` (default: the stream's ``step``)."""
+        k = self.step if step is None else int(step)
+        rep = self._replicas[replica]
+        if rep.last is not None and rep.last[0] == k:
+            return rep.last[1]
+        if k < rep.cursor.k:
+            raise DataError(f"data.source='parquet' streams forward: replica {replica} was asked for step {k} after "
+                            f"step {rep.cursor.k - 1}; a streamed replica cannot go back (data.source=tokens can)")
+        rep.touched = True
+        while rep.cursor.k < k:  # skipping ahead (not done by the drivers): read and drop
+            self._produce(replica)
+        batch = self._produce(replica)
+        rep.last = (k, batch)
+        return batch
+
+    def peek(self) -> np.ndarray:
+        return np.concatenate([self.replica_batch(r) for r in range(self.num_replicas)], axis=0)
+
+    def next(self) -> np.ndarray:
+        batch = self.peek()
+        self.step += 1
+        return batch
+
+    __next__ = next
+
+    def __iter__(self):
+        return self
+
+    def local_cursors(self) -> list[int]:
+        """What this process knows, flat: ``[touched, k, epoch, pos, offset]`` per replica, where
+        ``touched`` says this process produced the replica's batches."""
+        return [x for rep in self._replicas for x in [int(rep.touched), *rep.cursor.as_list()]]
+
+    def get_state(self, gather=None) -> dict:
+        """The stream's position: every replica's cursor. ``gather`` (several processes: a
+        collective that stacks every process's vector, ``multihost.exchange_floats``) merges the
+        processes' ``local_cursors``, each replica's from the process that trains it."""
+        table = np.asarray(self.local_cursors(), np.int64).reshape(1, self.num_replicas, 5)
+        if gather is not None:
+            table = np.rint(np.asarray(gather(self.local_cursors()), np.float64)).astype(np.int64)
+            table = table.reshape(-1, self.num_replicas, 5)
+        cursors = []
+        for r in range(self.num_replicas):
+            owners = [p for p in range(table.shape[0]) if table[p, r, 0]]
+            cursors.append([int(x) for x in table[owners[0] if owners else 0, r, 1:]])
+        return {"version": self.STATE_VERSION, "kind": self.KIND, "step": self.step, "seed": self.seed,
+                "batch_size": self.batch_size, "seq_len": self.seq_len, "num_replicas": self.num_replicas,
+                "units": len(self.corpus.units), "fingerprint": self.fingerprint,
+                "cursors": cursors}
+
+    def set_state(self, state: dict) -> None:
+        """Resumes every replica at its saved cursor. The seed, batch size, seq_len, replica count
+        and corpus must match, else DataError names the mismatch."""
+        if not isinstance(state, dict) or state.get("kind") != self.KIND:
+            raise DataError("train stream state: the checkpoint's data position is not a streamed parquet one "
+                            f"(data.source changed?); got {str(state)[:200]}")
+        if state.get("version") != self.STATE_VERSION:
+            raise DataError(f"train stream state: version {state.get('version')} is not {self.STATE_VERSION}")
+        if state.get("num_replicas") != self.num_replicas:
+            raise DataError(f"train stream state: saved with mesh.replica={state.get('num_replicas')}, this run has "
+                            f"{self.num_replicas}; a streamed parquet corpus assigns row groups to replicas and "
+                            f"cannot change their number (tokenize it and use data.source=tokens for that)")
+        for key in ("seed", "batch_size", "seq_len", "units", "fingerprint"):
+            mine = len(self.corpus.units) if key == "units" else getattr(self, key)
+            if state.get(key) != mine:
+                what = ("the parquet files, data.text_column, data.tokenizer or data.val_fraction changed"
+                        if key in ("units", "fingerprint") else "the config changed")
+                raise DataError(f"train stream state: saved {key}={state.get(key)} but this stream has {key}={mine} "
+                                f"({what}); cannot resume at the same position")
+        cursors = state.get("cursors")
+        if (not isinstance(cursors, list) or len(cursors) != self.num_replicas
+                or not all(isinstance(c, list) and len(c) == 4 and all(isinstance(x, int) and x >= 0 for x in c)
+                           for c in cursors)):
+            raise DataError(f"train stream state: 'cursors' must be {self.num_replicas} lists of 4 non-negative "
+                            f"ints, got {cursors!r}")
+        step = state.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise DataError(f"train stream state: 'step' must be a non-negative int, got {step!r}")
+        for r, c in enumerate(cursors):
+            if c[2] >= len(self._order(r, c[1])):
+                raise DataError(f"train stream state: replica {r}'s cursor {c} is past its epoch's "
+                                f"{len(self._order(r, c[1]))} row groups")
+            rep = self._replicas[r]
+            for _, fut in rep.ahead:
+                fut.cancel()
+            self._replicas[r] = _Replica()
+            self._replicas[r].cursor = Cursor(*c)
+        self.step = step
+
+    def close(self) -> None:
+        self.corpus.close()
+
+
+__all__ = ["RowGroup", "list_row_groups", "read_unit", "ParquetCorpus", "ParquetStream", "Cursor",
+           "replica_units", "PREFETCH_UNITS", "VAL_MAX_UNITS"]
