@@ -122,8 +122,16 @@ class ParquetCorpus:
         u = self.units[index]
         if self.trace:  # shards.TRACE_ENV: what each process reads (tests)
             trace_read(self.trace, {"unit": index, "purpose": purpose, "replica": replica})
-        return self._executor().submit(read_unit, u.path, u.row_group, self.column, self.tokenizer_spec,
-                                       self.val_fraction, self.dtype)
+        try:
+            return self._executor().submit(read_unit, u.path, u.row_group, self.column, self.tokenizer_spec,
+                                           self.val_fraction, self.dtype)
+        except BrokenProcessPool as e:  # a reader died earlier and the pool knows it already
+            raise self._reader_died(index) from e
+
+    def _reader_died(self, index: int) -> DataError:
+        u = self.units[index]
+        return DataError(f"parquet file {u.path!r} row group {u.row_group}: the reader process died while "
+                         f"tokenizing it (out of memory?); lower data.workers or use data.workers=0")
 
     def result(self, future: cf.Future, index: int) -> tuple[np.ndarray, np.ndarray]:
         u = self.units[index]
@@ -132,8 +140,7 @@ class ParquetCorpus:
         except DataError:
             raise
         except BrokenProcessPool as e:
-            raise DataError(f"parquet file {u.path!r} row group {u.row_group}: the reader process died while "
-                            f"tokenizing it (out of memory?); lower data.workers or use data.workers=0") from e
+            raise self._reader_died(index) from e
         except Exception as e:  # noqa: BLE001
             raise DataError(f"parquet file {u.path!r} row group {u.row_group}: cannot read it ({e})") from e
 
