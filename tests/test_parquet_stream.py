@@ -247,3 +247,36 @@ def test_a_reader_process_that_dies_is_named(files):
     with pytest.raises(D.DataError, match=r"row group 2: the reader process died"):
         corpus.result(corpus.submit(2, "test"), 2)  # (the pool may know by now: then submit says it)
     corpus.close()
+
+
+def test_readers_end_with_a_killed_training_process(files):
+    """SIGKILL of the process that started the readers (no shutdown runs): they end within seconds."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import REPO, kill_group
+
+    code = ("import sys; from edit_jax import data as D; from edit_jax.config import DataConfig\n"
+            f"c = D.load_corpus(DataConfig(source='parquet', paths={tuple(files)!r}, workers=1)).streamed\n"
+            "c.result(c.submit(0, 'test'), 0)\n"
+            "print(*[p.pid for p in c._executor()._processes.values()], flush=True)\n"
+            "import time; time.sleep(300)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        readers = [int(p) for p in proc.stdout.readline().split()]
+        assert readers
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.time() + 10
+        alive = readers
+        while alive and time.time() < deadline:
+            time.sleep(0.2)
+            alive = [p for p in readers if subprocess.run(["kill", "-0", str(p)], capture_output=True).returncode == 0
+                     and "Z" not in subprocess.run(["ps", "-o", "stat=", "-p", str(p)], capture_output=True,
+                                                   text=True).stdout]
+        assert not alive, f"reader processes {alive} outlived their training process"
+    finally:
+        kill_group(proc)

@@ -34,6 +34,8 @@ import concurrent.futures as cf
 import json
 import multiprocessing as mp
 import os
+import threading
+import time
 import zlib
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -84,6 +86,17 @@ def read_unit(path: str, row_group: int, column: str, tokenizer: str, val_fracti
     return packed["train"][0], packed["val"][0]
 
 
+def _reader_init(parent: int) -> None:
+    """In each reader process: end it when the training process that started it is gone. A killed
+    (SIGKILL) training process shuts nothing down, and a reader waiting for work would wait forever."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="edit-jax-parent-watch").start()
+
+
 class ParquetCorpus:
     """The row groups of a parquet corpus and the readers that tokenize them (shared by the
     training stream and the validation batches)."""
@@ -114,7 +127,8 @@ class ParquetCorpus:
             if self.workers == 0:
                 self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="edit-jax-parquet")
             else:  # spawn: the training process has started JAX's threads, so fork is unsafe
-                self._pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"))
+                self._pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"),
+                                                    initializer=_reader_init, initargs=(os.getpid(),))
         return self._pool
 
     def submit(self, index: int, purpose: str, replica: int = -1) -> cf.Future:
