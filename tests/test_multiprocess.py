@@ -219,13 +219,14 @@ def _trained_units(trace) -> dict[int, tuple[set, set]]:
     return out
 
 
-@pytest.mark.parametrize("method,extra", [("edit", []), ("diloco", SHARDS), ("co2", []), ("edit", LIFTED),
-                                          ("edit", PARQUET)],
-                         ids=["edit", "diloco-token_shards", "co2", "edit-replica_shard-offload-tensorboard-init_from-wandb",
+# EDiT twice (on the stdlib corpus with the lifted options, and on streamed parquet); a plain
+# EDiT case on the stdlib corpus would repeat them (each case is about 35 s).
+@pytest.mark.parametrize("method,extra", [("diloco", SHARDS), ("co2", []), ("edit", LIFTED), ("edit", PARQUET)],
+                         ids=["diloco-token_shards", "co2", "edit-replica_shard-offload-tensorboard-init_from-wandb",
                               "edit-streamed_parquet"])
 def test_two_processes_equal_one_program(tmp_path, monkeypatch, method, extra):
     """2 processes x 2 devices give the single-process 2 x 2 run's losses (every kind of step:
-    HSDP warmup, local steps, and the method's sync). The fourth case also uses what only one
+    HSDP warmup, local steps, and the method's sync). The EDiT case on the stdlib corpus also uses what only one
     process could do before the one loop: θ̄ split over replica too, kept in host memory, and
     TensorBoard scalars (written by process 0); and what a cluster user adds: Hugging Face
     weights to start from (each process loading its own devices' slices) and W&B (process 0).
