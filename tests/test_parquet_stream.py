@@ -174,9 +174,12 @@ def test_errors_name_the_field_or_file(files, tmp_path, monkeypatch):
     for key, value, match in [("num_replicas", 4, "mesh.replica=4"), ("seed", 9, "saved seed=9"),
                               ("fingerprint", 1, "parquet files, data.text_column"),
                               ("cursors", [[1, 0, 99, 0], [1, 0, 0, 0]], "past its epoch"),
+                              ("cursors", [[2, 0, 0, 10**6], [2, 0, 0, 0]], "at token 1000000 of parquet file"),
                               ("kind", None, "not a streamed parquet one")]:
+        restored = D.make_train_stream(D.load_corpus(_cfg(files)), SEQ, BATCH, N, 0)
         with pytest.raises(D.DataError, match=match):
-            D.make_train_stream(D.load_corpus(_cfg(files)), SEQ, BATCH, N, 0).set_state({**state, key: value})
+            restored.set_state({**state, key: value})
+            restored.next()  # (an offset past its row group shows when that row group is read)
     with pytest.raises(D.DataError, match="not a streamed parquet one"):  # a token stream's state
         stream.set_state({"version": 1, "step": 3, "seed": 0})
     with pytest.raises(D.DataError, match="num_windows"):  # and the other way round

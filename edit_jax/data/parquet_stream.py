@@ -281,6 +281,11 @@ class ParquetStream:
             else:
                 fut = self.corpus.submit(unit, "train", r)
             rep.tokens = self.corpus.result(fut, unit)[0]
+            if c.offset > rep.tokens.size:  # only a restored cursor can be here
+                u = self.corpus.units[unit]
+                raise DataError(f"train stream state: replica {r}'s cursor is at token {c.offset} of parquet file "
+                                f"{u.path!r} row group {u.row_group}, which holds {rep.tokens.size} training tokens "
+                                f"(the file changed since the checkpoint?)")
             self._read_ahead(r)
         return rep.tokens
 
