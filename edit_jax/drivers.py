@@ -31,7 +31,7 @@ import numpy as np
 from edit_jax import multihost
 from edit_jax.multihost import parse_slowdown
 from edit_jax.data.corrupt import CorruptSpec, corrupt_rows
-from edit_jax.data.streams import TrainStream
+from edit_jax.data.batches import ReplicaStreams
 from edit_jax.methods import LOCAL, StepKind, TimeSchedule
 from edit_jax.sharding import BATCH_SPEC, named
 from edit_jax.step import Machinery
@@ -87,7 +87,7 @@ def _to_list(a: np.ndarray):
 class LockStep:
     """Every step one program over the global mesh (any number of processes)."""
 
-    def __init__(self, machinery: Machinery, stream: TrainStream, corrupt: CorruptSpec | None):
+    def __init__(self, machinery: Machinery, stream: ReplicaStreams, corrupt: CorruptSpec | None):
         self.m, self.cfg, self.stream, self.corrupt = machinery, machinery.cfg, stream, corrupt
         self.schedule = machinery.schedule
         self.multi = jax.process_count() > 1
@@ -228,7 +228,7 @@ class WorkerSteps:
 class AsyncWorkers:
     """A-EDiT after the warmup: this process's worker (one process per worker)."""
 
-    def __init__(self, glob: Machinery, stream: TrainStream, corrupt: CorruptSpec | None, k: int,
+    def __init__(self, glob: Machinery, stream: ReplicaStreams, corrupt: CorruptSpec | None, k: int,
                  data_state: dict | None):
         cfg = glob.cfg
         self.cfg, self.glob, self.stream, self.corrupt = cfg, glob, stream, corrupt

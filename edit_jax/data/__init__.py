@@ -27,7 +27,8 @@ memory do not depend on the corpus size.
 
 Modules: ``errors`` (DataError), ``tokenizers`` (byte and tokenizer.json tokenizers), ``sources/``
 (one module per source plus the ``SOURCES`` registry; to add a source: one file there and one
-registry line), ``corpus`` (``Corpus``, ``load_corpus``), ``streams`` (windows, ``TrainStream``,
+registry line), ``corpus`` (``Corpus``, ``load_corpus``), ``batches`` (``ReplicaStreams``: the
+interface of both training streams), ``streams`` (windows, ``TrainStream``,
 validation batches), ``shards`` (the shard directory: index, ``ConcatTokens``, checks),
 ``tokenize`` (``edit-jax tokenize``), ``parquet_stream`` (``data.source=parquet``: row groups read and
 tokenized in the background, per-replica streams with O(1) cursors). This module is the public API:

@@ -57,13 +57,12 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     files = _expand_paths(cfg.paths, cfg.source) if source.needs_paths else []
     result = source.load(tok, files, cfg)
     train, val, what = result.train, result.val, result.what
+    info = dict(files=result.files, bytes=result.bytes, split=result.split, **result.info)
     if result.streamed is not None:  # nothing read yet: the stream and val_batches check the splits
-        info = dict(files=result.files, bytes=result.bytes, split=result.split, **result.info,
-                    load_seconds=round(time.perf_counter() - start, 3))
+        info["load_seconds"] = round(time.perf_counter() - start, 3)
         desc = f"{cfg.source}: {what}, {_human(result.bytes)}B on disk, tokenizer {tok.name}"
         return Corpus(None, None, tok.vocab_size, tok.eos_id, desc, tok.name, info, streamed=result.streamed)
-    info = dict(files=result.files, bytes=result.bytes, split=result.split, **result.info,
-                train_tokens=int(train.size), val_tokens=int(val.size),
+    info.update(train_tokens=int(train.size), val_tokens=int(val.size),
                 load_seconds=round(time.perf_counter() - start, 3))
     desc = (f"{cfg.source}: {what}, {_human(result.bytes)}B, {_human(train.size + val.size)} tokens "
             f"({_human(train.size)} train / {_human(val.size)} val, {result.split.split(' (')[0]} split), "

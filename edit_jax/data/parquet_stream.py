@@ -24,7 +24,7 @@ both, and reads nothing at start.
 
 Validation: the validation documents of the units in file order, read at start until the run's
 ``eval_batches`` are full (about ``1/val_fraction`` times their tokens of text is read), from at
-most ``VAL_MAX_UNITS`` row groups.
+most ``ParquetCorpus.VAL_MAX_UNITS`` row groups.
 """
 
 from __future__ import annotations
@@ -42,16 +42,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edit_jax.data.batches import ReplicaStreams
 from edit_jax.data.documents import parquet_row_groups, row_group_documents, split_and_pack
 from edit_jax.data.errors import DataError
 from edit_jax.data.shards import TRACE_ENV, tokenizer_identity, trace_read
-from edit_jax.data.tokenizers import make_tokenizer
+from edit_jax.data.tokenizers import cached_tokenizer
 
 PREFETCH_UNITS = 2  # units read ahead per replica (each a row group of tokens)
-# Validation reads at most this many row groups at start (FineWeb-Edu's hold about 1 M tokens
-# each: some 250 M tokens of text, 12 M validation tokens at val_fraction 0.05). A run that asks
-# for more evaluates on what they hold, and says so.
-VAL_MAX_UNITS = 256
 
 
 @dataclass(frozen=True)
@@ -71,16 +68,11 @@ def list_row_groups(files: list[str], column: str) -> list[RowGroup]:
     return units
 
 
-_TOKENIZERS: dict = {}  # one per process and spec, made once
-
-
 def read_unit(path: str, row_group: int, column: str, tokenizer: str, val_fraction: float,
               dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """One row group -> (train tokens, validation tokens), each its documents packed with an EOS
     after each one, in row order. Runs in a reader process (or thread)."""
-    tok = _TOKENIZERS.get(tokenizer)
-    if tok is None:
-        tok = _TOKENIZERS[tokenizer] = make_tokenizer(tokenizer)
+    tok = cached_tokenizer(tokenizer)
     docs = row_group_documents(path, row_group, column)
     packed = split_and_pack(tok, docs, val_fraction, np.dtype(dtype))
     return packed["train"][0], packed["val"][0]
@@ -101,7 +93,10 @@ class ParquetCorpus:
     """The row groups of a parquet corpus and the readers that tokenize them (shared by the
     training stream and the validation batches)."""
 
-    VAL_MAX_UNITS = VAL_MAX_UNITS
+    # Validation reads at most this many row groups at start (FineWeb-Edu's hold about 1 M tokens
+    # each: some 250 M tokens of text, 12 M validation tokens at val_fraction 0.05). A run that
+    # asks for more evaluates on what they hold, and says so.
+    VAL_MAX_UNITS = 256
 
     def __init__(self, units: list[RowGroup], column: str, tokenizer, val_fraction: float, workers: int,
                  dtype):
@@ -109,7 +104,7 @@ class ParquetCorpus:
             raise DataError("data.source='parquet': the files hold no row groups; expected documents")
         self.units, self.column, self.val_fraction, self.workers = units, column, float(val_fraction), int(workers)
         self.tokenizer_spec = tokenizer.name  # "byte" or the tokenizer.json path (the readers make their own)
-        self.eos_id, self.dtype = tokenizer.eos_id, np.dtype(dtype).name
+        self.dtype = np.dtype(dtype).name
         self._pool: cf.Executor | None = None
         self._val: list[np.ndarray] = []  # validation tokens of units [0, len(_val))
         identity = [[os.path.basename(u.path), u.row_group, u.rows, u.bytes] for u in units]
@@ -214,30 +209,24 @@ class _Replica:
         self.touched = False  # this process produced batches for it
 
 
-class ParquetStream:
-    """Per-replica streams of windows over a ``ParquetCorpus`` with ``TrainStream``'s interface
-    (``replica_batch``, ``next``, ``get_state`` / ``set_state``). A replica's steps are produced
-    in order; ``replica_batch(r, k)`` for the step just produced returns it again."""
+class ParquetStream(ReplicaStreams):
+    """Per-replica streams of windows over a ``ParquetCorpus``, the drivers' ``ReplicaStreams``
+    interface. A replica's steps are produced in order; ``replica_batch(r, k)`` for the step just
+    produced returns it again."""
 
     STATE_VERSION = 1
     KIND = "parquet-stream"
 
     def __init__(self, corpus: ParquetCorpus, seq_len: int, batch_size: int, num_replicas: int, seed: int):
-        if seq_len <= 0 or batch_size <= 0 or num_replicas <= 0:
-            raise DataError(f"train stream: seq_len, batch_size and num_replicas must be positive, got "
-                            f"{seq_len}, {batch_size}, {num_replicas}")
-        if batch_size % num_replicas:
-            raise DataError(f"train stream: batch_size {batch_size} must be divisible by num_replicas {num_replicas}")
+        super().__init__(seq_len, batch_size, num_replicas, seed)
         if len(corpus.units) < num_replicas:
             raise DataError(f"data.source='parquet' streams whole row groups to replicas: {len(corpus.units)} row "
                             f"groups for mesh.replica={num_replicas} replicas; each replica needs one. Write the "
                             f"files with smaller row groups, or tokenize them (edit-jax tokenize) and use "
                             f"data.source=tokens")
         self.corpus = corpus
-        self.seq_len, self.batch_size, self.num_replicas, self.seed = seq_len, batch_size, num_replicas, int(seed)
         self.rows = batch_size // num_replicas
-        self.fingerprint = corpus.fingerprint
-        self.step = 0
+        self.units, self.fingerprint = len(corpus.units), corpus.fingerprint
         self._replicas = [_Replica() for _ in range(num_replicas)]
         self._orders: dict[tuple[int, int], np.ndarray] = {}
 
@@ -310,7 +299,7 @@ class ParquetStream:
         c.k += 1
         return out.reshape(self.rows, self.seq_len + 1)
 
-    # ------------------------------------------------------------------ TrainStream's interface
+    # ------------------------------------------------------------------ ReplicaStreams' interface
 
     def replica_batch(self, replica: int, step: int | None = None) -> np.ndarray:
         """Replica ``replica``'s rows of step ``step`` (default: the stream's ``step``)."""
@@ -328,19 +317,6 @@ class ParquetStream:
         rep.last = (k, batch)
         return batch
 
-    def peek(self) -> np.ndarray:
-        return np.concatenate([self.replica_batch(r) for r in range(self.num_replicas)], axis=0)
-
-    def next(self) -> np.ndarray:
-        batch = self.peek()
-        self.step += 1
-        return batch
-
-    __next__ = next
-
-    def __iter__(self):
-        return self
-
     def local_cursors(self) -> list[int]:
         """What this process knows, flat: ``[touched, k, epoch, pos, offset]`` per replica, where
         ``touched`` says this process produced the replica's batches."""
@@ -350,17 +326,16 @@ class ParquetStream:
         """The stream's position: every replica's cursor. ``gather`` (several processes: a
         collective that stacks every process's vector, ``multihost.exchange_floats``) merges the
         processes' ``local_cursors``, each replica's from the process that trains it."""
-        table = np.asarray(self.local_cursors(), np.int64).reshape(1, self.num_replicas, 5)
-        if gather is not None:
-            table = np.rint(np.asarray(gather(self.local_cursors()), np.float64)).astype(np.int64)
-            table = table.reshape(-1, self.num_replicas, 5)
+        mine = self.local_cursors()
+        table = np.asarray([mine] if gather is None else np.rint(np.asarray(gather(mine), np.float64)), np.int64)
+        table = table.reshape(-1, self.num_replicas, 5)
         cursors = []
         for r in range(self.num_replicas):
             owners = [p for p in range(table.shape[0]) if table[p, r, 0]]
             cursors.append([int(x) for x in table[owners[0] if owners else 0, r, 1:]])
         return {"version": self.STATE_VERSION, "kind": self.KIND, "step": self.step, "seed": self.seed,
                 "batch_size": self.batch_size, "seq_len": self.seq_len, "num_replicas": self.num_replicas,
-                "units": len(self.corpus.units), "fingerprint": self.fingerprint,
+                "units": self.units, "fingerprint": self.fingerprint,
                 "cursors": cursors}
 
     def set_state(self, state: dict) -> None:
@@ -375,22 +350,16 @@ class ParquetStream:
             raise DataError(f"train stream state: saved with mesh.replica={state.get('num_replicas')}, this run has "
                             f"{self.num_replicas}; a streamed parquet corpus assigns row groups to replicas and "
                             f"cannot change their number (tokenize it and use data.source=tokens for that)")
-        for key in ("seed", "batch_size", "seq_len", "units", "fingerprint"):
-            mine = len(self.corpus.units) if key == "units" else getattr(self, key)
-            if state.get(key) != mine:
-                what = ("the parquet files, data.text_column, data.tokenizer or data.val_fraction changed"
-                        if key in ("units", "fingerprint") else "the config changed")
-                raise DataError(f"train stream state: saved {key}={state.get(key)} but this stream has {key}={mine} "
-                                f"({what}); cannot resume at the same position")
+        self._check_same(state, ("seed", "batch_size", "seq_len", "units", "fingerprint"), ("units", "fingerprint"),
+                         "the parquet files, data.text_column, data.tokenizer or data.val_fraction changed",
+                         required=True)
         cursors = state.get("cursors")
         if (not isinstance(cursors, list) or len(cursors) != self.num_replicas
                 or not all(isinstance(c, list) and len(c) == 4 and all(isinstance(x, int) and x >= 0 for x in c)
                            for c in cursors)):
             raise DataError(f"train stream state: 'cursors' must be {self.num_replicas} lists of 4 non-negative "
                             f"ints, got {cursors!r}")
-        step = state.get("step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise DataError(f"train stream state: 'step' must be a non-negative int, got {step!r}")
+        step = self._saved_step(state)
         for r, c in enumerate(cursors):
             if c[2] >= len(self._order(r, c[1])):
                 raise DataError(f"train stream state: replica {r}'s cursor {c} is past its epoch's "
@@ -407,4 +376,4 @@ class ParquetStream:
 
 
 __all__ = ["RowGroup", "list_row_groups", "read_unit", "ParquetCorpus", "ParquetStream", "Cursor",
-           "replica_units", "PREFETCH_UNITS", "VAL_MAX_UNITS"]
+           "replica_units", "PREFETCH_UNITS"]

@@ -9,6 +9,7 @@ import zlib
 import grain
 import numpy as np
 
+from edit_jax.data.batches import ReplicaStreams
 from edit_jax.data.corpus import Corpus
 from edit_jax.data.errors import DataError
 from edit_jax.data.parquet_stream import ParquetStream
@@ -69,7 +70,7 @@ def replica_dataset(tokens: np.ndarray, seq_len: int, batch_size: int, num_repli
             .repeat(None))
 
 
-class TrainStream:
+class TrainStream(ReplicaStreams):
     """Infinite, deterministic, resumable stream of global training batches.
 
     ``next()`` returns int32 ``[batch_size, seq_len + 1]``; rows ``[r*B/N, (r+1)*B/N)`` are replica
@@ -80,24 +81,18 @@ class TrainStream:
     STATE_VERSION = 1
 
     def __init__(self, corpus: Corpus, seq_len: int, batch_size: int, num_replicas: int, seed: int):
-        if seq_len <= 0 or batch_size <= 0 or num_replicas <= 0:
-            raise DataError(f"train stream: seq_len, batch_size and num_replicas must be positive, got "
-                            f"{seq_len}, {batch_size}, {num_replicas}")
-        if batch_size % num_replicas:
-            raise DataError(f"train stream: batch_size {batch_size} must be divisible by num_replicas {num_replicas}")
+        super().__init__(seq_len, batch_size, num_replicas, seed)
         n = num_windows(corpus.train_tokens, seq_len)
         if n < batch_size:
             raise DataError(f"train split of corpus ({corpus.description}) has {corpus.train_tokens.size} tokens = "
                             f"{n} windows of seq_len+1 = {seq_len + 1}; one batch needs batch_size = {batch_size} "
                             f"windows. Add data or lower batch_size / data.seq_len")
-        self.seq_len, self.batch_size, self.num_replicas, self.seed = seq_len, batch_size, num_replicas, int(seed)
         self.num_windows = n
         self.steps_per_epoch = n // batch_size
         self.fingerprint = (corpus.train_fingerprint if corpus.train_fingerprint is not None
                             else fingerprint(corpus.train_tokens))
         self._datasets = [replica_dataset(corpus.train_tokens, seq_len, batch_size, num_replicas, seed, r)
                           for r in range(num_replicas)]
-        self.step = 0
 
     @property
     def epoch(self) -> int:
@@ -106,20 +101,6 @@ class TrainStream:
     def replica_batch(self, replica: int, step: int | None = None) -> np.ndarray:
         """Replica ``replica``'s rows of global step ``step`` (default: the next one), without advancing."""
         return np.asarray(self._datasets[replica][self.step if step is None else step], dtype=np.int32)
-
-    def peek(self) -> np.ndarray:
-        """The batch ``next()`` would return, without advancing."""
-        return np.concatenate([self.replica_batch(r) for r in range(self.num_replicas)], axis=0)
-
-    def next(self) -> np.ndarray:
-        batch = self.peek()
-        self.step += 1
-        return batch
-
-    __next__ = next
-
-    def __iter__(self):
-        return self
 
     def get_state(self, gather=None) -> dict:
         """The global step and the identity fields; the same in every process (``gather``, used by
@@ -137,19 +118,9 @@ class TrainStream:
             raise DataError(f"train stream state: expected a dict from get_state() with a 'step', got {state!r}")
         if state.get("version", self.STATE_VERSION) != self.STATE_VERSION:
             raise DataError(f"train stream state: version {state.get('version')} is not {self.STATE_VERSION}")
-        for key in ("seed", "batch_size", "seq_len", "num_windows", "fingerprint"):
-            if key in state and state[key] != getattr(self, key):
-                what = "the corpus changed" if key in ("num_windows", "fingerprint") else "the config changed"
-                raise DataError(f"train stream state: saved {key}={state[key]} but this stream has "
-                                f"{key}={getattr(self, key)} ({what}); cannot resume at the same position")
-        step = state["step"]
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise DataError(f"train stream state: 'step' must be a non-negative int, got {step!r}")
-        self.step = step
-
-
-    def close(self) -> None:
-        pass
+        self._check_same(state, ("seed", "batch_size", "seq_len", "num_windows", "fingerprint"),
+                         ("num_windows", "fingerprint"), "the corpus changed", required=False)
+        self.step = self._saved_step(state)
 
 
 def make_train_stream(corpus: Corpus, seq_len: int, batch_size: int, num_replicas: int, seed: int):

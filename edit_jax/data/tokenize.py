@@ -37,7 +37,7 @@ from edit_jax.data.documents import parquet_row_groups, row_group_documents, spl
 from edit_jax.data.errors import DataError
 from edit_jax.data.shards import (INDEX_FORMAT, INDEX_NAME, INDEX_VERSION, SPLITS, dtype_for_vocab, shard_name,
                                   tokenizer_identity)
-from edit_jax.data.tokenizers import make_tokenizer
+from edit_jax.data.tokenizers import cached_tokenizer, make_tokenizer
 
 PARTS = ".parts"
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 per shard
@@ -133,17 +133,6 @@ def _documents(unit: Unit, job: Job):
             yield [(unit.path, f.read())]
 
 
-_TOKENIZER = None  # one per worker process, made once
-
-
-def _tokenizer(spec: str):
-    global _TOKENIZER
-    if _TOKENIZER is None or getattr(_TOKENIZER, "_spec", None) != spec:
-        _TOKENIZER = make_tokenizer(spec)
-        _TOKENIZER._spec = spec
-    return _TOKENIZER
-
-
 def _atomic_write_json(path: str, obj: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -154,7 +143,7 @@ def _atomic_write_json(path: str, obj: dict) -> None:
 
 def tokenize_unit(unit: Unit, job: Job) -> dict:
     """Tokenizes one unit into its part files; returns (and writes, last) its summary."""
-    tok = _tokenizer(job.tokenizer)
+    tok = cached_tokenizer(job.tokenizer)
     stem = os.path.join(job.parts_dir, f"u{unit.index:06d}")
     dtype = np.dtype(job.dtype)
     counts = {s: 0 for s in SPLITS}

@@ -7,6 +7,7 @@ so ``import tokenizers`` below is the top-level package.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Iterable, Sequence
 
@@ -85,6 +86,13 @@ class HFTokenizer:
 def make_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     """``"byte"`` or a path to a local ``tokenizer.json``. ``.vocab_size`` bounds every id it emits."""
     return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
+
+
+@functools.lru_cache(maxsize=2)
+def cached_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
+    """``make_tokenizer(spec)``, made once per process: tokenize workers and parquet readers
+    encode unit after unit with the same one (a tokenizer.json takes a while to load)."""
+    return make_tokenizer(spec)
 
 
 def _decode_utf8(name: str, raw: bytes) -> str:
