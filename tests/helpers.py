@@ -30,6 +30,22 @@ def tiny_config(replica=2, shard=4, method="baseline", **kw) -> Config:
     return cfg
 
 
+def assert_stop_and_resume_is_exact(cfg, work_dir) -> None:
+    """``cfg`` (6 steps, a checkpoint at 3) on a 2 x 2 mesh: stopped at step 3 and resumed, it logs
+    the same losses and final validation loss as an uninterrupted run."""
+    from edit_jax.train import train
+
+    devices = jax.devices()[:4]
+    full = train(cfg, os.path.join(work_dir, "full"), progress=False, devices=devices)
+    first = train(cfg, os.path.join(work_dir, "cut"), progress=False, devices=devices, stop_after=3)
+    assert first.interrupted and first.steps == 3
+    rest = train(cfg, os.path.join(work_dir, "cut"), progress=False, devices=devices)
+    assert rest.resumed_from == 3
+    losses = {r["step"]: r["loss"] for r in first.history + rest.history}
+    assert losses == {r["step"]: r["loss"] for r in full.history} and len(losses) == 6
+    assert rest.final_val_loss == full.final_val_loss
+
+
 def mesh_for(cfg):
     return make_mesh(cfg.mesh, jax.devices()[: cfg.mesh.replica * cfg.mesh.shard])
 

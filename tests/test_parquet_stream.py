@@ -201,10 +201,7 @@ def test_errors_name_the_field_or_file(files, tmp_path, monkeypatch):
 def test_training_on_streamed_parquet_resumes_bit_exactly(files, tmp_path):
     """End to end (2 replicas x 2 devices, reader process): a run stopped at step 3 and resumed
     logs the same losses and validation loss as an uninterrupted one."""
-    import jax
-
-    from edit_jax.train import train
-    from tests.helpers import tiny_config
+    from tests.helpers import assert_stop_and_resume_is_exact, tiny_config
 
     paths = []
     for k in range(2):  # larger files: 8 row groups of 60 documents
@@ -212,15 +209,7 @@ def test_training_on_streamed_parquet_resumes_bit_exactly(files, tmp_path):
         pq.write_table(pa.table({"text": _rows(10 + k, 240)}), paths[-1], row_group_size=60)
     cfg = tiny_config(2, 2, steps=6, checkpoint_every=3, eval_every=6)
     cfg.data.source, cfg.data.paths, cfg.data.workers, cfg.data.val_fraction = "parquet", tuple(paths), 1, 0.2
-    devices = jax.devices()[:4]
-    full = train(cfg, str(tmp_path / "full"), progress=False, devices=devices)
-    first = train(cfg, str(tmp_path / "cut"), progress=False, devices=devices, stop_after=3)
-    assert first.interrupted and first.steps == 3
-    rest = train(cfg, str(tmp_path / "cut"), progress=False, devices=devices)
-    assert rest.resumed_from == 3
-    losses = {r["step"]: r["loss"] for r in first.history + rest.history}
-    assert losses == {r["step"]: r["loss"] for r in full.history} and len(losses) == 6
-    assert rest.final_val_loss == full.final_val_loss
+    assert_stop_and_resume_is_exact(cfg, str(tmp_path))
 
 
 def test_validation_reads_at_most_val_max_units(files, monkeypatch):

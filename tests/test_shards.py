@@ -311,22 +311,11 @@ def test_resume_with_other_settings_starts_over(inputs, tmp_path, monkeypatch):
 def test_training_on_shards_resumes_bit_exactly(shard_dir, tmp_path):
     """End to end: a run on a shard directory stopped at step 3 (checkpoint) and resumed logs the
     same losses as an uninterrupted one."""
-    import jax
-
-    from edit_jax.train import train
-    from tests.helpers import tiny_config
+    from tests.helpers import assert_stop_and_resume_is_exact, tiny_config
 
     cfg = tiny_config(2, 2, steps=6, checkpoint_every=3, eval_every=6)
     cfg.data.source, cfg.data.paths = "tokens", (shard_dir,)
-    devices = jax.devices()[:4]
-    full = train(cfg, str(tmp_path / "full"), progress=False, devices=devices)
-    first = train(cfg, str(tmp_path / "cut"), progress=False, devices=devices, stop_after=3)
-    assert first.interrupted and first.steps == 3
-    rest = train(cfg, str(tmp_path / "cut"), progress=False, devices=devices)
-    assert rest.resumed_from == 3
-    losses = {r["step"]: r["loss"] for r in first.history + rest.history}
-    assert losses == {r["step"]: r["loss"] for r in full.history} and len(losses) == 6
-    assert rest.final_val_loss == full.final_val_loss
+    assert_stop_and_resume_is_exact(cfg, str(tmp_path))
 
 
 def test_tokenize_with_a_tokenizer_json(inputs, tmp_path):
