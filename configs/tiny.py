@@ -1,7 +1,7 @@
 """Tiny model on a 2 x 4 CPU-emulated mesh: tests and smoke runs, well under a minute."""
 
 from edit_jax.config import Config, DataConfig, MeshConfig, OptimConfig, SyncConfig
-from edit_jax.model import preset
+from edit_jax.models.llama import preset
 
 
 def get_config() -> Config:

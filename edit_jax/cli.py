@@ -90,18 +90,18 @@ def _train(argv: list[str]) -> int:
         print("edit-jax: bad config: --distributed runs one process per worker: set mesh.processes = mesh.replica "
               f"(the number of processes the cluster starts), got mesh.processes={cfg.mesh.processes}", file=sys.stderr)
         return 2
-    from edit_jax import multihost
-    from edit_jax.sharding import set_cpu_device_count
+    from edit_jax.runtime import multihost
+    from edit_jax.runtime.mesh import set_cpu_device_count
 
     if cfg.mesh.processes > 1 and multihost.launched_worker() is None and not args.distributed:
-        from edit_jax.launch import launch  # one process per worker on this machine, watched from here
+        from edit_jax.runtime.launch import launch  # one process per worker on this machine, watched from here
 
         return launch(argv, cfg.mesh.processes, cfg.mesh.shard, pin_cores=cfg.debug.pin_cores)
     stdout_filter = None
     if cfg.mesh.processes > 1:  # a worker: its own devices, then meet the others
         if args.distributed:
-            from edit_jax.chatter import StdoutFilter
-            from edit_jax.cluster import ClusterError, from_environment
+            from edit_jax.runtime.stdout_filter import StdoutFilter
+            from edit_jax.runtime.cluster import ClusterError, from_environment
 
             if os.environ.get(ENV_DEBUG, "") in ("", "0"):
                 stdout_filter = StdoutFilter()  # gloo's connection lines (launch.py filters its own workers')
@@ -143,12 +143,12 @@ def _train_and_report(cfg, run_dir: str, args) -> int:
     """Runs ``train`` and turns its outcome into one line and an exit code (module docstring)."""
     import jax
 
-    from edit_jax.checkpoint import CheckpointError
+    from edit_jax.rundir.checkpoint import CheckpointError
     from edit_jax.data import DataError
     from edit_jax.placement import PlacementError
-    from edit_jax.runlock import RunDirError, RunLockError
-    from edit_jax.sharding import MeshError
-    from edit_jax.train import DivergedError, train
+    from edit_jax.rundir.runlock import RunDirError, RunLockError
+    from edit_jax.localsgd.sharding import MeshError
+    from edit_jax.training.train import DivergedError, train
     from edit_jax.validate import ConfigError
 
     try:
@@ -198,11 +198,11 @@ def summary_line(result, run_dir: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = {"train": _train, "placement": lambda a: __import__("edit_jax.placement.cli", fromlist=["main"]).main(a),
-                "sample": lambda a: __import__("edit_jax.sample", fromlist=["main"]).main(a),
-                "export": lambda a: __import__("edit_jax.export", fromlist=["main"]).main(a),
-                "plot": lambda a: __import__("edit_jax.plot", fromlist=["main"]).main(a),
+                "sample": lambda a: __import__("edit_jax.tools.sample", fromlist=["main"]).main(a),
+                "export": lambda a: __import__("edit_jax.hf.export", fromlist=["main"]).main(a),
+                "plot": lambda a: __import__("edit_jax.tools.plot", fromlist=["main"]).main(a),
                 "tokenize": lambda a: __import__("edit_jax.data.tokenize", fromlist=["main"]).main(a),
-                "plan": lambda a: __import__("edit_jax.plan", fromlist=["main"]).main(a)}
+                "plan": lambda a: __import__("edit_jax.tools.plan", fromlist=["main"]).main(a)}
     if not argv or argv[0] not in commands:
         print("usage: edit-jax {train,plan,tokenize,placement,sample,export,plot} [options]  "
               "(edit-jax COMMAND --help for details)", file=sys.stderr)

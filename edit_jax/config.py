@@ -30,7 +30,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    family: str = "llama"  # a name in edit_jax.family.FAMILIES (the model's module)
+    family: str = "llama"  # a name in edit_jax.models.family.FAMILIES (the model's module)
     vocab_size: int = 320  # byte tokenizer (256 bytes + EOS) padded to a multiple of 64
     d_model: int = 128
     n_layers: int = 4
@@ -117,7 +117,7 @@ class SyncConfig:
     """How replicas meet. ``method`` picks a row of the method table (``methods.py``), which may
     fix some of these fields; the run's ``config.json`` records them as they took effect."""
 
-    method: str = "baseline"  # a name in edit_jax.methods.METHODS: baseline | post_local_sgd | diloco | edit | a_edit | co2
+    method: str = "baseline"  # a name in edit_jax.localsgd.methods.METHODS: baseline | post_local_sgd | diloco | edit | a_edit | co2
     warmup_steps: int = 0  # W: synchronous (HSDP) steps before local training starts
     tau: int = 16  # sync interval in inner steps
     outer_optimizer: str = "nesterov"  # "nesterov" (SGD + momentum) | "adam"

@@ -12,8 +12,8 @@ rematerialised layers for GPU memory.
 from __future__ import annotations
 
 from edit_jax.config import Config, DataConfig, MeshConfig, OptimConfig, SyncConfig
-from edit_jax.methods import sync_fields_for
-from edit_jax.model import preset
+from edit_jax.localsgd.methods import sync_fields_for
+from edit_jax.models.llama import preset
 
 PAPER_SIZES = ("350m", "1b", "3b", "7b")
 

@@ -28,19 +28,24 @@ when its first backend starts; tests/test_imports.py checks this).
 
 from __future__ import annotations
 
-from edit_jax import config, family, hf_import, methods, multihost, placement, tensorboard, wandb_log
-from edit_jax.config import Config, ConfigError
+from edit_jax.config import Config, ConfigError, check_fields, read_config
 from edit_jax.data import corrupt, sources
+from edit_jax.hf import load as hf_load
+from edit_jax.localsgd import methods
+from edit_jax.models import family
+from edit_jax.placement import validate as placement_rules
+from edit_jax.rundir import tensorboard, wandb_log
+from edit_jax.runtime import multihost
 
 
 def validate(cfg: Config) -> None:
     """Checks every constraint that can be checked without devices or data."""
-    config.check_fields(cfg)
+    check_fields(cfg)
     sources.validate(cfg)
     family.validate(cfg)
-    hf_import.validate(cfg)
+    hf_load.validate(cfg)
     methods.validate(cfg)
-    placement.validate(cfg)
+    placement_rules(cfg)
     multihost.validate(cfg)
     corrupt.validate(cfg)
     tensorboard.validate(cfg)
@@ -50,7 +55,7 @@ def validate(cfg: Config) -> None:
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     """Loads ``path`` (a Python file with ``get_config()``, or a preset name), applies overrides,
     takes the architecture from ``model.init_from`` where set, and validates the result."""
-    cfg = hf_import.adopt_architecture(config.read_config(path, overrides), overrides)
+    cfg = hf_load.adopt_architecture(read_config(path, overrides), overrides)
     validate(cfg)
     return cfg
 

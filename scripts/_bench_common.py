@@ -1,7 +1,7 @@
 """Shared helpers of the benchmark scripts (bench_step.py, bench_edit.py).
 
 Importing this module does NOT import jax: call ``ensure_cpu_devices`` first, then import jax.
-The HLO collective parser lives in the library (``edit_jax.hlo``), shared with the tests.
+The HLO collective parser lives in the library (``edit_jax.tools.hlo``), shared with the tests.
 """
 
 from __future__ import annotations

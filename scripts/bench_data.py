@@ -213,7 +213,7 @@ def parquet_stream_tokens_per_s(parquet: list[str], tokenizer: str, workers: int
 
 
 def paper_host_tokens_per_s() -> dict:
-    from edit_jax.model import flops_per_token
+    from edit_jax.models.llama import flops_per_token
     from edit_jax.presets import paper
 
     cfg = paper("1b", "edit")

@@ -4,7 +4,7 @@
 Four sections (``--only a,b,c,d``; all by default), each a table and a key of the JSON:
 
 a. Bytes crossing ``replica`` per device, read from the COMPILED programs' collectives
-   (``Machinery.lowered(kind, ...).compile().as_text()``): every all-reduce / all-gather /
+   (``StepPrograms.lowered(kind, ...).compile().as_text()``): every all-reduce / all-gather /
    reduce-scatter / collective-permute / all-to-all (async ``-start`` forms too), its operand
    shapes and dtypes and its replica_groups (explicit or iota). Group ids are positions in
    ``mesh.devices.flat`` (checked by compiling on a permuted device order), so position p lives
@@ -42,7 +42,7 @@ import statistics
 import time
 
 import _bench_common as common
-from edit_jax import hlo  # no jax import: safe before the device count is set
+from edit_jax.tools import hlo  # no jax import: safe before the device count is set
 
 SECTIONS = ("a", "b", "c", "d", "e")
 
@@ -96,7 +96,7 @@ def parse_args(argv=None):
 
 def base_config(args):
     from edit_jax.config import apply_overrides
-    from edit_jax.model import preset
+    from edit_jax.models.llama import preset
     from edit_jax.validate import load_config, validate
 
     ov = []
@@ -144,19 +144,19 @@ class Ctx:
         self.compile_s = {}
 
     def machinery(self, name):
-        from edit_jax.sharding import make_mesh
-        from edit_jax.step import Machinery
+        from edit_jax.runtime.mesh import make_mesh
+        from edit_jax.localsgd.programs import StepPrograms
 
         if name not in self._mach:
             cfg = variant(self.cfg, *variants(self.args)[name][0])
-            self._mach[name] = Machinery.for_config(cfg, make_mesh(cfg.mesh, self.devices))
+            self._mach[name] = StepPrograms.for_config(cfg, make_mesh(cfg.mesh, self.devices))
         return self._mach[name]
 
     def compiled(self, name, kind):
         import jax
         import jax.numpy as jnp
 
-        from edit_jax.sharding import BATCH_SPEC, named
+        from edit_jax.localsgd.sharding import BATCH_SPEC, named
 
         key = (name, kind)
         if key not in self._compiled:
@@ -172,7 +172,7 @@ class Ctx:
 def param_counts(cfg):
     import jax
 
-    from edit_jax import model as model_lib
+    from edit_jax.models import llama as model_lib
 
     abstract = jax.eval_shape(lambda k: model_lib.init_params(cfg.model, k), jax.random.key(0))
     n = model_lib.count_params(abstract)
@@ -190,9 +190,10 @@ def verify_group_ids(n_rep, n_shard, devices) -> dict:
     import jax.numpy as jnp
 
     from edit_jax.config import Config, DataConfig, MeshConfig, SyncConfig
-    from edit_jax.model import preset
-    from edit_jax.sharding import BATCH_SPEC, make_mesh, named
-    from edit_jax.step import Machinery
+    from edit_jax.models.llama import preset
+    from edit_jax.localsgd.sharding import BATCH_SPEC, named
+    from edit_jax.runtime.mesh import make_mesh
+    from edit_jax.localsgd.programs import StepPrograms
 
     cfg = Config(model=preset("tiny"), mesh=MeshConfig(n_rep, n_shard), data=DataConfig(seq_len=16),
                  sync=SyncConfig(method="baseline"), batch_size=n_rep * n_shard, steps=2)
@@ -202,7 +203,7 @@ def verify_group_ids(n_rep, n_shard, devices) -> dict:
     out = {"device_order": order}
     for label, dev_order in [("identity", None), ("interleaved", order)]:
         mesh = make_mesh(cfg.mesh, devices, dev_order)
-        m = Machinery.for_config(cfg, mesh)
+        m = StepPrograms.for_config(cfg, mesh)
         batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.data.seq_len + 1), jnp.int32, sharding=named(mesh, BATCH_SPEC))
         parsed = hlo.hlo_collectives(m.lowered("hsdp", m.abstract_state(), batch).compile().as_text(),
                                         (n_rep, n_shard), cfg.model.n_layers)
@@ -442,7 +443,7 @@ def section_c(ctx: Ctx) -> dict:
 
 
 def section_d(ctx: Ctx) -> dict:
-    from edit_jax.train import train
+    from edit_jax.training.train import train
 
     args, cfg = ctx.args, ctx.cfg
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -500,9 +501,11 @@ def section_e(ctx: Ctx) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from edit_jax.sharding import BATCH_SPEC, make_mesh, named
-    from edit_jax.step import Machinery
-    from edit_jax.train import train
+    from edit_jax.localsgd.sharding import BATCH_SPEC, named
+
+    from edit_jax.runtime.mesh import make_mesh
+    from edit_jax.localsgd.programs import StepPrograms
+    from edit_jax.training.train import train
 
     args, cfg = ctx.args, ctx.cfg
     tau, n_rep, n_shard = args.stream_tau, cfg.mesh.replica, cfg.mesh.shard
@@ -513,7 +516,7 @@ def section_e(ctx: Ctx) -> dict:
     out, table = {}, []
     for row in rows_spec:
         run_cfg = variant(cfg, *_stream_overrides(row, tau))
-        m = Machinery.for_config(run_cfg, make_mesh(run_cfg.mesh, ctx.devices))
+        m = StepPrograms.for_config(run_cfg, make_mesh(run_cfg.mesh, ctx.devices))
         batch = jax.ShapeDtypeStruct((run_cfg.batch_size, run_cfg.data.seq_len + 1), jnp.int32,
                                      sharding=named(m.mesh, BATCH_SPEC))
         state = m.abstract_state()
@@ -585,7 +588,7 @@ def section_e(ctx: Ctx) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    # Loading the config imports jax (configs import edit_jax.model) but creates no backend; XLA_FLAGS is
+    # Loading the config imports jax (configs import edit_jax.models.llama) but creates no backend; XLA_FLAGS is
     # read when the first backend is created, so setting the device count after this still works.
     from edit_jax.validate import load_config
 

@@ -31,9 +31,9 @@ def main() -> int:
     parser.add_argument("--out", default="runs/bench_sample.json")
     args = parser.parse_args()
 
-    from edit_jax import model as model_lib
-    from edit_jax.sample import Sampler, choose
-    from edit_jax.trained import load_tokenizer, load_trained
+    from edit_jax.models import llama as model_lib
+    from edit_jax.tools.sample import Sampler, choose
+    from edit_jax.rundir.trained import load_tokenizer, load_trained
 
     model = load_trained(args.run_dir)
     tok = load_tokenizer(model.cfg, run_dir=model.run_dir)

@@ -21,7 +21,7 @@ Ratios are of the medians over all timed steps.
 
 Profile: with ``--profile-steps K`` (default 3) each configuration of this checkout traces K steps of
 every kind (``jax.profiler.trace(dir, create_perfetto_trace=True)``, under ``<json dir>/traces``)
-and the driver files every op's self time under a category (``edit_jax.profile``). To look at a
+and the driver files every op's self time under a category (``edit_jax.tools.profile``). To look at a
 trace: open ``perfetto_trace.json.gz`` in https://ui.perfetto.dev, or the directory in
 TensorBoard's profile plugin / ``xprof`` (the ``.xplane.pb``).
 """
@@ -46,7 +46,7 @@ ONE_PROGRAM = "one:"  # kinds "one:local" / "one:sync_forward": Steps.one_progra
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="demo", help="model preset (edit_jax.model.PRESETS); default demo")
+    p.add_argument("--model", default="demo", help="model preset (edit_jax.models.llama.PRESETS); default demo")
     p.add_argument("--replica", type=int, default=2, help="mesh.replica (N workers); default 2")
     p.add_argument("--shard", type=int, default=4, help="mesh.shard (S FSDP shards per worker); default 4")
     p.add_argument("--batch", type=int, default=16, help="global batch in sequences; default 16")
@@ -151,8 +151,8 @@ class Steps:
         cfg = config.apply_overrides(cfg, list(spec["overrides"]))
         validate(cfg)
         self.spec, self.cfg, self.jax = spec, cfg, jax
-        # A checkout from before Machinery.for_config took the config itself.
-        make = getattr(step_mod.Machinery, "for_config", step_mod.Machinery)
+        # A checkout from before StepPrograms.for_config took the config itself.
+        make = getattr(step_mod.StepPrograms, "for_config", step_mod.StepPrograms)
         self.machinery = make(cfg, sharding.make_mesh(cfg.mesh, devices))
         self.state = self.machinery.init_state(cfg.seed)
         tokens = np.random.default_rng(spec["seed"]).integers(0, min(cfg.model.vocab_size, 257),
@@ -300,7 +300,7 @@ def main(argv=None) -> dict:
         return {}
     n_dev = args.replica * args.shard
     common.ensure_cpu_devices(n_dev)
-    from edit_jax.profile import find_trace, summarize
+    from edit_jax.tools.profile import find_trace, summarize
 
     kinds = args.kinds.split(",") if args.kinds else default_kinds(args.method)
     base = {"model": args.model, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "remat": args.remat,
@@ -402,7 +402,7 @@ def report(args, specs, infos, runs, samples, profiles, env, loads) -> dict:
         common.print_table("derived ratios (medians)", ["quantity", "value"],
                            [[k, f"{v * 1e3:.1f} ms" if k.endswith("_s") else f"{v:.3f}"] for k, v in derived.items()])
     if profiles:
-        from edit_jax.profile import CATEGORIES
+        from edit_jax.tools.profile import CATEGORIES
 
         prow = [[k] + [f"{p['per_device_step_ms'][c]:.2f}" for c in CATEGORIES] + [f"{p['total_ms']:.1f}"]
                 for k, p in profiles.items()]

@@ -23,9 +23,9 @@ import tempfile
 def ours(args) -> int:
     import numpy as np
 
-    from edit_jax import model as model_lib
-    from edit_jax.export import export_run
-    from edit_jax.trained import load_trained
+    from edit_jax.models import llama as model_lib
+    from edit_jax.hf.export import export_run
+    from edit_jax.rundir.trained import load_trained
 
     work = args.work or tempfile.mkdtemp(prefix="check_hf_export_")
     out = os.path.join(work, "export")

@@ -39,7 +39,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO) if REPO not in sys.path else None
 
 from edit_jax.presets import cpu  # noqa: E402
-from edit_jax.train import DivergedError, train  # noqa: E402
+from edit_jax.training.train import DivergedError, train  # noqa: E402
 from edit_jax.validate import validate  # noqa: E402
 
 METHODS = ("baseline", "post_local_sgd", "diloco", "edit", "co2")
@@ -150,7 +150,7 @@ def main(argv=None):
         json.dump({"args": vars(args), "sweep": sweep, "best": best, "final": final, "rows": rows, "checks": checks},
                   f, indent=1)
     try:
-        from edit_jax.plot import plot_runs  # noqa: PLC0415
+        from edit_jax.tools.plot import plot_runs  # noqa: PLC0415
 
         seed0 = [r for r in final if r["seed"] == args.seeds[0] and not r["diverged"]]
         plot_runs([r["run_dir"] for r in seed0], args.plot, labels=[r["method"] for r in seed0])

@@ -7,12 +7,12 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
 from edit_jax.validate import load_config
-from edit_jax.sharding import make_mesh
-from edit_jax.step import Machinery
-from edit_jax.integrity import finite_report, state_checksums
-from edit_jax.checkpoint import Checkpointer
+from edit_jax.runtime.mesh import make_mesh
+from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.rundir.integrity import finite_report, state_checksums
+from edit_jax.rundir.checkpoint import Checkpointer
 cfg = load_config("configs/demo.py", ["method=edit"])
-m = Machinery.for_config(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
+m = StepPrograms.for_config(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
 state = m.init_state(0)
 n = sum(x.size for x in jax.tree.leaves(state))
 def t(f, reps=5):

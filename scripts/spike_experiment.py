@@ -77,7 +77,7 @@ def run_one(args, name: str, method: str, corrupted: bool, extra: list[str]) -> 
     """One ``train`` run in a fresh run dir; its records as plain lists."""
     from edit_jax.config import apply_overrides  # noqa: PLC0415 - after ensure_cpu_devices
     from edit_jax.presets import cpu
-    from edit_jax.train import train
+    from edit_jax.training.train import train
     from edit_jax.validate import validate
 
     # The outer settings the experiment was run with (the presets' before the method comparison

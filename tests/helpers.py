@@ -9,8 +9,8 @@ import jax
 import numpy as np
 
 from edit_jax.config import Config, DataConfig, MeshConfig, OptimConfig, SyncConfig
-from edit_jax.model import preset
-from edit_jax.sharding import make_mesh
+from edit_jax.models.llama import preset
+from edit_jax.runtime.mesh import make_mesh
 from edit_jax.validate import validate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +33,7 @@ def tiny_config(replica=2, shard=4, method="baseline", **kw) -> Config:
 def assert_stop_and_resume_is_exact(cfg, work_dir) -> None:
     """``cfg`` (6 steps, a checkpoint at 3) on a 2 x 2 mesh: stopped at step 3 and resumed, it logs
     the same losses and final validation loss as an uninterrupted run."""
-    from edit_jax.train import train
+    from edit_jax.training.train import train
 
     devices = jax.devices()[:4]
     full = train(cfg, os.path.join(work_dir, "full"), progress=False, devices=devices)

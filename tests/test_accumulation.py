@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edit_jax import model as model_lib
+from edit_jax.models import llama as model_lib
 from edit_jax.config import ConfigError
-from edit_jax.model import AttentionError, attention_impl, chunked_loss_sum, token_loss_sum
-from edit_jax.sharding import make_mesh
-from edit_jax.step import Machinery
+from edit_jax.models.llama import AttentionError, attention_impl, chunked_loss_sum, token_loss_sum
+from edit_jax.runtime.mesh import make_mesh
+from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.validate import validate
 from tests.helpers import tiny_config
 
@@ -64,7 +64,7 @@ def _machineries(method, k, **kw):
     acc = dataclasses.replace(base, optim=dataclasses.replace(base.optim, grad_accum=k))
     validate(acc)
     mesh = make_mesh(base.mesh, jax.devices()[:4])
-    return Machinery.for_config(base, mesh), Machinery.for_config(acc, mesh)
+    return StepPrograms.for_config(base, mesh), StepPrograms.for_config(acc, mesh)
 
 
 def _close(a, b, what, rtol=2e-5, atol=1e-7):
@@ -125,7 +125,7 @@ def test_attention_kernel_choice_and_errors():
     cfg.model.compute_dtype = "bfloat16"
     validate(cfg)
     with pytest.raises(ConfigError, match="needs a GPU"):  # on the CPU: before any work
-        Machinery.for_config(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
+        StepPrograms.for_config(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
 
 
 def test_chunked_loss_inside_the_sharded_step_equals_the_whole_one():
@@ -136,7 +136,7 @@ def test_chunked_loss_inside_the_sharded_step_equals_the_whole_one():
     whole = tiny_config(2, 2, model={"loss_chunk": 0}, optim={"eps": 1e-3})
     chunked = tiny_config(2, 2, model={"loss_chunk": 8}, optim={"eps": 1e-3})
     mesh = make_mesh(whole.mesh, jax.devices()[:4])
-    a_m, b_m = Machinery.for_config(whole, mesh), Machinery.for_config(chunked, mesh)
+    a_m, b_m = StepPrograms.for_config(whole, mesh), StepPrograms.for_config(chunked, mesh)
     start = jax.device_get(a_m.init_state(0))
     batch = _batch(whole, 3)
     a, ma = jax.device_get(a_m.step_fn("hsdp")(jax.device_put(start, a_m.state_shardings), a_m.put_batch(batch)))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from edit_jax.cluster import ClusterError, cluster_params, local_device_ids
+from edit_jax.runtime.cluster import ClusterError, cluster_params, local_device_ids
 from tests.helpers import REPO
 
 SLURM_ONE_TASK_PER_NODE = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "8", "SLURM_PROCID": "3", "SLURM_LOCALID": "0",
@@ -69,7 +69,7 @@ def test_two_processes_join_under_an_emulated_slurm_job(tmp_path):
     through the coordinator JAX derives from the node list, and each owns its 2 devices
     (``jax_cuda_visible_devices`` = "0,1": JAX's default would have set "0" alone)."""
     code = ("import os, jax\n"
-            "from edit_jax import cluster, multihost\n"
+            "from edit_jax.runtime import cluster, multihost\n"
             "p = cluster.from_environment(2, 2)\n"
             "multihost.initialize(10, p)\n"
             "print('RESULT', jax.process_index(), jax.process_count(), jax.local_device_count(), "

@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edit_jax import hlo
+from edit_jax.tools import hlo
 from edit_jax.config import ConfigError
-from edit_jax.methods import OuterSpec, plan_for
-from edit_jax.outer import make_outer_optimizer, sgd_trace, stale_outer_step
+from edit_jax.localsgd.methods import OuterSpec, plan_for
+from edit_jax.localsgd.outer import make_outer_optimizer, sgd_trace, stale_outer_step
 from edit_jax.presets import cpu, paper
-from edit_jax.step import Machinery
+from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.validate import validate
 from tests.helpers import mesh_for, random_batch, tiny_config
 
@@ -99,7 +99,7 @@ CO2_SYNC = {"co2_momentum_clip": 3e-4, "co2_gap_penalty": 2.0, "outer_lr": 0.7, 
 @pytest.fixture(scope="module")
 def co2_2x2():
     cfg = tiny_config(2, 2, "co2", sync=CO2_SYNC, steps=6)
-    return cfg, Machinery.for_config(cfg, mesh_for(cfg))
+    return cfg, StepPrograms.for_config(cfg, mesh_for(cfg))
 
 
 def _f64(tree):
@@ -173,7 +173,7 @@ def test_co2_evaluation_model_is_the_flush(co2_2x2):
 def _bulk_exchanges_depend_on_batch(cfg) -> list[bool]:
     """For each large collective across `replica` in the sync step's compiled program: does it
     depend (transitively) on the step's batch?"""
-    m = Machinery.for_config(cfg, mesh_for(cfg))
+    m = StepPrograms.for_config(cfg, mesh_for(cfg))
     state = m.init_state(0)
     text = m.lowered("local_then_sync", state, m.put_batch(random_batch(cfg, 0))).compile().as_text()
     per_device_batch = (cfg.batch_size // (cfg.mesh.replica * cfg.mesh.shard), cfg.data.seq_len + 1)

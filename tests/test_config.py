@@ -6,7 +6,7 @@ import os
 import pytest
 
 from edit_jax.config import Config, ConfigError, apply_overrides, from_dict, to_dict
-from edit_jax.model import count_params
+from edit_jax.models.llama import count_params
 from edit_jax.validate import load_config
 from tests.helpers import REPO
 
@@ -47,7 +47,7 @@ def test_missing_config_file_is_named():
 def test_paper_presets_have_paper_sizes():
     import jax
 
-    from edit_jax.model import init_params
+    from edit_jax.models.llama import init_params
     from edit_jax.presets import paper
 
     want = {"350m": (0.3e9, 0.45e9), "1b": (0.95e9, 1.25e9), "3b": (3.0e9, 3.8e9), "7b": (6.5e9, 7.0e9)}

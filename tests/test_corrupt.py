@@ -12,9 +12,9 @@ import pytest
 
 from edit_jax.config import ConfigError, apply_overrides
 from edit_jax.data.corrupt import CorruptSpec, corrupt_batch, corrupt_rows, garbage_rows, parse_corrupt
-from edit_jax.sharding import make_mesh
-from edit_jax.step import Machinery
-from edit_jax.train import train
+from edit_jax.runtime.mesh import make_mesh
+from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.training.train import train
 from edit_jax.validate import load_config, validate
 from tests.helpers import REPO, tiny_config
 
@@ -114,7 +114,7 @@ def test_put_batch_puts_replica_rows_on_replica_devices(replica, shard):
     devices = [jax.devices()[i] for i in np.random.default_rng(1).permutation(8)]
     mesh = make_mesh(cfg.mesh, devices)
     batch = np.repeat(np.arange(cfg.batch_size, dtype=np.int32)[:, None], cfg.data.seq_len + 1, axis=1)
-    arr = Machinery.for_config(cfg, mesh).put_batch(batch)
+    arr = StepPrograms.for_config(cfg, mesh).put_batch(batch)
     per = cfg.batch_size // replica
     row_of = {d: r for r in range(replica) for d in mesh.devices[r]}
     for piece in arr.addressable_shards:

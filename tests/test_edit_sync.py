@@ -30,13 +30,14 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from edit_jax.config import MeshConfig
-from edit_jax.optim import lr_schedule
-from edit_jax.outer import (Detector, Penalty, detector_step, detector_test, outer_optimizer, sgd_trace, sync_unit,
+from edit_jax.localsgd.optim import lr_schedule
+from edit_jax.localsgd.outer import (Detector, Penalty, detector_step, detector_test, outer_optimizer, sgd_trace, sync_unit,
                              with_sgd_trace, worker_weights)
-from edit_jax.sharding import REPLICA, make_mesh
-from edit_jax import hlo
-from edit_jax.methods import plan_for
-from edit_jax.step import Machinery
+from edit_jax.localsgd.sharding import REPLICA
+from edit_jax.runtime.mesh import make_mesh
+from edit_jax.tools import hlo
+from edit_jax.localsgd.methods import plan_for
+from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.validate import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +64,7 @@ def _batch(seed: int, cfg) -> np.ndarray:
     return rng.integers(0, cfg.model.vocab_size, (cfg.batch_size, cfg.data.seq_len + 1)).astype(np.int32)
 
 
-def _put(m: Machinery, host_state):
+def _put(m: StepPrograms, host_state):
     """A fresh device copy of a host state (steps donate their input)."""
     return jax.device_put(host_state, m.state_shardings)
 
@@ -345,7 +346,7 @@ def edit4():
     cfg = _cfg(*BASE4, "sync.method=edit", "sync.anomaly_alpha=0.3", "sync.temperature=0.5",
                "sync.clip_threshold=0.2", "sync.outer_lr=0.7", "sync.outer_momentum=0.8")
     mesh = make_mesh(cfg.mesh, jax.devices()[8:16], device_order=PERM)
-    m = Machinery.for_config(cfg, mesh)
+    m = StepPrograms.for_config(cfg, mesh)
     return m, _host(m.init_state(0))
 
 
@@ -363,7 +364,7 @@ def diverged(edit4):
     return host
 
 
-def _crafted_state(m: Machinery, init):
+def _crafted_state(m: StepPrograms, init):
     """A state where each worker's pseudo gradient per unit has a known norm and each detector is
     set up for one path of the z-test (U = 4 units: root, layers 0..2):
 
@@ -475,7 +476,7 @@ def test_outer_state_layouts_match_numpy_reference(edit4, layout):
     m0, init = edit4
     cfg = _cfg(*BASE4, "sync.method=edit", "sync.anomaly_alpha=0.3", "sync.temperature=0.5",
                "sync.clip_threshold=0.2", "sync.outer_lr=0.7", "sync.outer_momentum=0.8", layout)
-    m = Machinery.for_config(cfg, m0.mesh)
+    m = StepPrograms.for_config(cfg, m0.mesh)
     start = _crafted_state(m, init)
     r = _ref_of(cfg)
     synced, metrics = _host(m.sync_fn()(_put(m, start)))
@@ -610,7 +611,7 @@ def test_nan_replica_norm_metrics_layerwise_sync(edit4, diverged):
 # ============================================================================= degenerate configurations
 
 
-def _run(m: Machinery, state, kinds, batch_seeds):
+def _run(m: StepPrograms, state, kinds, batch_seeds):
     losses, hist = [], []
     for kind, seed in zip(kinds, batch_seeds):
         state, metrics = m.step_fn(kind)(state, m.put_batch(_batch(seed, m.cfg)))
@@ -627,8 +628,8 @@ def test_edit_with_one_replica_equals_adamw():
                     "sync.anomaly=false", "sync.weighting=false", "sync.clip=false")
     base_cfg = _cfg(*common, "sync.method=baseline")
     devices = jax.devices()[16:18]
-    e = Machinery.for_config(edit_cfg, make_mesh(edit_cfg.mesh, devices))
-    b = Machinery.for_config(base_cfg, make_mesh(base_cfg.mesh, devices))
+    e = StepPrograms.for_config(edit_cfg, make_mesh(edit_cfg.mesh, devices))
+    b = StepPrograms.for_config(base_cfg, make_mesh(base_cfg.mesh, devices))
     steps = 6
     edit_kinds = [step_kind(edit_cfg, k) for k in range(steps)]
     assert edit_kinds == ["local"] + ["sync_forward"] * (steps - 1)
@@ -647,7 +648,7 @@ def test_edit_with_one_replica_equals_adamw():
 def test_post_local_sgd_sync_is_replica_mean(edit4, diverged):
     m, _ = edit4
     cfg = _cfg(*BASE4, "sync.method=post_local_sgd")
-    post = Machinery.for_config(cfg, m.mesh)
+    post = StepPrograms.for_config(cfg, m.mesh)
     synced, metrics = _host(post.sync_fn()(_put(post, diverged)))
     mean = jax.tree.map(lambda x: np.asarray(x, np.float64).mean(0), diverged.params)
     _assert_tree_close(synced.outer.params, mean, "θ̄ = mean of the replicas", rtol=1e-5, atol=1e-7)
@@ -661,8 +662,8 @@ def test_diloco_sync_equals_edit_layerwise_without_penalty(edit4, diverged):
     (penalty off, same η and μ) give the same θ̄ and trace, equal to the NumPy reference."""
     m, _ = edit4
     outer = ["sync.outer_lr=0.7", "sync.outer_momentum=0.8"]
-    diloco = Machinery.for_config(_cfg(*BASE4, "sync.method=diloco", *outer), m.mesh)
-    edit_off = Machinery.for_config(_cfg(*BASE4, "sync.method=edit", *outer, "sync.anomaly=false",
+    diloco = StepPrograms.for_config(_cfg(*BASE4, "sync.method=diloco", *outer), m.mesh)
+    edit_off = StepPrograms.for_config(_cfg(*BASE4, "sync.method=edit", *outer, "sync.anomaly=false",
                                          "sync.weighting=false", "sync.clip=false"), m.mesh)
     rng = np.random.default_rng(3)
     start = diverged.replace(outer=diverged.outer.with_trace(jax.tree.map(
@@ -684,7 +685,7 @@ def test_diloco_sync_equals_edit_layerwise_without_penalty(edit4, diverged):
 
 def collectives(text: str):
     """(op, groups, operand elements, record) of every collective in a compiled program (the parser
-    in edit_jax.hlo reads every replica-group form jax 0.10 to 0.12 prints)."""
+    in edit_jax.tools.hlo reads every replica-group form jax 0.10 to 0.12 prints)."""
     return [(r["op"], r["groups"], hlo.operand_elements(r), r)
             for r in hlo.hlo_collectives(text, (N4, S2), default_trip=4)["collectives"]]
 
@@ -693,7 +694,7 @@ def _crosses(groups, n: int, s: int) -> bool:
     return hlo.crosses_replica(groups, s)
 
 
-def _hlo(m: Machinery, state_host, kind: str) -> str:
+def _hlo(m: StepPrograms, state_host, kind: str) -> str:
     return m.lowered(kind, _put(m, state_host), m.put_batch(_batch(0, m.cfg))).compile().as_text()
 
 

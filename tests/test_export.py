@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import safetensors
 
-from edit_jax import model as model_lib
-from edit_jax.export import WRITTEN, ExportError, main as export_main, write_export
-from edit_jax.trained import load_trained
+from edit_jax.models import llama as model_lib
+from edit_jax.hf.export import WRITTEN, ExportError, main as export_main, write_export
+from edit_jax.rundir.trained import load_trained
 from tests.helpers import damage_checkpoint_arrays, tiny_config
 from tests.trained_runs import edit_run, tokenizer_run
 
@@ -179,7 +179,7 @@ def test_export_and_sample_refuse_a_damaged_checkpoint(tmp_path_factory, tmp_pat
     """Issue 22, case 5: export and sample verify the arrays they read against the checksums
     recorded at save time (as a resume does) and refuse a damaged checkpoint in one line, exit 2,
     naming it and the older checkpoints to pass with --step; nothing is exported."""
-    from edit_jax.sample import main as sample_main
+    from edit_jax.tools.sample import main as sample_main
 
     _, shared = edit_run(tmp_path_factory)
     run_dir = str(tmp_path / "run")
@@ -206,7 +206,7 @@ def test_export_to_an_unwritable_out_leaves_nothing(tmp_path_factory, tmp_path, 
     removes the directory it started, so no partial export is left behind."""
     import errno
 
-    import edit_jax.export as export_lib
+    import edit_jax.hf.export as export_lib
 
     _, run_dir = edit_run(tmp_path_factory)
     blocker = tmp_path / "a_file"
@@ -233,7 +233,7 @@ def test_byte_tokenizer_export_has_our_ids():
     ids), EOS is 256, and decoding gives the text back."""
     tokenizers = pytest.importorskip("tokenizers")
     from edit_jax.data.tokenizers import make_tokenizer
-    from edit_jax.hf_tokenizer import byte_tokenizer_json
+    from edit_jax.hf.tokenizer import byte_tokenizer_json
 
     hf = tokenizers.Tokenizer.from_str(json.dumps(byte_tokenizer_json(256)))
     ours = make_tokenizer("byte")

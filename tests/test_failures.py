@@ -18,12 +18,12 @@ import jax
 import numpy as np
 import pytest
 
-from edit_jax.checkpoint import Checkpointer, CheckpointError
+from edit_jax.rundir.checkpoint import Checkpointer, CheckpointError
 from edit_jax.config import ConfigError
-from edit_jax.integrity import checksum_mismatches, finite_report, nonfinite_parts, state_checksums
-from edit_jax.runlock import LOCK_NAME, RunDirError, RunLock, RunLockError
-from edit_jax.state import state_shapes
-from edit_jax.train import train
+from edit_jax.rundir.integrity import checksum_mismatches, finite_report, nonfinite_parts, state_checksums
+from edit_jax.rundir.runlock import LOCK_NAME, RunDirError, RunLock, RunLockError
+from edit_jax.localsgd.state import state_shapes
+from edit_jax.training.train import train
 from edit_jax.validate import load_config
 from tests.helpers import REPO, interrupt_when, run_session, tiny_config
 
@@ -395,7 +395,7 @@ def test_full_disk_during_a_save_is_one_message(tmp_path, processes):
 def test_records_that_cannot_be_written_stop_the_run_with_one_line(tmp_path):
     """/dev/full fails every write with ENOSPC: the append is a RunDirError naming the file and
     the cause. A rewrite (the truncation on resume) that fails leaves the old records as they were."""
-    from edit_jax.records import MetricsLog, replace_file
+    from edit_jax.rundir.records import MetricsLog, replace_file
 
     with pytest.raises(RunDirError, match=r"could not write /dev/full: no space left on the device"):
         MetricsLog("/dev/full", None, truncate=False).write({"step": 1, "loss": 2.0})
@@ -421,7 +421,7 @@ def test_save_failing_after_orbax_renamed_its_dir_leaves_no_unverified_checkpoin
 
     import orbax.checkpoint as ocp
 
-    from edit_jax.checkpoint import CheckpointSaveError
+    from edit_jax.rundir.checkpoint import CheckpointSaveError
 
     real_wait, failed = ocp.CheckpointManager.wait_until_finished, []
 

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from edit_jax import model as M
-from edit_jax.sharding import MeshError, fsdp_dim, make_mesh
-from edit_jax.step import Machinery
+from edit_jax.models import llama as M
+from edit_jax.localsgd.sharding import MeshError, fsdp_dim
+from edit_jax.runtime.mesh import make_mesh
+from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.config import MeshConfig
 from tests.helpers import mesh_for, random_batch, tiny_config
 
@@ -16,7 +17,7 @@ from tests.helpers import mesh_for, random_batch, tiny_config
 @pytest.fixture(scope="module")
 def setup():
     cfg = tiny_config(2, 4)
-    m = Machinery.for_config(cfg, mesh_for(cfg))
+    m = StepPrograms.for_config(cfg, mesh_for(cfg))
     return cfg, m, m.init_state(0)
 
 
@@ -57,7 +58,7 @@ def _single_device_reference(cfg, params, batch):
 @pytest.mark.parametrize("replica,shard", [(2, 4), (4, 2), (1, 8)])
 def test_hsdp_loss_and_grads_equal_single_device(replica, shard):
     cfg = tiny_config(replica, shard)
-    m = Machinery.for_config(cfg, mesh_for(cfg))
+    m = StepPrograms.for_config(cfg, mesh_for(cfg))
     state = m.init_state(0)
     batch = random_batch(cfg, 1)
     loss, grads = m.grads_fn(True)(state, m.put_batch(batch))
@@ -72,7 +73,7 @@ def test_hsdp_loss_and_grads_equal_single_device(replica, shard):
 
 def test_local_grads_are_per_replica_means():
     cfg = tiny_config(2, 4)
-    m = Machinery.for_config(cfg, mesh_for(cfg))
+    m = StepPrograms.for_config(cfg, mesh_for(cfg))
     state = m.init_state(0)
     batch = random_batch(cfg, 2)
     _, grads = m.grads_fn(False)(state, m.put_batch(batch))
@@ -88,10 +89,10 @@ def test_hsdp_step_matches_single_device_adamw():
     """One full HSDP step (clip + AdamW) equals optax on one device with the whole batch."""
     import optax
 
-    from edit_jax.optim import lr_schedule
+    from edit_jax.localsgd.optim import lr_schedule
 
     cfg = tiny_config(2, 4, optim={"grad_clip": 0.5, "lr": 1e-2})
-    m = Machinery.for_config(cfg, mesh_for(cfg))
+    m = StepPrograms.for_config(cfg, mesh_for(cfg))
     state = m.init_state(0)
     params0 = jax.tree.map(lambda x: np.asarray(x)[0], state.params)
     opt = optax.chain(optax.clip_by_global_norm(0.5),
@@ -129,7 +130,7 @@ def test_device_order_is_respected():
 
 def test_lr_schedule_warmup_then_cosine():
     from edit_jax.config import OptimConfig
-    from edit_jax.optim import lr_schedule
+    from edit_jax.localsgd.optim import lr_schedule
 
     sched = lr_schedule(OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1), total_steps=110)
     assert float(sched(0)) == 0.0 and abs(float(sched(5)) - 0.5) < 1e-6 and abs(float(sched(10)) - 1.0) < 1e-6

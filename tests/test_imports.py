@@ -234,7 +234,7 @@ def test_config_and_rule_modules_import_without_jax():
     """The config and the parts whose rules need no data package (the method table, families,
     placement, TensorBoard) load without JAX. (multihost.py loads JAX: harmless, it creates no
     backend, as the test above shows for the whole validation.)"""
-    names = ["config", "methods", "family", "placement", "tensorboard"]
+    names = ["config", "localsgd.methods", "models.family", "placement", "rundir.tensorboard"]
     proc = _python("import sys\n" + "".join(f"import edit_jax.{n}\n" for n in names) +
                    "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))\n")
     assert proc.returncode == 0, proc.stderr

@@ -13,12 +13,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from edit_jax import hf_import, model as model_lib
+from edit_jax.hf import load as hf_import
+
+from edit_jax.models import llama as model_lib
 from edit_jax.config import ConfigError
-from edit_jax.export import write_export
-from edit_jax.step import Machinery
-from edit_jax.trained import load_trained
-from edit_jax.train import train
+from edit_jax.hf.export import write_export
+from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.rundir.trained import load_trained
+from edit_jax.training.train import train
 from edit_jax.validate import load_config, validate
 from tests.helpers import mesh_for, tiny_config
 from tests.test_export import _random_params, read_safetensors
@@ -49,7 +51,7 @@ def test_export_then_init_from_gives_the_same_params_in_every_worker_and_outer(t
     cfg = _starting_from(out, method=method)
     assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.n_kv_heads, cfg.model.tie_embeddings) == \
         (cfg0.model.d_model, cfg0.model.n_layers, kv, tie)
-    state = Machinery.for_config(cfg, mesh_for(cfg)).init_state(seed=11)  # another seed than the export's
+    state = StepPrograms.for_config(cfg, mesh_for(cfg)).init_state(seed=11)  # another seed than the export's
     for r in range(cfg.mesh.replica):
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a)[r], b), state.params, params)
     if method == "edit":
@@ -67,9 +69,9 @@ def test_weights_load_as_per_device_slices(tmp_path):
     _, params, out = _exported(tmp_path)
     cfg = _starting_from(out, replica=1, shard=4)
     mesh = mesh_for(cfg)
-    m = Machinery.for_config(cfg, mesh)
+    m = StepPrograms.for_config(cfg, mesh)
     abstract = jax.eval_shape(lambda: params)
-    from edit_jax.sharding import named, outer_specs
+    from edit_jax.localsgd.sharding import named, outer_specs
     loaded = hf_import.load_params(cfg.model, abstract, named(mesh, outer_specs(abstract, m.layout.shard_dims)))
     for (path, a), dim in zip(jax.tree_util.tree_flatten_with_path(loaded)[0], jax.tree.leaves(m.layout.shard_dims)):
         want = list(a.shape)
@@ -95,14 +97,14 @@ def test_sharded_safetensors_files_with_an_index_load_the_same(tmp_path):
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump({"weight_map": {n: file for file, part in parts.items() for n in part}}, f)
     cfg = _starting_from(out, replica=1, shard=2, method="diloco")
-    state = Machinery.for_config(cfg, mesh_for(cfg)).init_state(seed=0)
+    state = StepPrograms.for_config(cfg, mesh_for(cfg)).init_state(seed=0)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), state.outer.params, params)
 
 
 def test_bfloat16_weights_load_as_their_float32_values(tmp_path):
     _, params, out = _exported(tmp_path, dtype="bfloat16")
     cfg = _starting_from(out, replica=1, shard=2, method="baseline")
-    state = Machinery.for_config(cfg, mesh_for(cfg)).init_state(seed=0)
+    state = StepPrograms.for_config(cfg, mesh_for(cfg)).init_state(seed=0)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(
         np.asarray(a)[0], np.asarray(b).astype(ml_dtypes.bfloat16).astype(np.float32)), state.params, params)
 
@@ -157,7 +159,7 @@ def test_missing_wrong_or_truncated_weights_are_reported_naming_the_tensor_or_fi
     tensors, _ = read_safetensors(file)
 
     def init():
-        return Machinery.for_config(cfg, mesh_for(cfg)).init_state(seed=0)
+        return StepPrograms.for_config(cfg, mesh_for(cfg)).init_state(seed=0)
 
     for name, change, match in [("model.layers.1.mlp.up_proj.weight", None, "no tensor 'model.layers.1.mlp.up_proj"),
                                 ("model.norm.weight", np.ones(3, np.float32), r"'model.norm.weight'.*has shape \[3\]"),

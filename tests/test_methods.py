@@ -9,12 +9,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from edit_jax.config import ConfigError
-from edit_jax.methods import METHODS, OuterSpec, plan_for
-from edit_jax.outer import Detector, Penalty, make_outer_optimizer, sync_unit
+from edit_jax.localsgd.methods import METHODS, OuterSpec, plan_for
+from edit_jax.localsgd.outer import Detector, Penalty, make_outer_optimizer, sync_unit
 from edit_jax.presets import cpu
-from edit_jax.sharding import REPLICA, make_mesh
+from edit_jax.localsgd.sharding import REPLICA
+from edit_jax.runtime.mesh import make_mesh
 from edit_jax.config import MeshConfig
-from edit_jax.train import train
+from edit_jax.training.train import train
 from edit_jax.validate import load_config
 from tests.helpers import REPO, tiny_config
 
@@ -86,8 +87,8 @@ def test_outer_adam_step_matches_numpy():
 def test_outer_adam_run_end_to_end(tmp_path):
     """EDiT with an outer Adam trains, checkpoints and resumes; each unit's Adam step count is the
     number of syncs."""
-    from edit_jax.checkpoint import Checkpointer
-    from edit_jax.state import state_shapes
+    from edit_jax.rundir.checkpoint import Checkpointer
+    from edit_jax.localsgd.state import state_shapes
 
     cfg = tiny_config(2, 2, method="edit", steps=8, checkpoint_every=4,
                       sync={"outer_optimizer": "adam", "outer_lr": 0.05, "outer_momentum": 0.9, "tau": 2})

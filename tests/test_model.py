@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edit_jax import model as M
+from edit_jax.models import llama as M
 
 
 @pytest.fixture(scope="module")

@@ -16,16 +16,18 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from edit_jax import hlo, multihost
+from edit_jax.tools import hlo
+
+from edit_jax.runtime import multihost
 from edit_jax.config import ConfigError, MeshConfig
-from edit_jax.drivers import WorkerSteps
-from edit_jax.export import write_export
-from edit_jax.methods import TimeSchedule, plan_for
-from edit_jax.model import init_params
-from edit_jax.outer import Penalty, mix_step_weights
-from edit_jax.sharding import make_mesh
-from edit_jax.step import Machinery
-from edit_jax.train import train
+from edit_jax.training.drivers import WorkerSteps
+from edit_jax.hf.export import write_export
+from edit_jax.localsgd.methods import TimeSchedule, plan_for
+from edit_jax.models.llama import init_params
+from edit_jax.localsgd.outer import Penalty, mix_step_weights
+from edit_jax.runtime.mesh import make_mesh
+from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.training.train import train
 from edit_jax.validate import load_config
 from tests.helpers import REPO, kill_group as _kill_group, run_session
 
@@ -145,7 +147,7 @@ def test_local_program_stays_on_the_workers_devices():
                       ["method=edit", "mesh.replica=2", "mesh.shard=2", "mesh.processes=2", "batch_size=8",
                        "data.seq_len=32"])
     local_cfg = multihost.local_config(cfg)
-    m = Machinery.for_config(local_cfg, make_mesh(local_cfg.mesh, jax.devices()[:2]))
+    m = StepPrograms.for_config(local_cfg, make_mesh(local_cfg.mesh, jax.devices()[:2]))
     batch = np.zeros((local_cfg.batch_size, 33), np.int32)
     text = m.lowered("local", m.abstract_state(), m.put_batch(batch)).compile().as_text()
     recs = hlo.hlo_collectives(text, (1, 2), default_trip=cfg.model.n_layers)["collectives"]

@@ -1,4 +1,4 @@
-"""edit_jax.profile: op categories from HLO text, self times from a Perfetto trace (hand-worked
+"""edit_jax.tools.profile: op categories from HLO text, self times from a Perfetto trace (hand-worked
 examples), and a real trace of compiled steps summarised without unknown ops."""
 
 import gzip
@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from edit_jax.profile import CATEGORIES, SYNC_SCOPE, find_trace, op_categories, op_self_times, summarize
-from edit_jax.step import Machinery
+from edit_jax.tools.profile import CATEGORIES, SYNC_SCOPE, find_trace, op_categories, op_self_times, summarize
+from edit_jax.localsgd.programs import StepPrograms
 from tests.helpers import mesh_for, random_batch, tiny_config
 
 HLO = f"""HloModule jit_step, entry_computation_layout={{()->f32[4]}}
@@ -112,7 +112,7 @@ def test_real_trace_of_local_and_sync_steps(tmp_path):
     import jax
 
     cfg = tiny_config(2, 2, method="edit")
-    m = Machinery.for_config(cfg, mesh_for(cfg))
+    m = StepPrograms.for_config(cfg, mesh_for(cfg))
     state, batch = m.init_state(0), m.put_batch(random_batch(cfg))
     out = {}
     for kind in ("local", "sync_forward"):

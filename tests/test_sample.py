@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edit_jax import model as model_lib
-from edit_jax.checkpoint import Checkpointer
-from edit_jax.decode import forward_cached, init_cache
-from edit_jax.sample import Sampler, main as sample_main
-from edit_jax.state import state_shapes
-from edit_jax.trained import TrainedModelError, load_trained
+from edit_jax.models import llama as model_lib
+from edit_jax.rundir.checkpoint import Checkpointer
+from edit_jax.models.decode import forward_cached, init_cache
+from edit_jax.tools.sample import Sampler, main as sample_main
+from edit_jax.localsgd.state import state_shapes
+from edit_jax.rundir.trained import TrainedModelError, load_trained
 from tests.helpers import tiny_config
 from tests.trained_runs import edit_run, tokenizer_run
 
@@ -194,7 +194,7 @@ def test_nonsense_sampling_flags_are_refused(tmp_path_factory, capsys, flags):
 def test_top_p_draws_only_from_the_nucleus():
     """The nucleus recomputed in NumPy (sort, softmax at the temperature, the smallest prefix whose
     mass reaches p): 400 draws of rows with the same logits fall in it and cover it."""
-    from edit_jax.sample import choose
+    from edit_jax.tools.sample import choose
 
     rng = np.random.default_rng(0)
     logits = rng.normal(size=16).astype(np.float32) * 2
@@ -217,7 +217,7 @@ def test_run_dir_tokenizer_copy_is_never_replaced_by_another(tmp_path):
     """Training stores data.tokenizer in RUN_DIR/tokenizer.json once; a later run on that dir with
     another tokenizer file is refused, naming both, and the copy is left as it was."""
     from edit_jax.data import DataError
-    from edit_jax.trained import store_run_tokenizer
+    from edit_jax.rundir.trained import store_run_tokenizer
 
     cfg = tiny_config()
     first, second = tmp_path / "a.json", tmp_path / "b.json"

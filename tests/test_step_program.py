@@ -8,9 +8,9 @@ import dataclasses
 import jax
 import numpy as np
 
-from edit_jax.evaluate import Evaluator
-from edit_jax.methods import plan_for
-from edit_jax.step import Machinery
+from edit_jax.training.evaluate import Evaluator
+from edit_jax.localsgd.methods import plan_for
+from edit_jax.localsgd.programs import StepPrograms
 from tests.helpers import mesh_for, random_batch, tiny_config
 
 
@@ -25,20 +25,20 @@ def test_machinery_takes_the_method_plan():
     for the schedule."""
     cfg = tiny_config(2, 2, method="diloco", sync={"layerwise": True, "anomaly": True})  # diloco fixes both off
     mp = plan_for(cfg)
-    m = Machinery(mp, mesh_for(cfg))
+    m = StepPrograms(mp, mesh_for(cfg))
     assert m.cfg is mp.cfg and m.plan is mp.plan and m.schedule is mp.schedule
     assert m.layout.cfg is mp.cfg and m.layout.plan is mp.plan
     assert (m.cfg.sync.layerwise, m.cfg.sync.anomaly, cfg.sync.layerwise) == (False, False, True)
-    other = Machinery.for_config(cfg, mesh_for(cfg))
+    other = StepPrograms.for_config(cfg, mesh_for(cfg))
     assert (other.cfg, other.plan, other.schedule) == (mp.cfg, mp.plan, mp.schedule)
     assert Evaluator(m).schedule is mp.schedule
 
 
 def test_every_step_donates_its_state():
-    """Every kind comes from ``Machinery.step_fn`` (one jit with ``donate_argnums=0``); checked on a
+    """Every kind comes from ``StepPrograms.step_fn`` (one jit with ``donate_argnums=0``); checked on a
     local step and on the sync step, whose program also consumes and returns the outer state."""
     cfg = tiny_config(2, 2, method="edit")
-    m = Machinery.for_config(cfg, mesh_for(cfg))
+    m = StepPrograms.for_config(cfg, mesh_for(cfg))
     state, batch = m.init_state(0), m.put_batch(random_batch(cfg))
     for kind in ("local", "sync_forward"):
         fn = m.step_fn(kind)
@@ -61,7 +61,7 @@ def test_scan_unroll_changes_no_number(kind="sync_forward"):
     results = []
     for unroll in (1, 3):
         cfg = tiny_config(2, 2, method="edit", model={"n_layers": 3, "scan_unroll": unroll})
-        m = Machinery.for_config(cfg, mesh_for(cfg))
+        m = StepPrograms.for_config(cfg, mesh_for(cfg))
         state, batch = m.init_state(0), m.put_batch(random_batch(cfg))
         losses = []
         for _ in range(3):
@@ -78,7 +78,7 @@ def _gather_both_ways(mesh, blocks, dims):
     """gather_unit per leaf and fused, and the gradient of a loss through each, on the mesh."""
     from jax.sharding import PartitionSpec as P
 
-    from edit_jax.sharding import SHARD, gather_unit
+    from edit_jax.localsgd.sharding import SHARD, gather_unit
 
     specs = jax.tree.map(lambda x, d: P(*[SHARD if i == d else None for i in range(x.ndim)]), blocks, dims)
     weights = jax.tree.map(lambda x: np.random.default_rng(x.size).standard_normal(x.shape).astype(np.float32), blocks)
@@ -120,13 +120,13 @@ def test_fused_gather_equals_per_leaf_gathers():
 def test_fused_gather_one_collective_per_unit():
     """Compiled local step of a 2-layer model: with mesh.fused_gather one all-gather and one
     reduce-scatter per unit (root + 2 layers) run per step; per leaf, one per parameter."""
-    from edit_jax import hlo
+    from edit_jax.tools import hlo
 
     runs = {}
     for fused in (True, False):
         cfg = tiny_config(2, 2, method="edit")
         cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, fused_gather=fused))
-        m = Machinery.for_config(cfg, mesh_for(cfg))
+        m = StepPrograms.for_config(cfg, mesh_for(cfg))
         state, batch = m.abstract_state(), m.put_batch(random_batch(cfg))
         parsed = hlo.hlo_collectives(m.lowered("local", state, batch).compile().as_text(), (2, 2))
         count = {}

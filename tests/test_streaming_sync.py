@@ -25,15 +25,16 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from edit_jax.compress import BLOCK, compressed_weighted_sum, dequantize_int8, exchange_pattern, quantize_int8
+from edit_jax.localsgd.compress import BLOCK, compressed_weighted_sum, dequantize_int8, exchange_pattern, quantize_int8
 from edit_jax.config import ConfigError, MeshConfig
-from edit_jax.outer import Penalty
-from edit_jax.sharding import REPLICA, SHARD, make_mesh
-from edit_jax import hlo
-from edit_jax.fragments import balanced_groups, fragment_of_unit, unit_param_counts
-from edit_jax.methods import StepKind, plan_for
-from edit_jax.state import state_shapes
-from edit_jax.step import Machinery
+from edit_jax.localsgd.outer import Penalty
+from edit_jax.localsgd.sharding import REPLICA, SHARD
+from edit_jax.runtime.mesh import make_mesh
+from edit_jax.tools import hlo
+from edit_jax.localsgd.fragments import balanced_groups, fragment_of_unit, unit_param_counts
+from edit_jax.localsgd.methods import StepKind, plan_for
+from edit_jax.localsgd.state import state_shapes
+from edit_jax.localsgd.programs import StepPrograms
 from test_edit_sync import (BASE, BASE4, PERM, Ref, _assert_det_close, _assert_tree_close, _batch, _cfg,
                             _crafted_state, _det_tuple, _host, _put, _ref_of, _unit, np_detector_feed,
                             np_detector_flags, np_sync)
@@ -135,11 +136,11 @@ def test_defaults_keep_the_state_structure():
 # ============================================================================= staggered sync vs NumPy
 
 
-def _group_units(m: Machinery, f: int) -> list[int]:
+def _group_units(m: StepPrograms, f: int) -> list[int]:
     return [u for u, g in enumerate(m.groups) if g == f]
 
 
-def _np_group_sync(host, m: Machinery, f: int, r: Ref, avg_fn=None):
+def _np_group_sync(host, m: StepPrograms, f: int, r: Ref, avg_fn=None):
     """``host`` with fragment f's units synced by the NumPy Algorithm 2 (the other units as they were)."""
     n_units = 1 + m.cfg.model.n_layers
     run = np_sync if avg_fn is None else (lambda *a: np_sync_compressed(*a, avg_fn=avg_fn))
@@ -172,7 +173,7 @@ def test_staggered_steps_match_numpy_reference(method):
     extra = [] if method == "edit" else ["sync.layerwise=false", "sync.anomaly=false", "sync.weighting=false",
                                          "sync.clip=false"]
     cfg = _cfg(*EDIT4, f"sync.method={method}", *extra, "sync.tau=4", "sync.fragments=2")
-    m = Machinery.for_config(cfg, _mesh(cfg))
+    m = StepPrograms.for_config(cfg, _mesh(cfg))
     assert m.groups == (0, 0, 1, 1)
     r = _ref_of(cfg)
     if method == "diloco":  # DiLoCo's plan is Penalty.off(): its detector (unused) runs with the defaults
@@ -219,7 +220,7 @@ def test_staggered_steps_match_numpy_reference(method):
 # ============================================================================= HLO of a staggered sync
 
 
-def _cross_replica(m: Machinery, kind: str) -> dict:
+def _cross_replica(m: StepPrograms, kind: str) -> dict:
     state = m.abstract_state()
     batch = jax.ShapeDtypeStruct((m.cfg.batch_size, m.cfg.data.seq_len + 1), jnp.int32,
                                  sharding=jax.sharding.NamedSharding(m.mesh, P((REPLICA, SHARD))))
@@ -233,7 +234,7 @@ def test_hlo_staggered_sync_step_carries_only_its_group():
     device, 2(N−1)/N x 4 B x |group f|/S; the two groups add up to the F = 1 sync step."""
     cfg1 = _cfg(*EDIT4, "sync.tau=4")
     cfg2 = _cfg(*EDIT4, "sync.tau=4", "sync.fragments=2")
-    m1, m2 = Machinery.for_config(cfg1, _mesh(cfg1)), Machinery.for_config(cfg2, _mesh(cfg2))
+    m1, m2 = StepPrograms.for_config(cfg1, _mesh(cfg1)), StepPrograms.for_config(cfg2, _mesh(cfg2))
     sizes = unit_param_counts(cfg2)
     ring = 2 * (N4 - 1) / N4 * 4 / S2
     total = 0.0
@@ -440,7 +441,7 @@ def test_compressed_sync_matches_numpy_reference(compress):
     same per-device block quantization (all-to-all pattern at N = 4). The HLO carries the payload
     in s8 (int8) or u16 (bf16 bits) across `replica` and no float32 tensor."""
     cfg = _cfg(*EDIT4, f"sync.compress={compress}", "sync.tau=4", "sync.fragments=2")
-    m = Machinery.for_config(cfg, _mesh(cfg))
+    m = StepPrograms.for_config(cfg, _mesh(cfg))
     start = _crafted_state(m, _host(m.init_state(0)))
     r = _ref_of(cfg)
     dims = [jax.tree.leaves(m.layout.unit_dims["root"]), jax.tree.leaves(m.layout.unit_dims["layer"])]
@@ -486,7 +487,7 @@ def test_error_feedback_state_through_the_machinery():
     after a sync it is the part of Δ_i the int8 exchange dropped: Δ_i − deq(q(Δ_i)) on each device
     block, non-zero, smaller than half a quantum; a flagged worker's residual is 0."""
     cfg = _cfg(*EDIT4, "sync.compress=int8", "sync.error_feedback=true")
-    m = Machinery.for_config(cfg, _mesh(cfg))
+    m = StepPrograms.for_config(cfg, _mesh(cfg))
     start = _crafted_state(m, _host(m.init_state(0)))
     assert start.outer.residual is not None
     assert m.state_specs.outer.residual == m.state_specs.params  # [N, ...], sharded like the params
@@ -514,10 +515,10 @@ def test_error_feedback_state_through_the_machinery():
 def test_error_feedback_residual_is_checkpointed(tmp_path):
     """The residual is saved and restored with the state; a resume that turns error feedback on or
     off is refused naming the key (the state's structure differs)."""
-    from edit_jax.checkpoint import Checkpointer, CheckpointError
+    from edit_jax.rundir.checkpoint import Checkpointer, CheckpointError
 
     cfg = _cfg(*BASE4, "sync.method=edit", "sync.compress=int8", "sync.error_feedback=true")
-    m = Machinery.for_config(cfg, _mesh(cfg))
+    m = StepPrograms.for_config(cfg, _mesh(cfg))
     host = _host(m.init_state(0))
     rng = np.random.default_rng(5)
     host = host.replace(outer=host.outer.replace(residual=jax.tree.map(

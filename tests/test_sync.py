@@ -1,6 +1,6 @@
 """The sync functions of ``sync.py`` called directly, like optax transformations: a state built by
 ``state.StateLayout`` for a tiny config on a small mesh, the function run under ``jax.shard_map``
-over that mesh, and its output against an independent NumPy re-computation. No ``Machinery``, no
+over that mesh, and its output against an independent NumPy re-computation. No ``StepPrograms``, no
 model forward, no inner step.
 
 - ``sync_whole``: Algorithm 2 of EDIT.md on every unit (test_edit_sync.np_sync: Δ_i = θ̄ − θ_i,
@@ -24,12 +24,13 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from edit_jax import sync
-from edit_jax.fragments import fragment_layers, fragment_of_unit
-from edit_jax.methods import plan_for
-from edit_jax.outer import Detector, sgd_trace
-from edit_jax.sharding import REPLICA, make_mesh
-from edit_jax.state import StateLayout
+from edit_jax.localsgd import sync
+from edit_jax.localsgd.fragments import fragment_layers, fragment_of_unit
+from edit_jax.localsgd.methods import plan_for
+from edit_jax.localsgd.outer import Detector, sgd_trace
+from edit_jax.localsgd.sharding import REPLICA
+from edit_jax.runtime.mesh import make_mesh
+from edit_jax.localsgd.state import StateLayout
 from test_edit_sync import _assert_det_close, _assert_tree_close, _det_tuple, _host, _ref_of, _replica, _unit, np_sync
 from tests.helpers import tiny_config
 

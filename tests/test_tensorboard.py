@@ -17,7 +17,7 @@ from tests.trained_runs import edit_run
 pytest.importorskip("tensorboardX")
 from tensorboardX.proto import event_pb2  # noqa: E402 - the Event message's schema
 
-from edit_jax.tensorboard import TeeLog, TensorBoardWriter, record_scalars  # noqa: E402
+from edit_jax.rundir.tensorboard import TeeLog, TensorBoardWriter, record_scalars  # noqa: E402
 
 
 def _crc32c(data: bytes) -> int:
@@ -147,7 +147,7 @@ def test_turned_on_at_a_resume_shows_the_whole_history(tmp_path):
     import jax
 
     from edit_jax.config import LogConfig
-    from edit_jax.train import train
+    from edit_jax.training.train import train
     from tests.helpers import tiny_config
 
     cfg = tiny_config(2, 2, steps=2, checkpoint_every=2)

@@ -6,8 +6,8 @@ import jax
 import pytest
 
 from edit_jax.config import LogConfig
-from edit_jax.throughput import peak_tflops
-from edit_jax.train import train
+from edit_jax.training.throughput import peak_tflops
+from edit_jax.training.train import train
 from tests.helpers import tiny_config
 
 

@@ -13,9 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-from edit_jax.checkpoint import CheckpointError
+from edit_jax.rundir.checkpoint import CheckpointError
 from edit_jax.config import ConfigError
-from edit_jax.train import train
+from edit_jax.training.train import train
 from edit_jax.validate import load_config
 from tests.helpers import REPO, tiny_config
 
@@ -206,15 +206,15 @@ def test_incompatible_checkpoint_names_keys(tmp_path):
 def test_elastic_restart_with_more_replicas(tmp_path, capfd):
     cfg = tiny_config(2, 4, method="edit", steps=6, sync={"warmup_steps": 0, "tau": 3})
     train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
-    from edit_jax.checkpoint import Checkpointer
-    from edit_jax.state import state_shapes
+    from edit_jax.rundir.checkpoint import Checkpointer
+    from edit_jax.localsgd.state import state_shapes
 
     host, _ = Checkpointer(str(tmp_path), 2).restore_host(6, state_shapes(cfg))
     theta = host.outer.params
     bigger = tiny_config(4, 4, method="edit", steps=9, sync={"warmup_steps": 0, "tau": 3})
-    from edit_jax.sharding import make_mesh
-    from edit_jax.methods import plan_for
-    from edit_jax.state import StateLayout
+    from edit_jax.runtime.mesh import make_mesh
+    from edit_jax.localsgd.methods import plan_for
+    from edit_jax.localsgd.state import StateLayout
 
     layout = StateLayout(plan_for(bigger), make_mesh(bigger.mesh, jax.devices()[:16]))
     state = layout.elastic_state(host, old_n=2)
@@ -239,7 +239,7 @@ def test_placement_file_drives_the_mesh(tmp_path):
     one node, 1,3,5,7 on another) writes a device order that puts each node in one replica;
     training with `mesh.placement` builds that mesh and trains."""
     from edit_jax.placement.cli import main as placement_main
-    from edit_jax.sharding import make_mesh
+    from edit_jax.runtime.mesh import make_mesh
 
     n = 8
     node = [i % 2 for i in range(n)]

@@ -7,7 +7,7 @@ import os
 import jax
 
 from edit_jax.config import LogConfig
-from edit_jax.train import train
+from edit_jax.training.train import train
 from tests.helpers import tiny_config
 
 _RUNS: dict[str, tuple] = {}

@@ -99,7 +99,7 @@ def corrupt_batch(batch: np.ndarray, spec: CorruptSpec | None, step: int, num_re
                   seed: int) -> np.ndarray:
     """The global batch ``[B, T+1]`` of step ``step`` with the corrupted worker's rows replaced.
 
-    Rows ``[r*B/N, (r+1)*B/N)`` are replica r's (``TrainStream``; ``Machinery.put_batch`` puts
+    Rows ``[r*B/N, (r+1)*B/N)`` are replica r's (``TrainStream``; ``StepPrograms.put_batch`` puts
     them on replica r's devices). Returns ``batch`` itself when nothing is corrupted, else a copy:
     the caller's array (possibly the stream's) is never written."""
     if spec is None or not spec.active(step):

@@ -1,0 +1,237 @@
+"""Export a trained model to the Hugging Face Llama layout: ``edit-jax export``.
+
+    edit-jax export --run-dir runs/demo --out exports/demo [--step K] [--dtype bfloat16]
+
+Writes into ``--out``:
+
+- ``config.json``: a ``LlamaForCausalLM`` config (sizes, rope theta, norm eps, tied embeddings,
+  vocabulary, context);
+- ``model.safetensors``: the params (θ̄, see trained.py) under the standard Llama tensor names;
+- ``tokenizer.json`` (the run's; for the byte tokenizer one with the same ids),
+  ``tokenizer_config.json`` and ``generation_config.json`` (``hf_tokenizer.py``): the directory
+  loads with ``AutoTokenizer`` / ``AutoModelForCausalLM`` as it is;
+- ``edit_jax_export.json``: where the weights came from (run dir, step, method, θ̄ or replica).
+
+Every file is written world-readable (0644): an export is meant to be shared.
+
+Layouts. Our Dense kernels are [in, out] and a Hugging Face ``Linear`` weight is [out, in], so
+every projection is transposed. No permutation of q/k is needed: our q/k heads are contiguous
+[head, head_dim] column blocks (``reshape(b, t, heads, head_dim)``) and our rotary rotates the two
+halves of head_dim (rotate-half, frequency i = theta^(-2i/head_dim) on dims i and i + head_dim/2),
+which is the convention of ``LlamaForCausalLM`` (the permutation in conversion scripts is only for
+checkpoints trained with interleaved pairs). Grouped-query attention: query head h reads key/value
+head h // (n_heads / n_kv_heads) in both. tests/test_export.py checks all this with a NumPy Llama
+forward written from the exported files alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from typing import Any
+
+import numpy as np
+
+from edit_jax.config import Config, ModelConfig
+from edit_jax.data.tokenizers import BYTE_EOS
+from edit_jax.hf.tokenizer import EOS_TOKEN, byte_tokenizer_json, generation_config, tokenizer_config, with_eos
+from edit_jax.rundir.trained import TrainedModelError, load_tokenizer, load_trained, tokenizer_file
+
+DTYPES = ("float32", "bfloat16", "float16")
+WRITTEN = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+           "edit_jax_export.json")
+
+
+class ExportError(RuntimeError):
+    """An export that cannot be written; the message names the path."""
+
+
+def _cast(x: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        import ml_dtypes  # a dependency of JAX
+
+        return np.ascontiguousarray(np.asarray(x, np.float32).astype(ml_dtypes.bfloat16))
+    return np.ascontiguousarray(np.asarray(x, np.float32).astype(dtype))
+
+
+def hf_tensors(cfg: ModelConfig, params: Any, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """Our params tree -> {Hugging Face Llama tensor name: array} (see the module docstring)."""
+    root, layers = params["root"], params["layers"]
+    out = {"model.embed_tokens.weight": root["embed"], "model.norm.weight": root["final_norm"]["scale"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = np.asarray(root["lm_head"]).T  # [d, vocab] -> [vocab, d]
+    attn, mlp = layers["attn"], layers["mlp"]
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = layers["attn_norm"]["scale"][i]
+        out[p + "post_attention_layernorm.weight"] = layers["mlp_norm"]["scale"][i]
+        for ours, theirs in [("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")]:
+            out[p + f"self_attn.{theirs}.weight"] = np.asarray(attn[ours][i]).T
+        for ours, theirs in [("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")]:
+            out[p + f"mlp.{theirs}.weight"] = np.asarray(mlp[ours][i]).T
+    return {k: _cast(v, dtype) for k, v in out.items()}
+
+
+def hf_config(cfg: Config, dtype: str = "float32", eos_id: int | None = None) -> dict:
+    """A ``LlamaForCausalLM`` config.json for ``cfg``."""
+    m = cfg.model
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model,
+        "intermediate_size": m.ffn_dim,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.data.seq_len,
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": m.tie_embeddings,
+        "initializer_range": m.init_std,
+        "bos_token_id": eos_id,  # a document starts after an EOS (hf_tokenizer.py)
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "torch_dtype": dtype,
+    }
+
+
+def check_out(out: str, force: bool) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ExportError(f"--out {out!r} exists and is not a directory (expected a new or empty directory)")
+    if os.path.isdir(out) and os.listdir(out) and not force:
+        raise ExportError(f"--out {out!r} exists and is not empty (expected a new or empty directory; "
+                          "pass --force to write over it)")
+    parent = _nearest_existing(os.path.dirname(os.path.abspath(out)))
+    if not os.path.isdir(parent):
+        raise ExportError(f"--out {out!r} cannot be created: {parent!r} is not a directory")
+    target = out if os.path.isdir(out) else parent  # the dir a file or a subdir goes into first
+    if not os.access(target, os.W_OK):
+        raise ExportError(f"--out {out!r} cannot be written: no write permission in {target!r}")
+
+
+def _nearest_existing(path: str) -> str:
+    """``path`` or its nearest ancestor that exists (what ``os.makedirs`` would create under)."""
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def write_export(out: str, cfg: Config, params: Any, *, dtype: str = "float32", eos_id: int | None = None,
+                 tokenizer_path: str | None = None, provenance: dict | None = None, force: bool = False) -> list[str]:
+    """Writes the export into ``out``; returns the paths written. Refuses a non-empty ``out``
+    unless ``force`` (then the files it writes are replaced; other files are left alone). If a
+    write fails, what it wrote is removed (the whole ``out`` if it made it)."""
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_out(out, force)
+    if tokenizer_path is not None and not os.path.isfile(tokenizer_path):
+        raise ExportError(f"tokenizer file {tokenizer_path!r} not found (expected the run's tokenizer.json; "
+                          "pass its path with --tokenizer)")
+    created = not os.path.exists(out)
+    written = []
+    try:
+        os.makedirs(out, exist_ok=True)
+        _write_files(out, cfg, params, dtype, eos_id, tokenizer_path, provenance, force, written)
+    except OSError as e:  # a full disk, a vanished dir: no half export that looks whole
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            for p in written:
+                if os.path.exists(p):
+                    os.remove(p)
+        left = "removed" if created else "the files written so far removed"
+        raise ExportError(f"--out {out!r}: writing failed ({e.strerror or e}); {left}") from e
+    return written
+
+
+def _write_files(out: str, cfg: Config, params: Any, dtype: str, eos_id: int | None, tokenizer_path: str | None,
+                 provenance: dict | None, force: bool, written: list[str]) -> None:
+    """Writes the export's files into the existing dir ``out``, appending each path to ``written``
+    before it is opened (so that a failure can remove it)."""
+    from safetensors.numpy import save_file
+
+
+    def path(name):
+        written.append(os.path.join(out, name))
+        return written[-1]
+
+    def write_json(name, obj):
+        with open(path(name), "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+
+    save_file(hf_tensors(cfg.model, params, dtype), path("model.safetensors"), metadata={"format": "pt"})
+    eos = BYTE_EOS if eos_id is None else int(eos_id)
+    write_json("config.json", hf_config(cfg, dtype, eos))
+    if tokenizer_path is None:  # the byte tokenizer, as a file Hugging Face loads
+        tokenizer, eos_token = byte_tokenizer_json(eos), EOS_TOKEN
+        write_json("tokenizer.json", tokenizer)
+    else:
+        with open(tokenizer_path, encoding="utf-8") as f:
+            original = json.load(f)
+        tokenizer, eos_token = with_eos(original, eos)
+        if tokenizer is original:
+            shutil.copyfile(tokenizer_path, path("tokenizer.json"))  # the run's file, byte for byte
+        else:  # edit-jax's EOS is one id past its vocabulary: added, so that generation stops
+            write_json("tokenizer.json", tokenizer)
+    write_json("tokenizer_config.json", tokenizer_config(eos_token, cfg.data.seq_len))
+    write_json("generation_config.json", generation_config(eos, cfg.data.seq_len))
+    write_json("edit_jax_export.json", provenance or {})
+    for p in written:
+        os.chmod(p, 0o644)
+
+
+def export_run(run_dir: str, out: str, *, step: int | None = None, dtype: str = "float32",
+               tokenizer: str | None = None, force: bool = False) -> list[str]:
+    """Exports checkpoint ``step`` (default: the latest) of ``run_dir`` into ``out``."""
+    if dtype not in DTYPES:  # before reading anything
+        raise ExportError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_out(out, force)
+    model = load_trained(run_dir, step)
+    tok = load_tokenizer(model.cfg, tokenizer, model.run_dir)
+    tok_file = tokenizer_file(model.cfg, tokenizer, model.run_dir)  # the run dir's copy first
+    provenance = {"run_dir": os.path.abspath(run_dir), "checkpoint": model.checkpoint, "step": model.step,
+                  "method": model.cfg.sync.method,
+                  "params": "outer (θ̄)" if model.source == "outer" else "replica (state.params[0])",
+                  "tokenizer": "byte (ids 0..255 are byte values, EOS 256)" if tok_file is None
+                  else os.path.basename(tok_file),
+                  "eos_token_id": int(tok.eos_id), "dtype": dtype}
+    return write_export(out, model.cfg, model.params, dtype=dtype, eos_id=int(tok.eos_id),
+                        tokenizer_path=tok_file, provenance=provenance, force=force)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="edit-jax export",
+                                     description="Export a trained run to the Hugging Face Llama layout.")
+    parser.add_argument("--run-dir", required=True, help="the run dir of `edit-jax train`")
+    parser.add_argument("--out", required=True, help="output directory (new or empty)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="tensor dtype (default float32)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer.json to ship instead of the run's data.tokenizer")
+    parser.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    args = parser.parse_args(argv)
+
+    try:
+        written = export_run(args.run_dir, args.out, step=args.step, dtype=args.dtype, tokenizer=args.tokenizer,
+                             force=args.force)
+    except (TrainedModelError, ExportError) as e:
+        print(f"edit-jax: export error: {e}", file=sys.stderr)
+        return 2
+    for p in written:
+        print(p)
+    return 0
+
+
+__all__ = ["hf_tensors", "hf_config", "write_export", "export_run", "ExportError", "main"]

@@ -1,0 +1,50 @@
+"""Inner optimizer: clip by the replica's global gradient norm -> AdamW, warmup + cosine decay.
+
+The chain runs under ``shard_map`` on FSDP blocks, so the global norm is a ``psum`` over
+``shard`` of the blocks' squared norms: the norm of this replica's whole gradient (replicas may
+hold different gradients between syncs; a norm over all of them would couple them).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from edit_jax.config import OptimConfig
+from edit_jax.localsgd.sharding import shard_sq_norm
+
+
+def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    decay = cfg.decay_steps or total_steps
+    warmup = min(cfg.warmup_steps, max(decay - 1, 0))
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(decay, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+
+
+def clip_by_sharded_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """optax.clip_by_global_norm for FSDP blocks: the norm is taken over the whole replica."""
+
+    def init(params):
+        del params
+        return optax.EmptyState()
+
+    def update(updates, state, params=None):
+        del params
+        norm = jnp.sqrt(shard_sq_norm(updates))
+        scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+        return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(init, update)
+
+
+def decay_mask(params):
+    """Weight decay on matrices only: not on norm scales (which are [L, d] once stacked)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not any(getattr(k, "key", None) in ("scale",) for k in path), params)
+
+
+def inner_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    parts = [clip_by_sharded_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
+    parts.append(optax.adamw(lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, mask=decay_mask))
+    return optax.chain(*parts)

@@ -1,0 +1,1 @@
+"""Model families behind one contract (``family``): Llama (``llama``) and decoding (``decode``)."""

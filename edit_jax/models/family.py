@@ -1,0 +1,46 @@
+"""Model families: the seam between the training machinery and a model's maths.
+
+``model.family`` in the config names a module that provides the forward-with-hook contract, and
+the step code reaches the model only through it:
+
+- ``init_params(cfg: ModelConfig, key) -> params``: full fp32 params laid out as
+  ``{"root": {...}, "layers": {... stacked along a leading layer axis ...}}``;
+- ``forward(cfg, params, tokens, hook, hook_xs=None) -> (logits, ys)``: every unit's params (the
+  root first, then each layer inside a scan) pass through ``hook(unit, unit_xs, which)`` on their
+  way into compute (``which`` is "root" or "layer"); ``hook_xs``/``ys`` are per-unit inputs and
+  outputs laid out like the params (``{"root": ..., "layers": ...}``);
+- ``token_loss_sum(logits, targets) -> scalar``;
+- optionally ``loss_sum(cfg, params, tokens, targets, hook, hook_xs=None) -> (scalar, ys)``: the
+  forward and the loss in one, so that a family can avoid materialising the whole logits (the
+  llama family makes them ``model.loss_chunk`` positions at a time); used where present.
+
+The hook is where FSDP gathers a unit and where EDiT syncs it, so any model with this contract
+trains with every method. To add a family: a module with those three functions and one line in
+``FAMILIES``. This module does not import JAX (configs are validated, ``validate`` below, before
+JAX starts).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from edit_jax.config import Config, require
+
+FAMILIES = {"llama": "edit_jax.models.llama"}
+
+
+def model_family(name: str) -> ModuleType:
+    """The module of family ``name`` (checked by ``validate``)."""
+    if name not in FAMILIES:
+        raise KeyError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
+    return importlib.import_module(FAMILIES[name])
+
+
+def validate(cfg: Config) -> None:
+    """``model.family`` names a family of ``FAMILIES``."""
+    require(cfg.model.family in FAMILIES, "model.family",
+            f"expected one of {', '.join(FAMILIES)}; got {cfg.model.family!r}")
+
+
+__all__ = ["FAMILIES", "model_family", "validate"]

@@ -1,0 +1,269 @@
+"""Checkpoints with orbax: the whole train state, the data iterator position and a metadata record.
+
+Layout: ``RUN_DIR/checkpoints/<step>/{state,data,meta}``. ``meta`` holds the config that wrote the
+checkpoint and the state's format (``state.STATE_FORMAT``; absent: format 1), so that a resume with an incompatible config (other model shape, shard count or
+method) is refused with a message naming the keys, instead of failing deep inside orbax.
+A checkpoint that cannot be read is reported and left in place: nothing is written over it.
+
+Integrity (see integrity.py): ``meta`` also holds a checksum of every array, computed on device
+before the save; restores verify it (``UnreadableCheckpointError`` on a mismatch). Rotation is
+done here, not by orbax's ``max_to_keep``: older checkpoints are deleted only after the new one
+is finalised and its metadata (with the checksums) reads back, so the newest good checkpoint is
+never deleted before a newer one exists. Checkpoints that fail verification are moved aside to
+``RUN_DIR/checkpoints.bad/``, never deleted (``set_aside``).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+import zlib
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from edit_jax.config import Config, to_dict
+from edit_jax.rundir.integrity import checksum_mismatches, state_checksums
+from edit_jax.localsgd.state import STATE_FORMAT
+
+# Keys whose change makes a checkpoint's arrays unusable (their shapes or structure depend on them).
+# mesh.replica is absent on purpose: the number of workers may change across a restart (elastic).
+STRUCTURAL_KEYS = ["model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
+                   "model.ffn_dim", "model.tie_embeddings", "mesh.shard", "sync.method", "sync.anomaly_warmup"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint exists but cannot be used; it is left untouched."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A checkpoint could not be written (disk full, permissions, ...); earlier ones are intact."""
+
+
+def _save_reason(e: BaseException) -> str:
+    """The cause of a failed save in a few words: a full disk is named as such."""
+    cause, seen = e, 0
+    while cause is not None and seen < 20:  # the OSError may be wrapped several times
+        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            return "no space left on the device"
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    text = " ".join(str(e).split())
+    if "RESOURCE_EXHAUSTED" in text or "No space left" in text or "ENOSPC" in text:
+        return "no space left on the device"
+    return _brief(e)
+
+
+def data_checksum(data_state: dict) -> int:
+    """A checksum of the data-stream state (JSON, keys sorted): a resume depends on every byte
+    of it (the step, the seed), so it is verified like the arrays."""
+    return zlib.crc32(json.dumps(data_state, sort_keys=True).encode())
+
+
+class UnreadableCheckpointError(CheckpointError):
+    """A checkpoint cannot be read or its arrays do not match their checksums (damaged on disk).
+    Unlike an incompatible config, an older checkpoint may still be good: callers may fall back."""
+
+
+def _brief(e: BaseException, limit: int = 300) -> str:
+    """An exception as one short line: orbax / TensorStore errors can carry kilobytes of spec dumps."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:limit]}{' ...' if len(text) > limit else ''}"
+
+
+def check_checksums(path: str, saved: dict[str, int], now: dict[str, int]) -> None:
+    """Raises ``UnreadableCheckpointError`` naming checkpoint ``path`` if the checksums of the arrays
+    read (``now``) differ from those ``saved`` with it."""
+    bad = checksum_mismatches(saved, now)
+    if bad:
+        raise UnreadableCheckpointError(
+            f"checkpoint {path} is damaged: the checksums of {len(bad)} array(s) "
+            f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}) differ from those recorded when it was saved")
+
+
+def steps_on_disk(run_dir: str) -> list[int]:
+    """Finalised checkpoint steps under ``run_dir`` (sorted), read from the directory names alone:
+    cheap, no orbax (orbax's in-progress saves have a ``.orbax-checkpoint-tmp`` suffix)."""
+    directory = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(d) for d in os.listdir(directory) if d.isdigit() and os.path.isdir(os.path.join(directory, d)))
+
+
+def _get(d: dict, dotted: str):
+    for part in dotted.split("."):
+        d = d.get(part, {}) if isinstance(d, dict) else None
+    return d
+
+
+class Checkpointer:
+    def __init__(self, run_dir: str, keep: int):
+        self.directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+        self.keep = keep
+        # max_to_keep=None: rotation is ours (``_rotate``), after the new checkpoint is verified.
+        options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True, enable_async_checkpointing=False)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "meta"))
+
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: Any, data_state: dict, cfg: Config) -> None:
+        if int(step) in self.manager.all_steps():  # e.g. a signal right after a periodic save
+            return
+        meta = {"config": to_dict(cfg), "step": int(step), "state_format": STATE_FORMAT,
+                "checksums": state_checksums(state), "data_checksum": data_checksum(data_state)}
+        final_dir = os.path.join(self.directory, str(step))
+        existed = os.path.isdir(final_dir)
+        try:
+            self.manager.save(int(step), args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - orbax / TensorStore wrap OS errors in many types
+            try:  # let orbax's background writes of this save end first: they could recreate its dir
+                self.manager.wait_until_finished()
+            except Exception:  # noqa: BLE001 - the same failure again: the first one is reported
+                pass
+            self._remove_partial(int(step), final=not existed)
+            raise CheckpointSaveError(f"could not save checkpoint {final_dir}: {_save_reason(e)}. Earlier checkpoints "
+                                      f"are intact ({', '.join(map(str, self.all_steps())) or 'none'}); fix that and "
+                                      "re-run the same command to resume") from e
+        self._rotate(int(step), meta["checksums"])
+
+    def _remove_partial(self, step: int, final: bool) -> None:
+        """After a failed save: what this save left of ``step`` is removed, so that it takes no
+        space and no later run trips over it: orbax's unfinished temporary dir, and with ``final``
+        the step's own dir too. The save can fail after orbax renamed the temporary dir (the
+        rename is not the last write of a save), which leaves ``checkpoints/<step>`` on disk but
+        not in orbax's list: a checkpoint nobody verified and the error message would not name.
+        ``final`` is False when that dir existed before this save, which is then left alone."""
+        def leftovers() -> list[str]:
+            return [n for n in os.listdir(self.directory)
+                    if n.startswith(f"{step}.orbax-checkpoint-tmp") or (final and n == str(step))]
+
+        if jax.process_index() == 0 and os.path.isdir(self.directory):
+            # TensorStore's writes of the other arrays may still be in flight after the first one
+            # failed: they recreate files in the dir being removed. Removed until it stays gone
+            # for a moment (at most ~3 s).
+            for _ in range(30):
+                for name in leftovers():
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                time.sleep(0.1)
+                if not leftovers():
+                    break
+        # orbax's step list from the disk as it now is. No barrier here: after a failed save the
+        # other processes may already be in the next step's collectives (the launcher ends them).
+        self.reload()
+
+    def _rotate(self, new_step: int, checksums: dict) -> None:
+        """Deletes checkpoints beyond the newest ``keep``, once ``new_step`` is finalised and its
+        metadata (with these checksums) reads back; otherwise deletes nothing."""
+        try:
+            ok = self.read_meta(new_step).get("checksums") == checksums
+        except CheckpointError:
+            ok = False
+        if not ok:
+            return
+        for step in self.all_steps()[:-self.keep]:
+            self.manager.delete(step)
+
+    def verify(self, step: int, state: Any, meta: dict | None = None) -> None:
+        """Raises ``UnreadableCheckpointError`` if the arrays of ``state`` (restored from ``step``)
+        do not match the checksums recorded at save time. Checkpoints written before checksums
+        existed have none and pass."""
+        meta = self.read_meta(step) if meta is None else meta
+        saved = meta.get("checksums")
+        if saved is None:
+            return
+        check_checksums(os.path.join(self.directory, str(step)), saved, state_checksums(state))
+
+    def verify_data(self, step: int, data_state: dict, meta: dict | None = None) -> None:
+        """Raises ``UnreadableCheckpointError`` if the data-stream state differs from the one saved
+        (checkpoints written before this checksum existed pass)."""
+        meta = self.read_meta(step) if meta is None else meta
+        saved = meta.get("data_checksum")
+        if saved is not None and saved != data_checksum(data_state):
+            raise UnreadableCheckpointError(
+                f"checkpoint {os.path.join(self.directory, str(step))} is damaged: its data-stream state "
+                f"{json.dumps(data_state, sort_keys=True)[:200]} differs from the one recorded when it was saved")
+
+    def set_aside(self, step: int, where: str = "checkpoints.bad", move: bool = True) -> str:
+        """Moves checkpoint ``step`` to ``RUN_DIR/<where>/<step>`` (never deletes it); returns the new
+        path. ``move=False`` (the other processes of a multi-process run, whose process 0 moves it)
+        only names the path. Call ``reload`` after the moves."""
+        dest_dir = os.path.join(os.path.dirname(self.directory), where)
+        dest, i = os.path.join(dest_dir, str(step)), 1
+        while os.path.exists(dest):
+            dest, i = os.path.join(dest_dir, f"{step}.{i}"), i + 1
+        if move:
+            os.makedirs(dest_dir, exist_ok=True)
+            shutil.move(os.path.join(self.directory, str(step)), dest)
+        return dest
+
+    def reload(self) -> None:
+        """Re-reads the list of checkpoints on disk (after ``set_aside``)."""
+        self.manager.reload()
+
+    def read_meta(self, step: int) -> dict:
+        path = os.path.join(self.directory, str(step))
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            return out["meta"]
+        except Exception as e:  # noqa: BLE001 - orbax raises many types; report them all the same way
+            raise UnreadableCheckpointError(f"checkpoint {path} is unreadable (metadata): {_brief(e)}. "
+                                            "It was left untouched; move it away to start over.") from e
+
+    def check_compatible(self, meta: dict, cfg: Config, step: int) -> None:
+        saved, now = meta.get("config", {}), to_dict(cfg)
+        diffs = [f"{k}: checkpoint {_get(saved, k)!r}, config {_get(now, k)!r}"
+                 for k in STRUCTURAL_KEYS if _get(saved, k) != _get(now, k)]
+        if bool(_get(saved, "sync.error_feedback") or False) != bool(now["sync"]["error_feedback"]):  # adds state
+            diffs.append(f"sync.error_feedback: checkpoint {bool(_get(saved, 'sync.error_feedback') or False)}, "
+                         f"config {now['sync']['error_feedback']}")
+        if diffs:
+            raise CheckpointError(f"checkpoint {os.path.join(self.directory, str(step))} is incompatible with the "
+                                  f"config ({'; '.join(diffs)}). Use another --run-dir, or the config that wrote it.")
+
+    def restore(self, step: int, abstract_state: Any, meta: dict | None = None) -> tuple[Any, dict]:
+        path = os.path.join(self.directory, str(step))
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001
+            raise UnreadableCheckpointError(f"checkpoint {path} could not be restored: {_brief(e)}. "
+                                            "It was left untouched; move it away to start over.") from e
+        meta = self.read_meta(step) if meta is None else meta  # read once for both checks
+        self.verify(step, out["state"], meta)
+        self.verify_data(step, out["data"], meta)
+        return out["state"], out["data"]
+
+    def restore_host(self, step: int, abstract_state: Any, meta: dict | None = None) -> tuple[Any, dict]:
+        """Restores into host NumPy arrays of the saved shapes (for elastic restarts with another N)."""
+        path = os.path.join(self.directory, str(step))
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), abstract_state)
+        # A manager of its own: orbax binds an item's handler type (here PyTree, not Standard) at
+        # first use, and the run's manager must keep saving with StandardSave afterwards.
+        reader = ocp.CheckpointManager(self.directory, item_names=("state", "data", "meta"),
+                                       options=ocp.CheckpointManagerOptions(create=False, read_only=True))
+        try:
+            out = reader.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args),
+                data=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001
+            raise UnreadableCheckpointError(f"checkpoint {path} could not be restored: {_brief(e)}. "
+                                            "It was left untouched; move it away to start over.") from e
+        finally:
+            reader.close()
+        meta = self.read_meta(step) if meta is None else meta  # read once for both checks
+        self.verify(step, out["state"], meta)
+        self.verify_data(step, out["data"], meta)
+        return out["state"], out["data"]
+
+    def close(self) -> None:
+        self.manager.close()

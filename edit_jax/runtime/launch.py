@@ -1,0 +1,217 @@
+"""Starts one worker process per replica on this machine and watches them (``mesh.processes=N``).
+
+``edit-jax train ... mesh.processes=N`` re-runs the same command line in N child processes, each
+with ``mesh.shard`` CPU devices of its own and the coordinator address in its environment
+(``multihost.py``). Process 0 writes the run dir's ``config.json``, the progress bar and the
+sync and evaluation records; every worker appends its own training records.
+
+Watching: a Ctrl-C or SIGTERM here is passed on to every worker (they stop together at their next
+meeting and checkpoint). A worker that dies ends the run at once: the others are killed (a
+collective with a lost peer could only hang or abort), the message names the lost worker, and the
+launcher exits with ``EXIT_WORKER_LOST``. A worker that hangs (stopped, e.g. by SIGSTOP) makes the
+others' coordination service give up after ``mesh.heartbeat_seconds``; the message then names the
+hung worker, not the healthy one that aborted. A worker that ends with a message of its own (bad
+input 2, diverged 3, run dir locked 4) passes its code on, and its message is the only one.
+Nothing checkpointed is lost: orbax commits a checkpoint only once it is whole, and re-running the
+same command resumes from the last one.
+
+The workers' output passes through here (``relay``): a message every worker prints (they all
+reach the same verdict) is shown once, and the runtime's own chatter (gloo's connection lines,
+absl log lines, the native stack dump of an aborting coordination client) is left out unless
+``EDIT_JAX_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from edit_jax.runtime.multihost import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
+EXIT_WORKER_LOST = 5
+NORMAL_EXITS = (0, 130)  # done; stopped by a signal with a checkpoint
+PASSED_ON_EXITS = (2, 3, 4)  # cli.py: bad input, diverged, run dir locked
+FINISH_GRACE_S = 60.0
+PASS_ON_GRACE_S = 10.0  # the others usually end with the same message within moments
+ENV_DEBUG = "EDIT_JAX_DEBUG"  # as cli.ENV_DEBUG (--debug sets it)
+
+# Output of the runtime, not of edit-jax: gloo's connection lines and absl log lines (I/W/E/F +
+# date). A fatal line or a native crash report starts a dump whose rest is dropped too.
+_CHATTER = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d")
+_FATAL = re.compile(r"^(F\d{4} \d\d:\d\d:\d\d|\*\*\* |Fatal Python error|Check failure stack trace|"
+                    r"Terminating process because)")
+
+
+class Relay:
+    """Copies the workers' output to ours, one segment (a line, or a progress bar's ``\r`` update)
+    at a time: messages already shown by another worker and the runtime's chatter are dropped
+    (module docstring). Thread-safe: one thread per worker stream."""
+
+    def __init__(self, keep_everything: bool = False):
+        self.keep = keep_everything
+        self.shown: set[str] = set()
+        self.dumping: set[int] = set()  # workers whose output is a native dump from here on
+        self.in_log: set[int] = set()  # workers inside a multi-line runtime log message
+        self.suppressed = 0
+        self.lock = threading.Lock()
+
+    def segment(self, worker: int, text: str, out) -> None:
+        line = text.rstrip("\r\n")
+        with self.lock:
+            if not self.keep:
+                if worker in self.dumping or _FATAL.match(line):
+                    self.dumping.add(worker)
+                    self.suppressed += 1
+                    return
+                if line.startswith("[Gloo]"):
+                    return
+                if _CHATTER.match(line) or (worker in self.in_log and not line.startswith("edit-jax:")):
+                    self.in_log.add(worker)  # an absl message's continuation lines carry no prefix
+                    self.suppressed += 1
+                    return
+                self.in_log.discard(worker)
+                if line.startswith("edit-jax:"):
+                    if line in self.shown:
+                        return
+                    self.shown.add(line)
+            out.write(text)
+            out.flush()
+
+    def pump(self, worker: int, stream, out) -> None:
+        pending = ""
+        for chunk in iter(lambda: stream.read1(65536), b""):
+            pending += chunk.decode("utf-8", errors="replace")
+            parts = re.split(r"(?<=[\r\n])", pending)
+            pending = parts.pop()  # an unfinished segment waits for the rest
+            for part in parts:
+                self.segment(worker, part, out)
+        if pending:
+            self.segment(worker, pending, out)
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of ``pid`` (R, S, D, T stopped, t traced, Z zombie), or ""."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(base: dict, coordinator: str, n: int, i: int, shard: int) -> dict:
+    env = dict(base)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={shard}".strip()
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env.update({ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(n), ENV_PROCESS_ID: str(i)})
+    return env
+
+
+def _in_child(core: int | None) -> None:
+    """Runs in each worker between fork and exec: die with the launcher (no orphaned workers if it
+    is killed), and optionally stay on one CPU core (every thread the worker starts inherits it)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own cleanup still kills its workers
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+
+
+def launch(train_argv: list[str], n: int, shard: int, pin_cores: bool = False,
+           say=lambda m: print(m, file=sys.stderr, flush=True)) -> int:
+    """Runs ``python -m edit_jax train <train_argv>`` as N workers; returns the exit code. With
+    ``pin_cores`` worker i (and every thread it starts) runs on core i mod (cores available)."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    relay = Relay(keep_everything=os.environ.get(ENV_DEBUG, "") not in ("", "0"))
+    procs, pumps = [], []
+    for i in range(n):
+        env = worker_env(os.environ, coordinator, n, i, shard)
+        core = cores[i % len(cores)] if pin_cores and cores else None
+        procs.append(subprocess.Popen([sys.executable, "-m", "edit_jax", "train", *train_argv], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      preexec_fn=lambda core=core: _in_child(core)))
+        for stream, out in ((procs[i].stdout, sys.stdout), (procs[i].stderr, sys.stderr)):
+            pumps.append(threading.Thread(target=relay.pump, args=(i, stream, out), daemon=True))
+            pumps[-1].start()
+    say(f"edit-jax: started {n} worker processes (pids {', '.join(str(p.pid) for p in procs)}), "
+        f"{shard} CPU devices each, coordinator {coordinator}")
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    def stop_all():
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+        for t in pumps:  # the rest of their output (the pipes close with the processes)
+            t.join(timeout=5)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        finished_at = None  # when the first worker ended normally (done, or stopped by a signal)
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                for t in pumps:
+                    t.join(timeout=5)
+                return EXIT_WORKER_LOST if any(c < 0 for c in codes) else next((c for c in codes if c), 0)
+            ended = [(i, c) for i, c in enumerate(codes) if c is not None]
+            passed_on = [(i, c) for i, c in ended if c in PASSED_ON_EXITS]
+            if passed_on:  # its own message said what happened: give the others a moment to agree
+                deadline = time.monotonic() + PASS_ON_GRACE_S
+                while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                    time.sleep(0.1)
+                stop_all()
+                return passed_on[0][1]
+            lost = [(i, c) for i, c in ended if c not in NORMAL_EXITS]
+            if ended and finished_at is None:
+                finished_at = time.monotonic()
+            # Workers that end normally end within moments of each other (they meet to finish).
+            if not lost and ended and time.monotonic() - finished_at > FINISH_GRACE_S:
+                lost = [(i, None) for i, c in enumerate(codes) if c is None]
+            if lost:
+                i, code = lost[0]
+                how = ("did not finish with the others" if code is None else
+                       f"signal {-code}" if code < 0 else f"exit code {code}")
+                # A stopped (hung) worker makes the healthy ones abort when their heartbeats go
+                # unanswered: the stopped one is the cause.
+                hung = [j for j, p in enumerate(procs) if p.poll() is None and process_state(p.pid) in ("T", "t")]
+                if hung and (code is None or code < 0):
+                    i, how = hung[0], "stopped responding (its process is stopped)"
+                stop_all()
+                say(f"edit-jax: worker {i} (pid {procs[i].pid}) {how}; stopped the other workers. "
+                    f"The last checkpoint is intact: re-run the same command to resume"
+                    + (f" ({relay.suppressed} lines of native diagnostics left out; {ENV_DEBUG}=1 shows them)"
+                       if relay.suppressed else ""))
+                return EXIT_WORKER_LOST
+            time.sleep(0.1)
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+        for p in procs:  # never leave a worker behind
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+__all__ = ["launch", "free_port", "worker_env", "Relay", "process_state", "EXIT_WORKER_LOST"]

@@ -1,0 +1,241 @@
+"""``edit-jax plan``: does a config fit its devices? Read from the compiled program, before any run.
+
+    edit-jax plan --config configs/edit_7b.py [overrides] [--json plan.json] [--device-memory 80]
+
+Every step kind the config's method runs is compiled for its mesh on emulated CPU devices
+(``mesh.replica x mesh.shard`` of them, set here before JAX starts) with abstract inputs: no
+array is allocated, so a 7B preset plans on a laptop. Per device it reports:
+
+- the state by part (params, inner optimizer, outer state, the rest), from the shardings;
+- each step's compiled temporaries (``memory_analysis``) and FLOPs (``cost_analysis``);
+- bytes per collective and mesh axis per step, from the HLO (``edit_jax/hlo.py``: ring bytes),
+  and for the methods that sync the tau-window mean of the bytes crossing ``replica``;
+- an analytic estimate of a GPU's peak (``gpu_estimate``, the formula in its docstring) beside
+  the CPU backend's temporaries (which keep fp32 copies and have no fused attention), and the
+  verdict: the state plus the estimate within ``--device-memory`` GB (default 80).
+
+The JSON has a top-level ``"fits"`` (true / false) and every number. Exit 0 when it fits, 1 when it
+does not, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import jax
+
+from edit_jax.tools import hlo
+from edit_jax.localsgd.methods import plan_for
+from edit_jax.localsgd.sharding import BATCH_SPEC, named
+from edit_jax.runtime.mesh import make_mesh, set_cpu_device_count
+from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.validate import ConfigError, load_config
+
+GIB = 1024 ** 3
+
+
+def step_kinds(schedule, cfg) -> list[str]:
+    """The step kinds ``schedule`` runs, in first-use order (the warmup, one tau window and a bit)."""
+    kinds = []
+    horizon = schedule.warmup + 2 * max(cfg.sync.tau, 1) + 2
+    for k in range(horizon):
+        name = str(schedule.kind(k))
+        if name not in kinds:
+            kinds.append(name)
+    if hasattr(schedule, "sync_kind") and str(schedule.sync_kind()) not in kinds:  # A-EDiT: by wall time
+        kinds.append(str(schedule.sync_kind()))
+    return kinds
+
+
+def state_bytes(abstract_state) -> dict:
+    """Bytes per device by part of the state (the largest over devices), device and host memory."""
+    def per_device(tree) -> tuple[float, float]:
+        dev = host = 0.0
+        for x in jax.tree.leaves(tree):
+            shard = x.sharding.shard_shape(x.shape)
+            nbytes = math.prod(shard) * x.dtype.itemsize
+            if "host" in (getattr(x.sharding, "memory_kind", None) or "device"):
+                host += nbytes
+            else:
+                dev += nbytes
+        return dev, host
+
+    parts = {"params": abstract_state.params, "inner_optimizer": abstract_state.opt_state,
+             "outer": abstract_state.outer, "other": (abstract_state.step, abstract_state.rng)}
+    out = {}
+    for name, tree in parts.items():
+        dev, host = per_device(tree)
+        out[name] = {"device_bytes": dev, "host_bytes": host}
+    out["total_device_bytes"] = sum(v["device_bytes"] for v in out.values())
+    return out
+
+
+def gpu_estimate(cfg, params_device_bytes: float) -> dict:
+    """A GPU's peak memory per device for one step, beyond the state, in bytes. With b rows per
+    micro-batch and device (batch_size / (N S) / grad_accum), T = seq_len, d, f = ffn_dim, L
+    layers, h heads, V vocab, c bytes per compute value:
+
+    - gradients: fp32, the params' shard (one more copy with grad_accum > 1: the running sum);
+    - saved activations: with remat each layer's input, L b T d c; without, every layer's
+      intermediates, L b T (10 d + 3 f) c, plus the attention scores when not fused;
+    - one layer's working set (forward or its recomputation in the backward): b T (10 d + 3 f) c;
+      unless cuDNN's fused kernel runs, the attention's fp32 [b, h, T, T] scores, probabilities
+      and the gradients of both, 4 b h T T x 4;
+    - the loss: fp32 logits and their gradient of one chunk, 2 b C V x 4 (C = model.loss_chunk,
+      or T), and the fp32 gradient of the final hidden states b T d x 4;
+    - FSDP gathers: two layers' full params in the compute dtype (the next layer's gather runs
+      ahead), plus the root (embedding and head), c (L-independent).
+
+    What it leaves out: XLA's own buffers and fragmentation (keep ~10% free), the cuDNN workspace.
+    """
+    m = cfg.model
+    n_dev = cfg.mesh.replica * cfg.mesh.shard
+    b = cfg.batch_size // n_dev // cfg.optim.grad_accum
+    t, d, f, L, h, v = cfg.data.seq_len, m.d_model, m.ffn_dim, m.n_layers, m.n_heads, m.vocab_size
+    c = 2 if m.compute_dtype in ("bfloat16", "float16") else 4
+    fused = m.attention in ("auto", "cudnn") and c == 2 and m.head_dim <= 128  # auto picks cuDNN on GPU
+    scores = 0.0 if fused else 4 * b * h * t * t * 4
+    layer = b * t * (10 * d + 3 * f) * c
+    saved = L * b * t * d * c if m.remat else L * (layer + scores)
+    chunk = m.loss_chunk if 0 < m.loss_chunk < t else t
+    loss = 2 * b * chunk * v * 4 + b * t * d * 4
+    hd = m.head_dim
+    layer_params = d * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * d * f + 2 * d
+    root_params = v * d * (1 if m.tie_embeddings else 2) + d
+    gathers = (2 * layer_params + root_params) * c
+    grads = params_device_bytes * (2 if cfg.optim.grad_accum > 1 else 1)
+    parts = {"gradients": grads, "saved_activations": saved, "layer_working_set": layer + scores,
+             "loss": loss, "param_gathers": gathers}
+    return {"parts": parts, "total_bytes": sum(parts.values()), "rows_per_micro_batch": b,
+            "fused_attention": fused}
+
+
+def _flops(compiled) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - not every backend / version has it
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return float(cost.get("flops", float("nan"))) if cost else None
+
+
+def plan(cfg, device_memory_gb: float = 80.0) -> dict:
+    """The plan of ``cfg`` (validated; JAX already on ``mesh.replica x mesh.shard`` CPU devices)."""
+    method_plan = plan_for(cfg)
+    cfg = method_plan.cfg
+    n, s = cfg.mesh.replica, cfg.mesh.shard
+    mesh = make_mesh(cfg.mesh, jax.devices()[: n * s])
+    machinery = StepPrograms(method_plan, mesh)
+    abstract = machinery.abstract_state()
+    batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.data.seq_len + 1), jax.numpy.int32,
+                                 sharding=named(mesh, BATCH_SPEC))
+    state = state_bytes(abstract)
+    steps = {}
+    for kind in step_kinds(machinery.schedule, cfg):
+        compiled = machinery.lowered(kind, abstract, batch).compile()
+        mem = compiled.memory_analysis()
+        parsed = hlo.hlo_collectives(compiled.as_text(), (n, s), default_trip=cfg.model.n_layers)
+        cross, within = hlo.collective_totals(parsed, True), hlo.collective_totals(parsed, False)
+        steps[kind] = {
+            "temp_bytes": float(getattr(mem, "temp_size_in_bytes", float("nan"))),
+            "argument_bytes": float(getattr(mem, "argument_size_in_bytes", float("nan"))),
+            "flops": _flops(compiled),
+            "replica_ring_bytes": cross["ring_bytes"], "shard_ring_bytes": within["ring_bytes"],
+            "replica_by_op": cross["by_op"], "shard_by_op": within["by_op"],
+        }
+    tau = cfg.sync.tau
+    window = None
+    if method_plan.plan.uses_outer:  # a tau window: tau - 1 local steps and the sync step
+        local = steps.get("local", {}).get("replica_ring_bytes", 0.0)
+        sync_kinds = [k for k in steps if k not in ("hsdp", "local")]
+        sync_bytes = sum(steps[k]["replica_ring_bytes"] for k in sync_kinds) / max(len(sync_kinds), 1) \
+            * (cfg.sync.fragments if cfg.sync.fragments > 1 else 1)
+        window = {"tau": tau, "mean_replica_ring_bytes_per_step": ((tau - 1) * local + sync_bytes) / tau}
+    estimate = gpu_estimate(cfg, state["params"]["device_bytes"])
+    need = state["total_device_bytes"] + estimate["total_bytes"]
+    worst_cpu = max(v["temp_bytes"] for v in steps.values())
+    return {
+        "fits": bool(need <= device_memory_gb * GIB),
+        "device_memory_gb": device_memory_gb,
+        "gpu_estimate_total_gb": need / GIB,
+        "config": {"method": cfg.sync.method, "mesh": [n, s], "batch_size": cfg.batch_size,
+                   "seq_len": cfg.data.seq_len, "grad_accum": cfg.optim.grad_accum, "remat": cfg.model.remat,
+                   "compute_dtype": cfg.model.compute_dtype, "attention": cfg.model.attention,
+                   "loss_chunk": cfg.model.loss_chunk},
+        "state_per_device": state,
+        "gpu_estimate": estimate,
+        "cpu_compiled_max_temp_bytes": worst_cpu,
+        "steps": steps,
+        "tau_window": window,
+    }
+
+
+def _gb(x: float) -> str:
+    return f"{x / GIB:.2f}" if x >= 0.01 * GIB else f"{x / GIB:.1e}"
+
+
+def report(p: dict) -> str:
+    st, est = p["state_per_device"], p["gpu_estimate"]
+    lines = [f"edit-jax plan: {p['config']['method']} on mesh {p['config']['mesh'][0]} x {p['config']['mesh'][1]}, "
+             f"batch {p['config']['batch_size']} x {p['config']['seq_len']}, grad_accum {p['config']['grad_accum']}, "
+             f"{p['config']['compute_dtype']}, remat {p['config']['remat']} (per device)",
+             "state GiB: " + ", ".join(f"{k} {_gb(v['device_bytes'])}" + (f" (+{_gb(v['host_bytes'])} host)"
+                                                                          if v["host_bytes"] else "")
+                                      for k, v in st.items() if isinstance(v, dict)),
+             f"{'step':<16}{'CPU temp GiB':>14}{'TFLOP':>10}{'replica B':>16}{'shard B':>16}"]
+    for kind, v in p["steps"].items():
+        tflop = f"{v['flops'] / 1e12:.3f}" if v["flops"] is not None else "n/a"
+        lines.append(f"{kind:<16}{_gb(v['temp_bytes']):>14}{tflop:>10}{v['replica_ring_bytes']:>16,.0f}"
+                     f"{v['shard_ring_bytes']:>16,.0f}")
+    if p["tau_window"]:
+        lines.append(f"tau-window mean across replica: {p['tau_window']['mean_replica_ring_bytes_per_step']:,.0f} B "
+                     f"per step (tau = {p['tau_window']['tau']})")
+    lines.append("GPU estimate GiB: " + ", ".join(f"{k} {_gb(v)}" for k, v in est["parts"].items())
+                 + f" (fused attention: {est['fused_attention']})")
+    lines.append(f"{'fits' if p['fits'] else 'does NOT fit'}: state {_gb(st['total_device_bytes'])} + estimate "
+                 f"{_gb(est['total_bytes'])} = {p['gpu_estimate_total_gb']:.2f} GiB of {p['device_memory_gb']:g} GiB "
+                 f"(the CPU compile's largest temporaries: {_gb(p['cpu_compiled_max_temp_bytes'])} GiB)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="edit-jax plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="a config file (.py / .json) or a preset name in configs/")
+    parser.add_argument("--json", default=None, help="also write the plan as JSON here")
+    parser.add_argument("--device-memory", type=float, default=80.0, help="GB of one device (default 80)")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    args = parser.parse_intermixed_args(argv)
+    if not (math.isfinite(args.device_memory) and args.device_memory > 0):
+        print(f"edit-jax: plan error: --device-memory must be a positive number, got {args.device_memory}",
+              file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"edit-jax: bad config: {e}", file=sys.stderr)
+        return 2
+    if args.json and os.path.isdir(args.json):
+        print(f"edit-jax: plan error: --json {args.json} is a directory; expected a file path", file=sys.stderr)
+        return 2
+    # Compiled for emulated CPU devices whatever this machine has (importing jax started no
+    # backend yet: the platform and the device count still apply).
+    jax.config.update("jax_platforms", "cpu")
+    set_cpu_device_count(cfg.mesh.replica * cfg.mesh.shard)
+    try:
+        p = plan(cfg, args.device_memory)
+    except ConfigError as e:
+        print(f"edit-jax: bad config: {e}", file=sys.stderr)
+        return 2
+    print(report(p))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(p, f, indent=1)
+    return 0 if p["fits"] else 1
+
+
+__all__ = ["plan", "gpu_estimate", "state_bytes", "step_kinds", "report", "main"]

@@ -1,0 +1,121 @@
+"""Where a run starts and what it may keep: restore with verification and fallback, and the check
+before every save. Both hold in every mode (one process, or one per worker).
+
+- ``restore_verified``: the newest checkpoint that reads and verifies (or ``--restore-step``'s).
+  Damaged ones newer than it are reported and moved to ``RUN_DIR/checkpoints.bad/``; with
+  ``restore_step`` newer good ones go to ``checkpoints.aside/``; nothing is ever deleted. A
+  checkpoint of another ``mesh.replica`` is an elastic restart; one of the first state format
+  is upgraded.
+- ``check_before_save``: a state with non-finite values is never saved (``DivergedError``),
+  except that a checkpoint due while only some Local-SGD workers are non-finite is skipped
+  (their next sync rolls them back).
+
+With several processes every process runs the same restore (the arrays are global, their
+checksums too, so every process reaches the same verdict); only process 0 moves directories,
+the others wait for it (``barrier``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+import jax
+
+from edit_jax.rundir.checkpoint import Checkpointer, CheckpointError, UnreadableCheckpointError
+from edit_jax.config import Config, ConfigError
+from edit_jax.rundir.integrity import finite_report, nonfinite_parts
+from edit_jax.localsgd.state import STATE_FORMAT, TrainState, legacy_state_shapes, state_shapes
+from edit_jax.localsgd.programs import StepPrograms
+
+
+class DivergedError(RuntimeError):
+    """Training produced non-finite values; nothing non-finite was saved (the CLI exits with 3)."""
+
+
+def restore(ckpt: Checkpointer, step: int, cfg: Config, machinery: StepPrograms, meta: dict | None = None):
+    """Restores checkpoint ``step`` (checked against ``cfg`` first): (state, data state). ``meta``:
+    its metadata, if the caller read it already."""
+    meta = ckpt.read_meta(step) if meta is None else meta
+    ckpt.check_compatible(meta, cfg, step)
+    layout = machinery.layout
+    legacy = meta.get("state_format", 1) < STATE_FORMAT
+    old_n = meta["config"]["mesh"]["replica"]
+    try:
+        if old_n == cfg.mesh.replica:
+            target = layout.legacy_abstract_state() if legacy else layout.abstract_state()
+            state, data_state = ckpt.restore(step, target, meta)
+            state = jax.device_put(layout.upgrade_legacy(state), layout.state_shardings)
+        else:
+            old_cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, replica=old_n))
+            host, data_state = ckpt.restore_host(step, legacy_state_shapes(old_cfg) if legacy else state_shapes(old_cfg),
+                                                 meta)
+            state = layout.elastic_state(layout.upgrade_legacy(host), old_n)
+    except ConfigError as e:
+        raise CheckpointError(f"checkpoint {os.path.join(ckpt.directory, str(step))}: {e}") from e
+    return state, data_state
+
+
+def restore_verified(ckpt: Checkpointer, cfg: Config, machinery: StepPrograms, say: Callable[[str], None],
+                     restore_step: int | None, *, lead: bool = True, barrier: Callable[[], None] = lambda: None):
+    """Restores the newest checkpoint that reads and verifies (or ``restore_step``): (state, data
+    state, step), all None when there is none. If none verifies, nothing is moved and
+    ``CheckpointError`` lists them all. An incompatible config is not a damaged checkpoint: it
+    raises at once. ``lead``: this process moves directories (the others call ``barrier`` too)."""
+    steps = sorted(ckpt.all_steps(), reverse=True)
+    if restore_step is not None and restore_step not in steps:
+        raise CheckpointError(f"--restore-step {restore_step}: no checkpoint {restore_step} in {ckpt.directory} "
+                              f"(have {sorted(steps) or 'none'})")
+    candidates = [restore_step] if restore_step is not None else steps
+    bad, errors = [], []
+    for step in candidates:
+        try:
+            meta = ckpt.read_meta(step)
+            old_n = meta["config"]["mesh"]["replica"]
+            state, data_state = restore(ckpt, step, cfg, machinery, meta)
+        except UnreadableCheckpointError as e:
+            bad.append(step)
+            errors.append(e)
+            continue
+        moves = [(b, "checkpoints.bad", str(err).split(". It was left untouched")[0]) for b, err in zip(bad, errors)]
+        moves += [(newer, "checkpoints.aside", None) for newer in steps if newer > step and newer not in bad]
+        for victim, where, reason in moves:
+            dest = ckpt.set_aside(victim, where, move=lead)
+            if reason is not None:
+                say(f"edit-jax: {reason}. Moved it to {dest} (not deleted); falling back to step {step}")
+            else:
+                say(f"edit-jax: --restore-step {step}: moved newer checkpoint {victim} to {dest}")
+        if moves:
+            barrier()  # every process sees the moved directories before it reads the checkpoint list again
+            ckpt.reload()
+        if old_n != cfg.mesh.replica:
+            say(f"edit-jax: elastic restart: checkpoint {step} has mesh.replica={old_n}, this run {cfg.mesh.replica}; "
+                "every worker restarts from the outer params, inner optimizer moments are the old workers' mean")
+        return state, data_state, step
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise CheckpointError(f"no checkpoint in {ckpt.directory} verifies (tried {', '.join(map(str, bad))}); "
+                              "all were left untouched. Move them away to start over.")
+    return None, None, None
+
+
+def check_before_save(state: TrainState, step: int, uses_outer: bool, final: bool, last_good) -> bool:
+    """True if ``state`` may be saved. A state with non-finite values is never saved: the run stops
+    (``DivergedError``) unless only some workers are non-finite in a Local SGD method with a finite
+    outer state, mid-run (``final`` False): their next sync rolls them back to θ̄ and resets their
+    inner state, so this checkpoint is skipped (False) and the next one tried."""
+    report = finite_report(state)
+    bad = nonfinite_parts(report)
+    if not bad:
+        return True
+    recoverable = (uses_outer and bool(report["outer"]) and bool(report["opt_state (shared)"])
+                   and bool((report["params"] & report["opt_state"]).any()))
+    if recoverable and not final:
+        return False
+    raise DivergedError(f"non-finite values at step {step} in {'; '.join(bad)}: not saved. "
+                        f"Last good checkpoint: {last_good or 'none'} (kept). Lower optim.lr or check the data.")
+
+
+__all__ = ["DivergedError", "restore", "restore_verified", "check_before_save"]
