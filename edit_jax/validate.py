@@ -28,7 +28,8 @@ when its first backend starts; tests/test_imports.py checks this).
 
 from __future__ import annotations
 
-from edit_jax.config import Config, ConfigError, check_fields, read_config
+from edit_jax.config import Config, ConfigError, check_fields
+from edit_jax.config_files import read_config
 from edit_jax.data import corrupt, sources
 from edit_jax.hf import load as hf_load
 from edit_jax.localsgd import methods

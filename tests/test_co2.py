@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edit_jax.tools import hlo
+from edit_jax.tools import hlo, hlo_parse
 from edit_jax.config import ConfigError
 from edit_jax.localsgd.methods import OuterSpec, plan_for
 from edit_jax.localsgd.outer import make_outer_optimizer, sgd_trace, stale_outer_step
@@ -177,13 +177,13 @@ def _bulk_exchanges_depend_on_batch(cfg) -> list[bool]:
     state = m.init_state(0)
     text = m.lowered("local_then_sync", state, m.put_batch(random_batch(cfg, 0))).compile().as_text()
     per_device_batch = (cfg.batch_size // (cfg.mesh.replica * cfg.mesh.shard), cfg.data.seq_len + 1)
-    batch = [name for name, t in hlo.entry_parameters(text)
-             if hlo.parse_shapes(t) == [("s32", per_device_batch)]]
-    assert len(batch) == 1, hlo.entry_parameters(text)
+    batch = [name for name, t in hlo_parse.entry_parameters(text)
+             if hlo_parse.parse_shapes(t) == [("s32", per_device_batch)]]
+    assert len(batch) == 1, hlo_parse.entry_parameters(text)
     bulk = [r for r in hlo.hlo_collectives(text, (cfg.mesh.replica, cfg.mesh.shard))["collectives"]
             if r["crosses_replica"] and r["operand_bytes"] > 1024]
     assert bulk, "no pseudo-gradient exchange across replica found"
-    return [batch[0] in hlo.upstream(text, r["name"]) for r in bulk]
+    return [batch[0] in hlo_parse.upstream(text, r["name"]) for r in bulk]
 
 
 def test_hlo_co2_exchange_is_independent_of_the_round():

@@ -1,10 +1,10 @@
-"""The HLO collective parser (edit_jax.tools.hlo) on hand-written HLO in every form jax 0.10 to 0.12
-prints, and on a real compiled program of the installed jax."""
+"""The HLO collective parser (edit_jax.tools.hlo_parse, edit_jax.tools.hlo) on hand-written HLO in
+every form jax 0.10 to 0.12 prints, and on a real compiled program of the installed jax."""
 
 import numpy as np
 import pytest
 
-from edit_jax.tools import hlo
+from edit_jax.tools import hlo, hlo_parse
 
 _TEXT = """HloModule m, entry_computation_layout={(f32[8]{0})->f32[8]{0}}
 
@@ -41,9 +41,9 @@ ENTRY %main (x: f32[8]) -> f32[8] {
 
 
 def test_group_forms():
-    assert hlo.iota_groups("[2,4]<=[8]") == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert hlo.iota_groups("[4,2]<=[2,4]T(1,0)") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    parse = hlo.parse_replica_groups
+    assert hlo_parse.iota_groups("[2,4]<=[8]") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert hlo_parse.iota_groups("[4,2]<=[2,4]T(1,0)") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    parse = hlo_parse.parse_replica_groups
     assert parse("replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=a", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert parse("replica_groups={}, to_apply=a", 8) == [list(range(8))]
     assert parse("to_apply=a", 8) is None
@@ -56,7 +56,7 @@ def test_group_forms():
     assert parse(mesh + "{}, to_apply=a", 8) == [[i] for i in range(8)]
     with pytest.raises(ValueError, match="not in the mesh"):
         parse(mesh + "{'pipeline'}", 8)
-    assert hlo.parse_pairs("source_target_pairs={{0,1},{1,0}}") == [[0, 1], [1, 0]]
+    assert hlo_parse.parse_pairs("source_target_pairs={{0,1},{1,0}}") == [[0, 1], [1, 0]]
     assert not hlo.crosses_replica([[0, 1], [2, 3]], 2) and hlo.crosses_replica([[0, 2], [1, 3]], 2)
 
 

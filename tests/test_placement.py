@@ -26,15 +26,8 @@ from edit_jax.placement.cost import (
     path_length,
 )
 from edit_jax.placement.edit_cost import EditCostModel
-from edit_jax.placement.search import (
-    canonical_key,
-    crossover,
-    genetic_search,
-    random_partition,
-    random_placement_search,
-    random_search,
-    stripe_layout,
-)
+from edit_jax.placement.partitions import canonical_key, random_partition, stripe_layout
+from edit_jax.placement.search import crossover, genetic_search, random_placement_search, random_search
 from edit_jax.placement.topology import load_topology, make_topology, scenario
 
 

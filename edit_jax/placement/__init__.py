@@ -3,6 +3,8 @@
 * ``topology``: devices, symmetrised delay/bandwidth matrices, the paper's five scenarios, files.
 * ``cost``: DT-FM's cost model (DP cost, bottleneck matchings, open-loop TSP; total = DP + 2 PP).
 * ``edit_cost``: the (replica, shard) mesh objective for EDiT / A-EDiT.
+* ``partitions``: balanced partitions as labels, and the structured layouts from link-cost clusters.
+* ``local_search``: the GA's gain-driven local search (balance-preserving cyclic moves).
 * ``search``: the hybrid genetic algorithm, the Kernighan-Lin baseline and random baselines.
 * ``report``: running the searches against the baselines, the report, the convergence plot.
 * ``cli``: ``edit-jax placement ...`` (arguments only; the work is in ``report``).

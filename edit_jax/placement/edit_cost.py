@@ -42,7 +42,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from edit_jax.placement.cost import group_internal_cost, group_members
-from edit_jax.placement.search import block_layout, cluster_levels, stripe_layout
+from edit_jax.placement.partitions import block_layout, cluster_levels, stripe_layout
 from edit_jax.placement.topology import PlacementError, Topology
 
 

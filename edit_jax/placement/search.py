@@ -28,7 +28,9 @@ in the paper, so it is free on that axis, while our true-objective swap moves ar
 * ``random_search`` ("random-partitions"): best of that many uniformly random balanced partitions
   scored by the full model (optimal matchings and TSP): a stronger random baseline that we add.
 
-All randomness comes from the ``numpy.random.Generator`` passed in, so a seed fixes the result.
+The partitions and structured layouts are ``partitions.py``; the gain-driven local search is
+``local_search.py``. All randomness comes from the ``numpy.random.Generator`` passed in, so a seed
+fixes the result.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
+
+from edit_jax.placement.local_search import local_search
+from edit_jax.placement.partitions import canonical_key, is_balanced, random_partition, rebalance, structured_layouts
 
 GAIN_KINDS = ("paper", "kl")
 
@@ -86,267 +91,6 @@ class _Budget:
 
 def _clock() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
-
-
-# ----------------------------------------------------------------------------------------------
-# Partitions
-# ----------------------------------------------------------------------------------------------
-
-def base_labels(sizes: np.ndarray) -> np.ndarray:
-    return np.repeat(np.arange(len(sizes)), sizes)
-
-
-def random_partition(sizes: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    return rng.permutation(base_labels(sizes))
-
-
-def canonical_key(labels: np.ndarray, num_groups: int, fixed_groups=()) -> bytes:
-    """Identity of the partition, independent of how interchangeable groups are numbered:
-    groups are renamed in order of their first device (fixed groups keep their label)."""
-    first = np.full(num_groups, labels.size)
-    np.minimum.at(first, labels, np.arange(labels.size))
-    rename = np.arange(num_groups)
-    free = np.array([g for g in range(num_groups) if g not in fixed_groups])
-    rename[free[np.argsort(first[free], kind="stable")]] = free
-    return rename[labels].astype(np.int16).tobytes()
-
-
-def _is_balanced(labels: np.ndarray, sizes: np.ndarray) -> bool:
-    return bool(np.array_equal(np.bincount(labels, minlength=len(sizes)), sizes))
-
-
-def rebalance(labels: np.ndarray, sizes: np.ndarray, rng: np.random.Generator | None = None,
-              protected: np.ndarray | None = None) -> np.ndarray:
-    """Move surplus devices of over-full groups into under-full ones (in place, returned).
-
-    Surplus devices are chosen at random (deterministically, last first, without ``rng``),
-    preferring devices that are not ``protected`` (the ones crossover just copied)."""
-    counts = np.bincount(labels, minlength=len(sizes))
-    surplus = []
-    for g in np.flatnonzero(counts > sizes):
-        members = np.flatnonzero(labels == g)
-        if protected is not None:  # unprotected devices leave first
-            free, kept = members[~protected[members]], members[protected[members]]
-            if rng is not None:
-                free = rng.permutation(free)
-            members = np.concatenate([free, kept])
-        elif rng is not None:
-            members = rng.permutation(members)
-        else:
-            members = members[::-1]
-        surplus.extend(members[: counts[g] - sizes[g]].tolist())
-    holes = np.repeat(np.arange(len(sizes)), np.maximum(sizes - counts, 0))
-    if rng is not None:
-        holes = rng.permutation(holes)
-    labels[np.array(surplus, dtype=np.int64)] = holes
-    return labels
-
-
-# ----------------------------------------------------------------------------------------------
-# Structured layouts from the topology's link-cost clusters
-# ----------------------------------------------------------------------------------------------
-
-def cluster_levels(pair_cost: np.ndarray, max_levels: int = 6) -> list[np.ndarray]:
-    """Clusterings of the devices at increasing link-cost thresholds (single linkage).
-
-    Level t joins devices connected by links of cost <= the t-th distinct cost: on the paper's
-    networks the first level is the nodes / regions, later ones merge nearby regions. Returns a
-    list of cluster-id arrays (ids in order of first device), coarsest all-in-one dropped."""
-    n = pair_cost.shape[0]
-    off = pair_cost[~np.eye(n, dtype=bool)]
-    levels = np.unique(off)
-    result: list[np.ndarray] = []
-    seen: set[bytes] = set()
-    for threshold in levels:
-        cluster = _components(pair_cost <= threshold)
-        if cluster.max() == 0:
-            break
-        key = cluster.tobytes()
-        if key not in seen:
-            seen.add(key)
-            result.append(cluster)
-        if len(result) >= max_levels:
-            break
-    return result
-
-
-def _components(adjacent: np.ndarray) -> np.ndarray:
-    n = adjacent.shape[0]
-    cluster = np.full(n, -1)
-    next_id = 0
-    for start in range(n):
-        if cluster[start] >= 0:
-            continue
-        stack = [start]
-        cluster[start] = next_id
-        while stack:
-            d = stack.pop()
-            for e in np.flatnonzero(adjacent[d] & (cluster < 0)):
-                cluster[e] = next_id
-                stack.append(int(e))
-        next_id += 1
-    return cluster
-
-
-def block_layout(cluster: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Fill groups in order with the devices sorted by cluster: 'each group = one node/region'."""
-    order = np.lexsort((np.arange(cluster.size), cluster))
-    labels = np.empty(cluster.size, dtype=np.int64)
-    labels[order] = base_labels(sizes)
-    return labels
-
-
-def stripe_layout(cluster: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """The i-th device of every cluster goes to group i (mod G), then balance is repaired:
-    'each group takes one device per node/region'. With 4-GPU nodes and single hosts (case 2)
-    the node devices fill groups 0-3 and the single hosts spill into the others."""
-    rank_in_cluster = np.zeros(cluster.size, dtype=np.int64)
-    for c in np.unique(cluster):
-        members = np.flatnonzero(cluster == c)
-        rank_in_cluster[members] = np.arange(members.size)
-    labels = rank_in_cluster % len(sizes)
-    return rebalance(labels, sizes)
-
-
-def structured_layouts(pair_cost: np.ndarray, sizes: np.ndarray) -> list[np.ndarray]:
-    """Blocks and stripes for every cluster level, plus the plain index blocks and stripes."""
-    n = pair_cost.shape[0]
-    layouts = [block_layout(np.arange(n) // max(1, n // len(sizes)), sizes),
-               stripe_layout(np.arange(n) // max(1, n // len(sizes)), sizes)]
-    for cluster in cluster_levels(pair_cost):
-        layouts.append(block_layout(cluster, sizes))
-        layouts.append(stripe_layout(cluster, sizes))
-    return layouts
-
-
-# ----------------------------------------------------------------------------------------------
-# Local search: cyclic moves driven by a gain
-# ----------------------------------------------------------------------------------------------
-
-class _MoveState:
-    """Labels plus the (G, N) sums of gain-link costs from each group to each device, updated
-    incrementally so that every gain is a lookup (the pair matrix is symmetric)."""
-
-    def __init__(self, labels: np.ndarray, pair: np.ndarray, num_groups: int, pair_no_self: np.ndarray):
-        self.labels = labels.copy()
-        self.pair = pair
-        self.pair_no_self = pair_no_self  # pair with +inf on the diagonal
-        self.num_groups = num_groups
-        onehot = np.zeros((num_groups, labels.size))
-        onehot[labels, np.arange(labels.size)] = 1.0
-        self.sums = onehot @ pair  # sums[g, d] = sum of pair[members of g, d]
-        self.counts = np.bincount(labels, minlength=num_groups).astype(np.float64)
-
-    def move(self, device: int, target: int) -> None:
-        source = self.labels[device]
-        row = self.pair[device]
-        self.sums[source] -= row
-        self.sums[target] += row
-        self.counts[source] -= 1.0
-        self.counts[target] += 1.0
-        self.labels[device] = target
-
-
-def _mover_and_gains(state: _MoveState, group: int, locked: np.ndarray, kind: str):
-    """Pick the device to move out of ``group`` and its gain for every target group.
-
-    paper: the mover is an endpoint of the group's fastest internal link (a device whose
-      cheapest in-group link is smallest; ties broken by the best gain); gain(v, S->T) =
-      mean link cost from v to T - v's cheapest link inside S. Moving a device out of a group
-      that already holds a fast partner into a group it is far from spreads fast links across
-      groups, which is what the pipeline matchings need.
-    kl: the textbook Kernighan-Lin gain, keeping fast links inside groups: gain(v, S->T) =
-      mean cost to S - mean cost to T; the mover is the device with the best gain.
-    Returns (-1, None) when every device of the group is locked."""
-    in_group = state.labels == group
-    movable = np.flatnonzero(in_group & ~locked)
-    if movable.size == 0:
-        return -1, None
-    denominators = np.maximum(state.counts - (np.arange(state.num_groups) == group), 1.0)
-    mean = state.sums[:, movable].T / denominators  # (movable, G): mean cost to each group
-    if kind == "paper":
-        cheapest_inside = state.pair_no_self[movable][:, in_group].min(axis=1)
-        if not np.isfinite(cheapest_inside[0]):
-            cheapest_inside[:] = 0.0  # a group of one has no internal link
-        fastest = np.flatnonzero(cheapest_inside <= cheapest_inside.min() + 1e-12)
-        gains = mean[fastest] - cheapest_inside[fastest, None]
-        candidates = movable[fastest]
-    else:
-        gains = mean[:, [group]] - mean
-        candidates = movable
-    gains[:, group] = -np.inf
-    row = int(gains.max(axis=1).argmax()) if len(candidates) > 1 else 0
-    return int(candidates[row]), gains[row]
-
-
-def _cyclic_move(state: _MoveState, start: int, kind: str) -> float:
-    """One balance-preserving chain of moves start -> g1 -> g2 -> ... -> start.
-
-    Each step moves the current group's mover to the unvisited group of best gain; after every
-    step, closing the chain (the next mover goes back to ``start``) is considered, and the closed
-    prefix of largest total gain is applied if that total is positive. Returns the gain applied."""
-    num_groups = state.num_groups
-    locked = np.zeros(state.labels.size, dtype=bool)
-    visited = np.zeros(num_groups, dtype=bool)
-    visited[start] = True
-    moves: list[tuple[int, int]] = []  # (device, source group)
-    total, best_total, best_prefix, best_closer = 0.0, 1e-12, -1, None
-    current = start
-    for _ in range(num_groups):
-        device, gains = _mover_and_gains(state, current, locked, kind)
-        if device < 0:
-            break
-        if moves:
-            closing = total + gains[start]
-            if closing > best_total:
-                best_total, best_prefix, best_closer = closing, len(moves), (device, current)
-        if len(moves) == num_groups - 1:
-            break
-        gains[visited] = -np.inf
-        target = int(gains.argmax())
-        if not np.isfinite(gains[target]):
-            break
-        total += gains[target]
-        moves.append((device, current))
-        state.move(device, target)
-        locked[device] = True
-        visited[target] = True
-        current = target
-    keep = max(best_prefix, 0)
-    for device, source in reversed(moves[keep:]):  # undo the moves past the best closed prefix
-        state.move(device, source)
-    if best_closer is None:
-        return 0.0
-    state.move(best_closer[0], start)
-    return best_total
-
-
-_NO_SELF_CACHE: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-
-
-def _no_self(pair: np.ndarray) -> np.ndarray:
-    """``pair`` with +inf on the diagonal, cached per matrix (the searches reuse one matrix)."""
-    cached = _NO_SELF_CACHE.get(id(pair))
-    if cached is None or cached[0] is not pair:
-        no_self = pair.copy()
-        np.fill_diagonal(no_self, np.inf)
-        _NO_SELF_CACHE.clear()
-        _NO_SELF_CACHE[id(pair)] = cached = (pair, no_self)
-    return cached[1]
-
-
-def local_search(labels: np.ndarray, pair: np.ndarray, num_groups: int, kind: str,
-                 rng: np.random.Generator, rounds: int = 1) -> np.ndarray:
-    """Cyclic moves from every group (random order), ``rounds`` times or until none helps."""
-    state = _MoveState(labels, pair, num_groups, _no_self(pair))
-    for _ in range(rounds):
-        improved = False
-        for start in rng.permutation(num_groups):
-            if _cyclic_move(state, int(start), kind) > 0:
-                improved = True
-        if not improved:
-            break
-    return state.labels
 
 
 # ----------------------------------------------------------------------------------------------
@@ -480,7 +224,7 @@ def genetic_search(objective, evaluations: int, rng: np.random.Generator, *, gai
             break
         labels = _repair(objective, np.asarray(labels, dtype=np.int64), rng)
         key = canonical_key(labels, num_groups, fixed)
-        if key in keys or not _is_balanced(labels, sizes):
+        if key in keys or not is_balanced(labels, sizes):
             continue
         keys.add(key)
         members.append(labels)

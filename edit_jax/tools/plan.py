@@ -8,7 +8,7 @@ array is allocated, so a 7B preset plans on a laptop. Per device it reports:
 
 - the state by part (params, inner optimizer, outer state, the rest), from the shardings;
 - each step's compiled temporaries (``memory_analysis``) and FLOPs (``cost_analysis``);
-- bytes per collective and mesh axis per step, from the HLO (``edit_jax/hlo.py``: ring bytes),
+- bytes per collective and mesh axis per step, from the HLO (``edit_jax/tools/hlo.py``: ring bytes),
   and for the methods that sync the tau-window mean of the bytes crossing ``replica``;
 - an analytic estimate of a GPU's peak (``gpu_estimate``, the formula in its docstring) beside
   the CPU backend's temporaries (which keep fp32 copies and have no fused attention), and the

@@ -29,7 +29,7 @@ import os
 import re
 from collections import defaultdict
 
-from edit_jax.tools.hlo import COLLECTIVES, HloModule, parse_hlo
+from edit_jax.tools.hlo_parse import COLLECTIVES, HloModule, parse_hlo
 
 SYNC_SCOPE = "edit_sync"  # jax.named_scope of the sync's code (outer.py and sync.py, as step.py calls them)
 CATEGORIES = ("matmul", "collective", "copy", "sync", "elementwise", "control", "other")
