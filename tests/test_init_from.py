@@ -45,13 +45,20 @@ def _starting_from(out, replica=2, shard=2, method="edit", **kw):
     return cfg
 
 
+
+def _init_state(cfg, seed):
+    """A run's starting state as the loop builds it with model.init_from: the directory's weights
+    (hf.load.initial_params) handed to init_state."""
+    programs = StepPrograms.for_config(cfg, mesh_for(cfg))
+    return programs.init_state(seed, hf_import.initial_params(cfg, programs.layout))
+
 @pytest.mark.parametrize("tie,kv,method", [(False, 4, "edit"), (True, 2, "baseline")])
 def test_export_then_init_from_gives_the_same_params_in_every_worker_and_outer(tmp_path, tie, kv, method):
     cfg0, params, out = _exported(tmp_path, tie_embeddings=tie, n_kv_heads=kv)
     cfg = _starting_from(out, method=method)
     assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.n_kv_heads, cfg.model.tie_embeddings) == \
         (cfg0.model.d_model, cfg0.model.n_layers, kv, tie)
-    state = StepPrograms.for_config(cfg, mesh_for(cfg)).init_state(seed=11)  # another seed than the export's
+    state = _init_state(cfg, seed=11)  # another seed than the export's
     for r in range(cfg.mesh.replica):
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a)[r], b), state.params, params)
     if method == "edit":
@@ -97,14 +104,14 @@ def test_sharded_safetensors_files_with_an_index_load_the_same(tmp_path):
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump({"weight_map": {n: file for file, part in parts.items() for n in part}}, f)
     cfg = _starting_from(out, replica=1, shard=2, method="diloco")
-    state = StepPrograms.for_config(cfg, mesh_for(cfg)).init_state(seed=0)
+    state = _init_state(cfg, seed=0)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), state.outer.params, params)
 
 
 def test_bfloat16_weights_load_as_their_float32_values(tmp_path):
     _, params, out = _exported(tmp_path, dtype="bfloat16")
     cfg = _starting_from(out, replica=1, shard=2, method="baseline")
-    state = StepPrograms.for_config(cfg, mesh_for(cfg)).init_state(seed=0)
+    state = _init_state(cfg, seed=0)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(
         np.asarray(a)[0], np.asarray(b).astype(ml_dtypes.bfloat16).astype(np.float32)), state.params, params)
 
@@ -159,7 +166,7 @@ def test_missing_wrong_or_truncated_weights_are_reported_naming_the_tensor_or_fi
     tensors, _ = read_safetensors(file)
 
     def init():
-        return StepPrograms.for_config(cfg, mesh_for(cfg)).init_state(seed=0)
+        return _init_state(cfg, seed=0)
 
     for name, change, match in [("model.layers.1.mlp.up_proj.weight", None, "no tensor 'model.layers.1.mlp.up_proj"),
                                 ("model.norm.weight", np.ones(3, np.float32), r"'model.norm.weight'.*has shape \[3\]"),

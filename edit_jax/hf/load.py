@@ -301,5 +301,13 @@ def load_params(cfg: ModelConfig, abstract: Any, shardings: Any) -> Any:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-__all__ = ["ARCHITECTURE", "InitFromError", "read_architecture", "adopt_architecture", "validate", "tensor_index",
+def initial_params(cfg: Config, layout) -> Any:
+    """``model.init_from``'s weights as the starting params of every method: θ̄-shaped and sharded
+    like θ̄ (``layout``: the run's ``localsgd.state.StateLayout``), read per device slice, so no
+    device holds a whole copy. The loop hands them to ``init_state``."""
+    abstract, shardings = layout.initial_params_shardings()
+    return load_params(cfg.model, abstract, shardings)
+
+
+__all__ = ["initial_params", "ARCHITECTURE", "InitFromError", "read_architecture", "adopt_architecture", "validate", "tensor_index",
            "load_params"]

@@ -92,6 +92,9 @@ class Method:
     fixed: dict = field(default_factory=dict)  # sync fields this method sets whatever the config says
     penalty: bool = False  # EDiT's penalty (anomaly elimination, weighting, clipping) is configurable
     time_based: bool = False  # syncs due by wall clock (TimeSchedule), not every tau steps
+    # After the warmup every worker steps at its own pace (the AsyncWorkers driver), one process per
+    # worker: its state moves between the worker's own mesh and the global one by reference.
+    asynchronous: bool = False
     stale: bool = False  # CO2: the outer step applies the previous round's all-reduce (sync.sync_stale)
 
 
@@ -110,7 +113,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            uses_outer=True, penalty=True),
     # A-EDiT: EDiT's sync, due by wall clock per worker (one process per worker, multihost.py).
     Method("a_edit", "EDiT's sync every tau_time seconds; workers step at their own pace", uses_outer=True,
-           penalty=True, time_based=True),
+           penalty=True, time_based=True, asynchronous=True),
     # CO2 (Sun et al., ICLR 2024; docs/design/CO2.md): heavy-ball outer momentum on the
     # previous round's mean pseudo gradient, so the all-reduce never waits for this round's steps.
     Method("co2", "outer step on the previous round's all-reduced pseudo gradient (one round stale), every tau",
@@ -169,6 +172,7 @@ class Plan:
     outer: OuterSpec
     stale: bool = False  # CO2's one-round-stale sync (pending pseudo gradients in OuterState.pending)
     gap_penalty: float = 1.0  # CO2's staleness-gap penalty Lambda (outer.staleness_gap_penalty)
+    asynchronous: bool = False  # A-EDiT: after the warmup the loop drives each worker on its own (AsyncWorkers)
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -271,6 +275,11 @@ class MethodPlan:
     changed: tuple[tuple[str, Any, Any], ...]  # (key, configured value, value that took effect)
     schedule: Schedule
 
+    def asynchronous_at(self, k: int) -> bool:
+        """Step ``k`` (before it runs) is in the asynchronous phase: each worker at its own pace
+        (A-EDiT after its warmup); the loop then drives the workers apart (drivers.AsyncWorkers)."""
+        return self.plan.asynchronous and k >= self.schedule.warmup
+
 
 def method(name: str) -> Method:
     if name not in METHODS:
@@ -294,7 +303,8 @@ def plan_for(cfg: Config) -> MethodPlan:
     penalty = Penalty.from_config(s) if m.penalty else Penalty.off()
     outer = OuterSpec(s.outer_optimizer, s.outer_lr, s.outer_momentum, s.nesterov, s.outer_b2,
                       s.co2_momentum_clip if m.stale else 0.0)
-    plan = Plan(m.name, m.uses_outer, s.layerwise and m.uses_outer, penalty, outer, m.stale, s.co2_gap_penalty)
+    plan = Plan(m.name, m.uses_outer, s.layerwise and m.uses_outer, penalty, outer, m.stale, s.co2_gap_penalty,
+                m.asynchronous)
     if m.time_based:
         schedule = TimeSchedule(m.uses_outer, plan.layerwise, s.warmup_steps, s.tau, s.tau_time, s.min_total_steps,
                                 cfg.steps * cfg.mesh.replica)
@@ -318,9 +328,27 @@ def validate(cfg: Config) -> None:
     require(s.method in METHODS, "sync.method", f"expected one of {', '.join(METHODS)}; got {s.method!r}")
     require(s.outer_optimizer in OUTER_OPTIMIZERS, "sync.outer_optimizer",
             f"expected one of {', '.join(OUTER_OPTIMIZERS)}; got {s.outer_optimizer!r}")
-    require(s.fragments == 1 or s.method != "a_edit", "sync.fragments",
-            "staggered fragments follow the step count (every tau steps); method a_edit syncs by wall clock")
+    m = METHODS[s.method]
+    require(s.fragments == 1 or not m.time_based, "sync.fragments",
+            f"staggered fragments follow the step count (every tau steps); method {m.name} syncs by wall clock")
+    if m.asynchronous:
+        _validate_asynchronous(cfg, m)
     _validate_co2(s)
+
+
+def _validate_asynchronous(cfg: Config, m: Method) -> None:
+    """An asynchronous method (A-EDiT) runs one process per worker, and its asynchronous phase moves
+    each worker's state between its own mesh and the global one by reference (multihost.to_local /
+    to_global): that needs the outer state on the devices and split over `shard` only."""
+    mesh, s = cfg.mesh, cfg.sync
+    require(mesh.processes == mesh.replica and mesh.replica > 1, "mesh.processes",
+            f"method {m.name} runs one process per worker: set mesh.processes=mesh.replica={mesh.replica} "
+            f"(with mesh.replica >= 2), got {mesh.processes}")
+    require(s.outer_sharding == "shard", "sync.outer_sharding",
+            f"method {m.name} keeps the outer state sharded over `shard` only (each worker holds a whole "
+            "copy between syncs); 'replica_shard' is for the lock-step methods")
+    require(not s.cpu_offload, "sync.cpu_offload", f"not supported with method {m.name} (each worker's state "
+            "moves between its own mesh and the global one by reference)")
 
 
 def _validate_co2(s: SyncConfig) -> None:

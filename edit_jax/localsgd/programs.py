@@ -46,10 +46,9 @@ from edit_jax.config import Config
 from edit_jax.models.family import model_family
 from edit_jax.localsgd.fragments import fragment_layers, fragment_of_unit
 from edit_jax.localsgd.methods import STEP_KINDS, MethodPlan, StepKind, plan_for
-from edit_jax.tools.profile import SYNC_SCOPE
 from edit_jax.localsgd.sharding import BATCH_SPEC, REPLICA, SHARD, gather_unit, named, shard_sq_norm
 from edit_jax.localsgd.state import StateLayout, TrainState, init_outer_opt_state
-from edit_jax.localsgd.sync import SYNC_METRICS
+from edit_jax.localsgd.sync import SYNC_METRICS, SYNC_SCOPE
 
 
 class StepPrograms:
@@ -86,8 +85,8 @@ class StepPrograms:
     def abstract_state(self) -> TrainState:
         return self.layout.abstract_state()
 
-    def init_state(self, seed: int) -> TrainState:
-        return self.layout.init_state(seed)
+    def init_state(self, seed: int, params: Any = None) -> TrainState:
+        return self.layout.init_state(seed, params)
 
     def put_batch(self, batch):
         """A global batch [B, T+1] (host array, the same on every process) on the mesh, rows of

@@ -32,7 +32,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from edit_jax.config import Config, ConfigError
 from edit_jax.models.family import model_family
-from edit_jax.hf.load import load_params
 from edit_jax.localsgd.methods import MethodPlan, Plan, plan_for
 from edit_jax.localsgd.optim import inner_optimizer
 from edit_jax.localsgd.outer import Detector, make_outer_optimizer, sgd_trace, with_sgd_trace
@@ -185,16 +184,19 @@ class StateLayout:
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
                             self.state_shardings)
 
-    def init_state(self, seed: int) -> TrainState:
-        """A fresh state from ``seed``; with ``model.init_from`` its params are the directory's,
-        loaded sharded like θ̄ (over ``shard``: no device holds a whole copy)."""
+    def init_state(self, seed: int, params: Any = None) -> TrainState:
+        """A fresh state from ``seed``; every worker and θ̄ start from ``params`` when given (full,
+        θ̄-shaped, sharded like ``initial_params_shardings``: e.g. ``hf.load.initial_params`` for
+        ``model.init_from``), else from the family's random init."""
         make = jax.jit(partial(make_state, self.cfg, self.plan), out_shardings=self.state_shardings)
-        if not self.cfg.model.init_from:
-            return make(jax.random.key(seed))
+        return make(jax.random.key(seed)) if params is None else make(jax.random.key(seed), params)
+
+    def initial_params_shardings(self) -> tuple[Any, Any]:
+        """(abstract params, shardings) of the starting params ``init_state`` accepts: θ̄-shaped,
+        sharded over ``shard`` like θ̄, so no device holds a whole copy."""
         abstract = jax.eval_shape(partial(model_family(self.cfg.model.family).init_params, self.cfg.model),
                                   jax.random.key(0))
-        shardings = named(self.mesh, outer_specs(abstract, self.shard_dims))
-        return make(jax.random.key(seed), load_params(self.cfg.model, abstract, shardings))
+        return abstract, named(self.mesh, outer_specs(abstract, self.shard_dims))
 
     def outer_to_device(self, outer: OuterState) -> OuterState:
         """θ̄ and the outer optimizer state where a sync computes on them (inside jit)."""

@@ -37,6 +37,10 @@ from edit_jax.localsgd.sharding import REPLICA, SHARD, replica_gather
 from edit_jax.localsgd.state import OuterState, StateLayout
 
 # Sync figures (identical on every device); "loss" and "grad_norm" come back per replica, [N].
+# The jax.named_scope of the sync's ops (this module's and outer.py's, as programs.py calls them):
+# the profiler (tools/profile.py) and the HLO tests find the sync by it.
+SYNC_SCOPE = "edit_sync"
+
 SYNC_METRICS = ("pseudo_grad_norm", "unit_pseudo_grad_norm", "weight", "unit_weight", "flagged", "unit_flagged",
                 "clip_factor", "unit_clip_factor", "outer_update_norm", "inner_reset")
 
@@ -333,5 +337,5 @@ def _unit_sq_sums(tree) -> jax.Array:
     return jnp.concatenate([jnp.reshape(root, (1,)), layers])
 
 
-__all__ = ["SYNC_METRICS", "Span", "sync_whole", "forward_inputs", "sync_in_forward", "assemble_forward",
+__all__ = ["SYNC_METRICS", "SYNC_SCOPE", "Span", "sync_whole", "forward_inputs", "sync_in_forward", "assemble_forward",
            "sync_stale", "reset_nonfinite_workers", "sync_metrics"]

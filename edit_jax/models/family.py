@@ -10,12 +10,14 @@ the step code reaches the model only through it:
   way into compute (``which`` is "root" or "layer"); ``hook_xs``/``ys`` are per-unit inputs and
   outputs laid out like the params (``{"root": ..., "layers": ...}``);
 - ``token_loss_sum(logits, targets) -> scalar``;
+- ``flops_per_token(cfg: ModelConfig, seq_len) -> float``: training FLOPs per token (forward and
+  backward, remat's recomputation not counted), for the MFU of every training record;
 - optionally ``loss_sum(cfg, params, tokens, targets, hook, hook_xs=None) -> (scalar, ys)``: the
   forward and the loss in one, so that a family can avoid materialising the whole logits (the
   llama family makes them ``model.loss_chunk`` positions at a time); used where present.
 
 The hook is where FSDP gathers a unit and where EDiT syncs it, so any model with this contract
-trains with every method. To add a family: a module with those three functions and one line in
+trains with every method. To add a family: a module with those four functions and one line in
 ``FAMILIES``. This module does not import JAX (configs are validated, ``validate`` below, before
 JAX starts).
 """
@@ -28,13 +30,18 @@ from types import ModuleType
 from edit_jax.config import Config, require
 
 FAMILIES = {"llama": "edit_jax.models.llama"}
+CONTRACT = ("init_params", "forward", "token_loss_sum", "flops_per_token")  # loss_sum is optional
 
 
 def model_family(name: str) -> ModuleType:
     """The module of family ``name`` (checked by ``validate``)."""
     if name not in FAMILIES:
         raise KeyError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
-    return importlib.import_module(FAMILIES[name])
+    module = importlib.import_module(FAMILIES[name])
+    missing = [f for f in CONTRACT if not hasattr(module, f)]
+    if missing:  # a family without e.g. flops_per_token would report a wrong MFU silently
+        raise TypeError(f"model family {name!r} ({FAMILIES[name]}) lacks {', '.join(missing)} of the family contract")
+    return module
 
 
 def validate(cfg: Config) -> None:
@@ -43,4 +50,4 @@ def validate(cfg: Config) -> None:
             f"expected one of {', '.join(FAMILIES)}; got {cfg.model.family!r}")
 
 
-__all__ = ["FAMILIES", "model_family", "validate"]
+__all__ = ["FAMILIES", "CONTRACT", "model_family", "validate"]

@@ -191,21 +191,10 @@ def validate(cfg: Config) -> None:
     require(s.tau_time > 0, "sync.tau_time", f"must be positive, got {s.tau_time}")
     require(s.min_total_steps >= 1, "sync.min_total_steps", f"must be >= 1, got {s.min_total_steps}")
     require(0.0 <= s.step_weight_ratio <= 1.0, "sync.step_weight_ratio", f"must be in [0, 1], got {s.step_weight_ratio}")
-    if s.method == "a_edit":
-        require(mesh.processes == mesh.replica and mesh.replica > 1, "mesh.processes",
-                f"method a_edit runs one process per worker: set mesh.processes=mesh.replica={mesh.replica} "
-                f"(with mesh.replica >= 2), got {mesh.processes}")
     if mesh.processes > 1:
         # The lock-step methods run one program over the global mesh whatever the process count, so
-        # everything a single process supports holds. A-EDiT's asynchronous phase moves the state
-        # between each worker's own mesh and the global one by reference (to_local / to_global):
-        # that needs the outer state on the devices and split over `shard` only.
-        if s.method == "a_edit":
-            require(s.outer_sharding == "shard", "sync.outer_sharding",
-                    "method a_edit keeps the outer state sharded over `shard` only (each worker holds a whole "
-                    "copy between syncs); 'replica_shard' is for the lock-step methods")
-            require(not s.cpu_offload, "sync.cpu_offload", "not supported with method a_edit (each worker's state "
-                    "moves between its own mesh and the global one by reference)")
+        # everything a single process supports holds (an asynchronous method's own rules: the
+        # method table's validate).
         # A device order permutes one program's devices freely; with one process per worker each
         # process owns its replica's devices, so which devices form a replica is decided by which
         # host runs which worker (the launcher), not by a device order.

@@ -29,9 +29,9 @@ import os
 import re
 from collections import defaultdict
 
+from edit_jax.localsgd.sync import SYNC_SCOPE
 from edit_jax.tools.hlo_parse import COLLECTIVES, HloModule, parse_hlo
 
-SYNC_SCOPE = "edit_sync"  # jax.named_scope of the sync's code (outer.py and sync.py, as step.py calls them)
 CATEGORIES = ("matmul", "collective", "copy", "sync", "elementwise", "control", "other")
 
 _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')

@@ -350,11 +350,4 @@ class AsyncWorkers:
         return {"worker_steps": list(self.all_steps), "worker_steps_since": list(self.all_since)}
 
 
-def wants_async(machinery: StepPrograms, k: int) -> bool:
-    """A-EDiT's asynchronous phase starts at its warmup's end."""
-    schedule = machinery.schedule
-    return isinstance(schedule, TimeSchedule) and k >= schedule.warmup
-
-
-__all__ = ["LockStep", "AsyncWorkers", "WorkerSteps", "Wants", "Advance", "loss_divergence", "wants_async",
-           "MAX_IN_FLIGHT"]
+__all__ = ["LockStep", "AsyncWorkers", "WorkerSteps", "Wants", "Advance", "loss_divergence", "MAX_IN_FLIGHT"]

@@ -1,6 +1,6 @@
 """The speed figures of a training record: learning rate, tokens/s per device and MFU.
 
-MFU (model FLOPs utilisation) = the model's training FLOPs per token (``model.flops_per_token``:
+MFU (model FLOPs utilisation) = the model's training FLOPs per token (the model family's ``flops_per_token``, for Llama
 6 x matmul params + attention scores, remat's recomputation not counted) x tokens/s, over the
 devices' dense bf16 peak. The peak is ``log.peak_tflops`` when set, else read from the device's
 kind in ``PEAK_BF16_TFLOPS``; on other devices (the CPU) records carry no ``mfu``.
@@ -9,7 +9,7 @@ kind in ``PEAK_BF16_TFLOPS``; on other devices (the CPU) records carry no ``mfu`
 from __future__ import annotations
 
 from edit_jax.config import Config
-from edit_jax.models.llama import flops_per_token
+from edit_jax.models.family import model_family
 from edit_jax.localsgd.optim import lr_schedule
 
 # Dense bf16 TFLOP/s of one device (vendor data sheets, without sparsity), by a substring of
@@ -40,7 +40,7 @@ class StepFigures:
     def __init__(self, cfg: Config, devices: int, device_kind: str):
         self.lr = lr_schedule(cfg.optim, cfg.steps)
         self.devices = devices
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.flops_per_token = model_family(cfg.model.family).flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak = peak_tflops(cfg, device_kind)
 
     def __call__(self, step: int, tokens_per_s: float) -> dict:
