@@ -167,6 +167,78 @@ def test_no_import_circle():
                        "imported at the top):\n" + "\n".join(_describe(c, edges) for c in found))
 
 
+def room(module: str) -> str:
+    """The room a module lives in: its sub-package (``edit_jax.localsgd``), or the module itself at
+    the package's root (``edit_jax.config``; the root package's ``__init__`` is ``edit_jax``)."""
+    parts = module.split(".")
+    modules = package_modules()
+    if len(parts) >= 2 and f"{parts[0]}.{parts[1]}" in modules and \
+            modules[f"{parts[0]}.{parts[1]}"].endswith("__init__.py"):
+        return f"{parts[0]}.{parts[1]}"
+    return module
+
+
+def test_no_circle_between_packages():
+    """The sub-packages (and the root's modules) import each other in one direction only."""
+    _, edges = import_graph()
+    between = [Import(room(e.importer), room(e.target), e.path, e.line, e.in_function) for e in edges
+               if room(e.importer) != room(e.target)]
+    found = circles(between)
+    assert not found, "import circles between packages:\n" + "\n".join(_describe(c, between) for c in found)
+
+
+# What the algorithm must not lean on: it is a library of pure functions and compiled steps that
+# any loop, runtime or file format can use.
+ALGORITHM = f"{PACKAGE}.localsgd"
+OUTER_LAYERS = ("training", "runtime", "rundir", "hf", "tools")
+
+
+def test_the_algorithm_imports_no_outer_layer():
+    _, edges = import_graph()
+    outward = [str(e) for e in edges if room(e.importer) == ALGORITHM
+               and room(e.target) in {f"{PACKAGE}.{p}" for p in OUTER_LAYERS}]
+    assert not outward, f"{ALGORITHM} imports from {', '.join(OUTER_LAYERS)}:\n" + "\n".join(outward)
+
+
+# The tree's size limits (issue 28): a newcomer finds the architecture in the package list.
+MAX_ROOT_MODULES, MAX_MODULE_LINES, MAX_FUNCTION_LINES = 8, 450, 120
+
+
+def test_the_tree_stays_readable():
+    modules = package_modules()
+    root = [m for m, path in modules.items() if m.count(".") == 1 and not path.endswith("__init__.py")]
+    assert len(root) <= MAX_ROOT_MODULES, f"{len(root)} modules at edit_jax/'s top (at most {MAX_ROOT_MODULES}): {root}"
+    long_modules, long_functions = [], []
+    for path in modules.values():
+        text = open(os.path.join(REPO, path), encoding="utf-8").read()
+        if len(text.splitlines()) >= MAX_MODULE_LINES:
+            long_modules.append(f"{path}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text, path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{path}:{node.lineno} {node.name}: {length} lines")
+    assert not long_modules, f"modules of {MAX_MODULE_LINES} lines or more:\n" + "\n".join(long_modules)
+    assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long_functions)
+
+
+def test_public_api_loads_lazily_and_resolves():
+    """``import edit_jax`` imports no JAX (the device count can still be set after it); every name
+    of ``edit_jax.__all__`` resolves to the object its module defines."""
+    proc = _python("import sys, edit_jax\n"
+                   "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))\n"
+                   "import importlib\n"
+                   "for name in edit_jax.__all__:\n"
+                   "    obj = getattr(edit_jax, name)\n"
+                   "    if name != '__version__':\n"
+                   "        assert obj is getattr(importlib.import_module(edit_jax._API[name]), name), name\n"
+                   "print('resolved', len(edit_jax.__all__))\n")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "[]", proc.stdout
+    assert lines[1].startswith("resolved ") and int(lines[1].split()[1]) >= 10, proc.stdout
+
+
 def test_config_is_a_leaf():
     modules, edges = import_graph()
     mine = [str(e) for e in edges if e.importer == f"{PACKAGE}.config"]
