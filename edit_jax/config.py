@@ -54,7 +54,7 @@ class ModelConfig:
     # holds [batch, seq, vocab] fp32 logits: 16 x 4096 x 32000 of them are 8.4 GB per device.
     loss_chunk: int = 1024
     # A Hugging Face Llama directory (config.json + *.safetensors) to start from: its architecture
-    # replaces the fields above, its weights the random init, for every method (hf_import.py).
+    # replaces the fields above, its weights the random init, for every method (hf/load.py).
     init_from: str = ""
 
     @property

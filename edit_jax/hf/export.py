@@ -8,7 +8,7 @@ Writes into ``--out``:
   vocabulary, context);
 - ``model.safetensors``: the params (θ̄, see trained.py) under the standard Llama tensor names;
 - ``tokenizer.json`` (the run's; for the byte tokenizer one with the same ids),
-  ``tokenizer_config.json`` and ``generation_config.json`` (``hf_tokenizer.py``): the directory
+  ``tokenizer_config.json`` and ``generation_config.json`` (``hf/tokenizer.py``): the directory
   loads with ``AutoTokenizer`` / ``AutoModelForCausalLM`` as it is;
 - ``edit_jax_export.json``: where the weights came from (run dir, step, method, θ̄ or replica).
 
@@ -98,7 +98,7 @@ def hf_config(cfg: Config, dtype: str = "float32", eos_id: int | None = None) ->
         "mlp_bias": False,
         "tie_word_embeddings": m.tie_embeddings,
         "initializer_range": m.init_std,
-        "bos_token_id": eos_id,  # a document starts after an EOS (hf_tokenizer.py)
+        "bos_token_id": eos_id,  # a document starts after an EOS (hf/tokenizer.py)
         "eos_token_id": eos_id,
         "pad_token_id": None,
         "pretraining_tp": 1,

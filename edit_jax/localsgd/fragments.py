@@ -4,7 +4,7 @@ The units (0: the root; 1 + l: layer l) are split into F contiguous groups, the 
 balanced by parameter count: of all contiguous splits, the one whose largest group is smallest
 (ties: the earliest cuts), so the peak sync moves as little as whole units allow. Group f syncs at
 the steps ``methods.StepSchedule.kind`` names ``"sync_forward@f"`` / ``"local_then_sync@f"``, one
-compiled program per group holding only that group's collectives (step.py; the sync of a group's
+compiled program per group holding only that group's collectives (programs.py; the sync of a group's
 units, its ``fragment_layers`` span, is sync.py's).
 """
 

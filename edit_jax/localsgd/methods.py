@@ -18,7 +18,7 @@ fixes are written as they take effect, so ``config.json`` says what ran), the li
 changed (announced by ``train``), and the ``Schedule`` the training loop queries each step.
 
 To add a method: one ``Method`` row in ``METHODS`` (and, if it needs a new kind of sync, its pure
-function in ``sync.py`` called from the step body in ``step.py``; a new kind of step, a
+function in ``sync.py`` called from the step body in ``programs.py``; a new kind of step, a
 ``Schedule`` that returns it). The config rules that ask this
 table (a known method and outer optimizer, what each method allows) are ``validate`` at the end.
 """
@@ -34,7 +34,7 @@ from edit_jax.config import Config, SyncConfig, require
 # No JAX import here: configs are validated (``validate`` below) before JAX starts. The static
 # facts of a plan (``Penalty``, ``OuterSpec``) live here; outer.py builds the machinery from them.
 
-# Kinds of compiled step (step.py). A schedule maps each inner step k to one of them.
+# Kinds of compiled step (programs.py). A schedule maps each inner step k to one of them.
 STEP_KINDS = ("hsdp", "local", "sync_forward", "local_then_sync")
 SYNC_KINDS = ("sync_forward", "local_then_sync")  # the kinds that run a sync (and may carry a group)
 

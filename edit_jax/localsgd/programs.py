@@ -1,6 +1,5 @@
-"""The compiled steps, all under ``shard_map`` over the (replica, shard) mesh.
-
-One machinery, several kinds of step (the method's schedule, ``methods.py``, picks one per step):
+"""The compiled step programs, all under ``shard_map`` over the (replica, shard) mesh: one
+program per kind of step (the method's schedule, ``methods.py``, picks one per step):
 
 - ``hsdp``: gradients averaged over ``shard`` and ``replica`` (Baseline; EDiT's warmup).
 - ``local``: gradients averaged over ``shard`` only; nothing crosses ``replica``.
@@ -52,7 +51,8 @@ from edit_jax.localsgd.sync import SYNC_METRICS, SYNC_SCOPE
 
 
 class StepPrograms:
-    """Compiles and holds the steps for one (method plan, mesh). The steps are pure functions
+    """The compiled programs of one (method plan, mesh): one per kind of step, plus the
+    initialising and whole-model syncs, compiled on first use. The steps are pure functions
     (the syncs are ``sync.py``'s); this class binds the static facts (the plan, the layout, the
     optimizers) and caches the compiled programs, so callers need not pass them around.
 

@@ -130,14 +130,14 @@ def plan(cfg, device_memory_gb: float = 80.0) -> dict:
     cfg = method_plan.cfg
     n, s = cfg.mesh.replica, cfg.mesh.shard
     mesh = make_mesh(cfg.mesh, jax.devices()[: n * s])
-    machinery = StepPrograms(method_plan, mesh)
-    abstract = machinery.abstract_state()
+    programs = StepPrograms(method_plan, mesh)
+    abstract = programs.abstract_state()
     batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.data.seq_len + 1), jax.numpy.int32,
                                  sharding=named(mesh, BATCH_SPEC))
     state = state_bytes(abstract)
     steps = {}
-    for kind in step_kinds(machinery.schedule, cfg):
-        compiled = machinery.lowered(kind, abstract, batch).compile()
+    for kind in step_kinds(programs.schedule, cfg):
+        compiled = programs.lowered(kind, abstract, batch).compile()
         mem = compiled.memory_analysis()
         parsed = hlo.hlo_collectives(compiled.as_text(), (n, s), default_trip=cfg.model.n_layers)
         cross, within = hlo.collective_totals(parsed, True), hlo.collective_totals(parsed, False)

@@ -87,9 +87,9 @@ def _to_list(a: np.ndarray):
 class LockStep:
     """Every step one program over the global mesh (any number of processes)."""
 
-    def __init__(self, machinery: StepPrograms, stream: ReplicaStreams, corrupt: CorruptSpec | None):
-        self.m, self.cfg, self.stream, self.corrupt = machinery, machinery.cfg, stream, corrupt
-        self.schedule = machinery.schedule
+    def __init__(self, programs: StepPrograms, stream: ReplicaStreams, corrupt: CorruptSpec | None):
+        self.m, self.cfg, self.stream, self.corrupt = programs, programs.cfg, stream, corrupt
+        self.schedule = programs.schedule
         self.multi = jax.process_count() > 1
         self.in_flight: list = []
         self.timed_kinds: set[StepKind] = set()

@@ -19,11 +19,11 @@ from edit_jax.localsgd.programs import StepPrograms
 
 
 class Evaluator:
-    """Compiled validation loss for one machinery (compiled once per kind of params)."""
+    """Compiled validation loss for one set of step programs (compiled once per kind of params)."""
 
-    def __init__(self, machinery: StepPrograms):
-        self.m = machinery
-        self.schedule = machinery.schedule
+    def __init__(self, programs: StepPrograms):
+        self.m = programs
+        self.schedule = programs.schedule
         self._compiled: dict[bool, object] = {}
 
     def loss_fn(self, over_outer: bool):

@@ -34,12 +34,12 @@ class DivergedError(RuntimeError):
     """Training produced non-finite values; nothing non-finite was saved (the CLI exits with 3)."""
 
 
-def restore(ckpt: Checkpointer, step: int, cfg: Config, machinery: StepPrograms, meta: dict | None = None):
+def restore(ckpt: Checkpointer, step: int, cfg: Config, programs: StepPrograms, meta: dict | None = None):
     """Restores checkpoint ``step`` (checked against ``cfg`` first): (state, data state). ``meta``:
     its metadata, if the caller read it already."""
     meta = ckpt.read_meta(step) if meta is None else meta
     ckpt.check_compatible(meta, cfg, step)
-    layout = machinery.layout
+    layout = programs.layout
     legacy = meta.get("state_format", 1) < STATE_FORMAT
     old_n = meta["config"]["mesh"]["replica"]
     try:
@@ -57,7 +57,7 @@ def restore(ckpt: Checkpointer, step: int, cfg: Config, machinery: StepPrograms,
     return state, data_state
 
 
-def restore_verified(ckpt: Checkpointer, cfg: Config, machinery: StepPrograms, say: Callable[[str], None],
+def restore_verified(ckpt: Checkpointer, cfg: Config, programs: StepPrograms, say: Callable[[str], None],
                      restore_step: int | None, *, lead: bool = True, barrier: Callable[[], None] = lambda: None):
     """Restores the newest checkpoint that reads and verifies (or ``restore_step``): (state, data
     state, step), all None when there is none. If none verifies, nothing is moved and
@@ -73,7 +73,7 @@ def restore_verified(ckpt: Checkpointer, cfg: Config, machinery: StepPrograms, s
         try:
             meta = ckpt.read_meta(step)
             old_n = meta["config"]["mesh"]["replica"]
-            state, data_state = restore(ckpt, step, cfg, machinery, meta)
+            state, data_state = restore(ckpt, step, cfg, programs, meta)
         except UnreadableCheckpointError as e:
             bad.append(step)
             errors.append(e)
