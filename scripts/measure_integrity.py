@@ -6,11 +6,11 @@ import os, time, shutil
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
-from edit_jax.validate import load_config
-from edit_jax.runtime.mesh import make_mesh
 from edit_jax.localsgd.programs import StepPrograms
-from edit_jax.rundir.integrity import finite_report, state_checksums
 from edit_jax.rundir.checkpoint import Checkpointer
+from edit_jax.rundir.integrity import finite_report, state_checksums
+from edit_jax.runtime.mesh import make_mesh
+from edit_jax.validate import load_config
 cfg = load_config("configs/demo.py", ["method=edit"])
 m = StepPrograms.for_config(cfg, make_mesh(cfg.mesh, jax.devices()[:8]))
 state = m.init_state(0)

@@ -24,8 +24,8 @@ import _bench_common as common  # noqa: E402
 common.ensure_cpu_devices(64)
 
 from edit_jax.config import apply_overrides  # noqa: E402
-from edit_jax.tools.plan import GIB, plan  # noqa: E402
 from edit_jax.presets import paper  # noqa: E402
+from edit_jax.tools.plan import GIB, plan  # noqa: E402
 from edit_jax.validate import validate  # noqa: E402
 
 

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edit_jax.models import llama as model_lib
 from edit_jax.config import ConfigError
+from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.models import llama as model_lib
 from edit_jax.models.llama import AttentionError, attention_impl, chunked_loss_sum, token_loss_sum
 from edit_jax.runtime.mesh import make_mesh
-from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.validate import validate
 from tests.helpers import tiny_config
 

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from edit_jax.cli import summary_line
-from edit_jax.training.loop import TrainResult
 from edit_jax.rundir.runlock import RunDirError, check_writable
+from edit_jax.training.loop import TrainResult
 from tests.helpers import REPO, interrupt_when, run_session
 
 FAST = ["--config", "configs/tiny.py", "--no-progress", "mesh.replica=2", "mesh.shard=2", "batch_size=8",

@@ -12,8 +12,8 @@ import pytest
 
 from edit_jax.config import ConfigError, apply_overrides
 from edit_jax.data.corrupt import CorruptSpec, corrupt_batch, corrupt_rows, garbage_rows, parse_corrupt
-from edit_jax.runtime.mesh import make_mesh
 from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.runtime.mesh import make_mesh
 from edit_jax.training.train import train
 from edit_jax.validate import load_config, validate
 from tests.helpers import REPO, tiny_config

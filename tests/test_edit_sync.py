@@ -33,11 +33,11 @@ from edit_jax.config import MeshConfig
 from edit_jax.localsgd.optim import lr_schedule
 from edit_jax.localsgd.outer import (Detector, Penalty, detector_step, detector_test, outer_optimizer, sgd_trace, sync_unit,
                              with_sgd_trace, worker_weights)
+from edit_jax.localsgd.methods import plan_for
+from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import REPLICA
 from edit_jax.runtime.mesh import make_mesh
 from edit_jax.tools import hlo
-from edit_jax.localsgd.methods import plan_for
-from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.validate import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import safetensors
 
-from edit_jax.models import llama as model_lib
 from edit_jax.hf.export import WRITTEN, ExportError, main as export_main, write_export
+from edit_jax.models import llama as model_lib
 from edit_jax.rundir.trained import load_trained
 from tests.helpers import damage_checkpoint_arrays, tiny_config
 from tests.trained_runs import edit_run, tokenizer_run

@@ -18,11 +18,11 @@ import jax
 import numpy as np
 import pytest
 
-from edit_jax.rundir.checkpoint import Checkpointer, CheckpointError
 from edit_jax.config import ConfigError
+from edit_jax.localsgd.state import state_shapes
+from edit_jax.rundir.checkpoint import Checkpointer, CheckpointError
 from edit_jax.rundir.integrity import checksum_mismatches, finite_report, nonfinite_parts, state_checksums
 from edit_jax.rundir.runlock import LOCK_NAME, RunDirError, RunLock, RunLockError
-from edit_jax.localsgd.state import state_shapes
 from edit_jax.training.train import train
 from edit_jax.validate import load_config
 from tests.helpers import REPO, interrupt_when, run_session, tiny_config

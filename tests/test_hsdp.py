@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from edit_jax.models import llama as M
-from edit_jax.localsgd.sharding import MeshError, fsdp_dim
-from edit_jax.runtime.mesh import make_mesh
-from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.config import MeshConfig
+from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.localsgd.sharding import MeshError, fsdp_dim
+from edit_jax.models import llama as M
+from edit_jax.runtime.mesh import make_mesh
 from tests.helpers import mesh_for, random_batch, tiny_config
 
 

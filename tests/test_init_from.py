@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from edit_jax.hf import load as hf_import
-
-from edit_jax.models import llama as model_lib
 from edit_jax.config import ConfigError
+from edit_jax.hf import load as hf_import
 from edit_jax.hf.export import write_export
 from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.models import llama as model_lib
 from edit_jax.rundir.trained import load_trained
 from edit_jax.training.train import train
 from edit_jax.validate import load_config, validate

@@ -9,12 +9,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from edit_jax.config import ConfigError
+from edit_jax.config import MeshConfig
 from edit_jax.localsgd.methods import METHODS, OuterSpec, plan_for
 from edit_jax.localsgd.outer import Detector, Penalty, make_outer_optimizer, sync_unit
-from edit_jax.presets import cpu
 from edit_jax.localsgd.sharding import REPLICA
+from edit_jax.presets import cpu
 from edit_jax.runtime.mesh import make_mesh
-from edit_jax.config import MeshConfig
 from edit_jax.training.train import train
 from edit_jax.validate import load_config
 from tests.helpers import REPO, tiny_config

@@ -16,17 +16,16 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from edit_jax.tools import hlo
-
-from edit_jax.runtime import multihost
 from edit_jax.config import ConfigError, MeshConfig
-from edit_jax.training.drivers import WorkerSteps
 from edit_jax.hf.export import write_export
 from edit_jax.localsgd.methods import TimeSchedule, plan_for
-from edit_jax.models.llama import init_params
 from edit_jax.localsgd.outer import Penalty, mix_step_weights
-from edit_jax.runtime.mesh import make_mesh
 from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.models.llama import init_params
+from edit_jax.runtime import multihost
+from edit_jax.runtime.mesh import make_mesh
+from edit_jax.tools import hlo
+from edit_jax.training.drivers import WorkerSteps
 from edit_jax.training.train import train
 from edit_jax.validate import load_config
 from tests.helpers import REPO, kill_group as _kill_group, run_session

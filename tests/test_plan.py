@@ -7,9 +7,9 @@ import sys
 
 import jax
 
+from edit_jax.localsgd.methods import plan_for
 from edit_jax.models.llama import count_params, init_params
 from edit_jax.tools.plan import plan, step_kinds
-from edit_jax.localsgd.methods import plan_for
 from tests.helpers import REPO, tiny_config
 
 

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from edit_jax.tools.profile import CATEGORIES, SYNC_SCOPE, find_trace, op_categories, op_self_times, summarize
 from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.tools.profile import CATEGORIES, SYNC_SCOPE, find_trace, op_categories, op_self_times, summarize
 from tests.helpers import mesh_for, random_batch, tiny_config
 
 HLO = f"""HloModule jit_step, entry_computation_layout={{()->f32[4]}}

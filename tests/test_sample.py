@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edit_jax.models import llama as model_lib
-from edit_jax.rundir.checkpoint import Checkpointer
-from edit_jax.models.decode import forward_cached, init_cache
-from edit_jax.tools.sample import Sampler, main as sample_main
 from edit_jax.localsgd.state import state_shapes
+from edit_jax.models import llama as model_lib
+from edit_jax.models.decode import forward_cached, init_cache
+from edit_jax.rundir.checkpoint import Checkpointer
 from edit_jax.rundir.trained import TrainedModelError, load_trained
+from edit_jax.tools.sample import Sampler, main as sample_main
 from tests.helpers import tiny_config
 from tests.trained_runs import edit_run, tokenizer_run
 

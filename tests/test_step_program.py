@@ -8,9 +8,9 @@ import dataclasses
 import jax
 import numpy as np
 
-from edit_jax.training.evaluate import Evaluator
 from edit_jax.localsgd.methods import plan_for
 from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.training.evaluate import Evaluator
 from tests.helpers import mesh_for, random_batch, tiny_config
 
 

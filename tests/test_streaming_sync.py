@@ -25,16 +25,16 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from edit_jax.localsgd.compress import BLOCK, compressed_weighted_sum, dequantize_int8, exchange_pattern, quantize_int8
 from edit_jax.config import ConfigError, MeshConfig
-from edit_jax.localsgd.outer import Penalty
-from edit_jax.localsgd.sharding import REPLICA, SHARD
-from edit_jax.runtime.mesh import make_mesh
-from edit_jax.tools import hlo
+from edit_jax.localsgd.compress import BLOCK, compressed_weighted_sum, dequantize_int8, exchange_pattern, quantize_int8
 from edit_jax.localsgd.fragments import balanced_groups, fragment_of_unit, unit_param_counts
 from edit_jax.localsgd.methods import StepKind, plan_for
-from edit_jax.localsgd.state import state_shapes
+from edit_jax.localsgd.outer import Penalty
 from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.localsgd.sharding import REPLICA, SHARD
+from edit_jax.localsgd.state import state_shapes
+from edit_jax.runtime.mesh import make_mesh
+from edit_jax.tools import hlo
 from test_edit_sync import (BASE, BASE4, PERM, Ref, _assert_det_close, _assert_tree_close, _batch, _cfg,
                             _crafted_state, _det_tuple, _host, _put, _ref_of, _unit, np_detector_feed,
                             np_detector_flags, np_sync)

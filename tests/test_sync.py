@@ -29,8 +29,8 @@ from edit_jax.localsgd.fragments import fragment_layers, fragment_of_unit
 from edit_jax.localsgd.methods import plan_for
 from edit_jax.localsgd.outer import Detector, sgd_trace
 from edit_jax.localsgd.sharding import REPLICA
-from edit_jax.runtime.mesh import make_mesh
 from edit_jax.localsgd.state import StateLayout
+from edit_jax.runtime.mesh import make_mesh
 from test_edit_sync import _assert_det_close, _assert_tree_close, _det_tuple, _host, _ref_of, _replica, _unit, np_sync
 from tests.helpers import tiny_config
 

@@ -13,8 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from edit_jax.rundir.checkpoint import CheckpointError
 from edit_jax.config import ConfigError
+from edit_jax.rundir.checkpoint import CheckpointError
 from edit_jax.training.train import train
 from edit_jax.validate import load_config
 from tests.helpers import REPO, tiny_config

@@ -40,14 +40,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from edit_jax.localsgd import sync
 from edit_jax.config import Config
-from edit_jax.models.family import model_family
+from edit_jax.localsgd import sync
 from edit_jax.localsgd.fragments import fragment_layers, fragment_of_unit
 from edit_jax.localsgd.methods import STEP_KINDS, MethodPlan, StepKind, plan_for
 from edit_jax.localsgd.sharding import BATCH_SPEC, REPLICA, SHARD, gather_unit, named, shard_sq_norm
 from edit_jax.localsgd.state import StateLayout, TrainState, init_outer_opt_state
 from edit_jax.localsgd.sync import SYNC_METRICS, SYNC_SCOPE
+from edit_jax.models.family import model_family
 
 
 class StepPrograms:

@@ -31,11 +31,11 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from edit_jax.config import Config, ConfigError
-from edit_jax.models.family import model_family
 from edit_jax.localsgd.methods import MethodPlan, Plan, plan_for
 from edit_jax.localsgd.optim import inner_optimizer
 from edit_jax.localsgd.outer import Detector, make_outer_optimizer, sgd_trace, with_sgd_trace
 from edit_jax.localsgd.sharding import REPLICA, named, outer_specs, param_shard_dims, replica_specs, unit_dims
+from edit_jax.models.family import model_family
 
 # Format of the saved TrainState: 1 had OuterState.trace (SGD's momentum buffer only); 2 holds
 # the outer optimizer's whole per-unit state in OuterState.opt_state.

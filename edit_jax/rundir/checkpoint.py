@@ -28,8 +28,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from edit_jax.config import Config, to_dict
-from edit_jax.rundir.integrity import checksum_mismatches, state_checksums
 from edit_jax.localsgd.state import STATE_FORMAT
+from edit_jax.rundir.integrity import checksum_mismatches, state_checksums
 
 # Keys whose change makes a checkpoint's arrays unusable (their shapes or structure depend on them).
 # mesh.replica is absent on purpose: the number of workers may change across a restart (elastic).

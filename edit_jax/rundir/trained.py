@@ -26,11 +26,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from edit_jax.rundir.checkpoint import UnreadableCheckpointError, check_checksums
 from edit_jax.config import Config, ConfigError, from_dict
 from edit_jax.data import DataError, make_tokenizer
-from edit_jax.rundir.integrity import part_checksums
 from edit_jax.localsgd.state import STATE_FORMAT, legacy_state_shapes, state_shapes
+from edit_jax.rundir.checkpoint import UnreadableCheckpointError, check_checksums
+from edit_jax.rundir.integrity import part_checksums
 
 
 class TrainedModelError(RuntimeError):

@@ -36,7 +36,6 @@ from jax.sharding import Mesh
 
 from edit_jax.config import Config, ConfigError, require
 from edit_jax.localsgd.sharding import BATCH_SPEC, REPLICA, SHARD, MeshError, named
-
 from edit_jax.runtime.cluster import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ClusterError, ClusterParams
 
 

@@ -28,11 +28,11 @@ import sys
 
 import jax
 
-from edit_jax.tools import hlo
 from edit_jax.localsgd.methods import plan_for
+from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import BATCH_SPEC, named
 from edit_jax.runtime.mesh import make_mesh, set_cpu_device_count
-from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.tools import hlo
 from edit_jax.validate import ConfigError, load_config
 
 GIB = 1024 ** 3

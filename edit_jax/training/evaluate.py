@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from edit_jax.runtime.multihost import local_value
+from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import BATCH_SPEC, REPLICA, SHARD, gather_unit
 from edit_jax.localsgd.state import TrainState
-from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.runtime.multihost import local_value
 
 
 class Evaluator:

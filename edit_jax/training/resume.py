@@ -23,11 +23,11 @@ from typing import Callable
 
 import jax
 
-from edit_jax.rundir.checkpoint import Checkpointer, CheckpointError, UnreadableCheckpointError
 from edit_jax.config import Config, ConfigError
-from edit_jax.rundir.integrity import finite_report, nonfinite_parts
-from edit_jax.localsgd.state import STATE_FORMAT, TrainState, legacy_state_shapes, state_shapes
 from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.localsgd.state import STATE_FORMAT, TrainState, legacy_state_shapes, state_shapes
+from edit_jax.rundir.checkpoint import Checkpointer, CheckpointError, UnreadableCheckpointError
+from edit_jax.rundir.integrity import finite_report, nonfinite_parts
 
 
 class DivergedError(RuntimeError):

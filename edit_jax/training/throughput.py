@@ -9,8 +9,8 @@ kind in ``PEAK_BF16_TFLOPS``; on other devices (the CPU) records carry no ``mfu`
 from __future__ import annotations
 
 from edit_jax.config import Config
-from edit_jax.models.family import model_family
 from edit_jax.localsgd.optim import lr_schedule
+from edit_jax.models.family import model_family
 
 # Dense bf16 TFLOP/s of one device (vendor data sheets, without sparsity), by a substring of
 # ``jax.Device.device_kind``; the first match wins, so the more specific names come first.

@@ -21,13 +21,13 @@ import sys
 
 import jax
 
-from edit_jax.rundir.checkpoint import CheckpointError, steps_on_disk
 from edit_jax.config import Config, to_dict
-from edit_jax.training.loop import TrainResult, run
 from edit_jax.localsgd.methods import normalise
-from edit_jax.training.resume import DivergedError
-from edit_jax.runtime import multihost
+from edit_jax.rundir.checkpoint import CheckpointError, steps_on_disk
 from edit_jax.rundir.runlock import RunLock, RunLockError, check_writable, first_missing, remove_if_unused
+from edit_jax.runtime import multihost
+from edit_jax.training.loop import TrainResult, run
+from edit_jax.training.resume import DivergedError
 from edit_jax.validate import validate
 
 
