@@ -1,6 +1,6 @@
 """Runs the README's commands as written, in a fresh clone, with few steps: each must exit 0.
 
-    python scripts/check_readme.py [--steps 6] [--json readme_check.json] [--keep DIR]
+    python scripts/check_readme.py [--steps 6] [--json readme_check.json] [--keep DIR] [--only bash|python]
 
 Every ```bash block of README.md is read in order; each `edit-jax ...` / `python -m edit_jax ...`
 command (a `&&` chain is split, `\\` continuations joined, comments dropped, optional `[...]`
@@ -11,7 +11,8 @@ code first on PYTHONPATH). `train` commands get `steps=N` appended (a later over
 would. Commands that need what a CPU machine does not
 have (GPUs and a cluster: `--distributed`, `srun`; the FineWeb-Edu parquet files and the paper
 presets reading them) are listed as skipped with the reason. Prints a table, writes JSON, exits 1
-if any command failed.
+if any command failed. Every ```python block (the Python API) then runs as written, as one
+program (`python -c BLOCK`) in the clone, its `steps=` untouched; `--only` runs one kind.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ def readme_commands(text: str) -> list[str]:
     return commands
 
 
+def readme_python_blocks(text: str) -> list[str]:
+    """The README's ```python blocks, in order, each a whole program."""
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
 def as_run(command: str, steps: int) -> tuple[dict[str, str], list[str]]:
     """The command's ``VAR=value`` prefixes (its environment) and its words with optional [...]
     groups left out and, for train, steps appended."""
@@ -74,15 +80,32 @@ def as_run(command: str, steps: int) -> tuple[dict[str, str], list[str]]:
     return env, out
 
 
+def run_one(command: str, run: list[str], cwd: str, env: dict[str, str]) -> dict:
+    """Runs one README command (or python block) and returns its row; a failure prints its last lines."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(run, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    out = (proc.stdout + proc.stderr).strip().splitlines()
+    row = {"command": command, "status": "ok" if proc.returncode == 0 else "FAILED", "exit": proc.returncode,
+           "seconds": round(time.perf_counter() - t0, 1), "last_line": out[-1][:160] if out else ""}
+    print(f"{row['status']:7} {row['seconds']:6.1f} s  {command}", flush=True)
+    if proc.returncode != 0:
+        print("\n".join("    " + line for line in out[-15:]), flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--json", default="readme_check.json")
     parser.add_argument("--keep", default=None, help="clone into this dir (kept) instead of a temporary one")
+    parser.add_argument("--only", choices=("bash", "python"), default=None,
+                        help="run only the bash commands, or only the python blocks")
     args = parser.parse_args(argv)
 
     with open(os.path.join(REPO, "README.md")) as f:
-        commands = readme_commands(f.read())
+        text = f.read()
+    commands = readme_commands(text) if args.only != "python" else []
+    programs = readme_python_blocks(text) if args.only != "bash" else []
     work = args.keep or tempfile.mkdtemp(prefix="readme_check_")
     clone = os.path.join(work, "clone")
     subprocess.run(["git", "clone", "--quiet", REPO, clone], check=True)
@@ -96,14 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"command": command, "status": "skipped", "why": skip})
             continue
         extra, run = as_run(command, args.steps)
-        t0 = time.perf_counter()
-        proc = subprocess.run(run, cwd=clone, env={**env, **extra}, capture_output=True, text=True, timeout=900)
-        out = (proc.stdout + proc.stderr).strip().splitlines()
-        rows.append({"command": command, "status": "ok" if proc.returncode == 0 else "FAILED", "exit": proc.returncode,
-                     "seconds": round(time.perf_counter() - t0, 1), "last_line": out[-1][:160] if out else ""})
-        print(f"{rows[-1]['status']:7} {rows[-1]['seconds']:6.1f} s  {command}", flush=True)
-        if proc.returncode != 0:
-            print("\n".join("    " + line for line in out[-15:]), flush=True)
+        rows.append(run_one(command, run, clone, {**env, **extra}))
+    for program in programs:
+        label = f"python -c <README python block: {program.strip().splitlines()[0][:40]} ...>"
+        rows.append(run_one(label, [sys.executable, "-c", program], clone, env))
 
     print(f"\n| status | s | command |\n|---|---|---|")
     for r in rows:
