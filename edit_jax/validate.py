@@ -2,19 +2,21 @@
 
     cfg = load_config("configs/demo.py", ["steps=100", "method=diloco"])  # read, then validate
 
-``config.py`` is a leaf (dataclasses, parsing, overrides, serialisation); its ``check_fields``
+``config.py`` is a leaf (dataclasses, overrides, serialisation; ``config_files.py`` reads files); its
+``check_fields``
 checks what the fields say on their own. A rule that needs a part of the package lives with that
 part as its ``validate(cfg)``, next to what it checks against:
 
 - ``data.sources``: ``data.source`` (the ``SOURCES`` registry), ``data.paths``, ``data.token_dtype``;
-- ``family``: ``model.family``;
-- ``hf_import``: ``model.init_from`` (its config.json; ``load_config`` first adopts its architecture);
-- ``methods``: ``sync.method``, ``sync.outer_optimizer``, what a method allows (A-EDiT, CO2);
+- ``models.family``: ``model.family``;
+- ``hf.load``: ``model.init_from`` (its config.json; ``load_config`` first adopts its architecture);
+- ``localsgd.methods``: ``sync.method``, ``sync.outer_optimizer``, what a method allows (CO2's
+  fields; an asynchronous method's processes and outer state: A-EDiT);
 - ``placement``: the ``mesh.placement`` file;
-- ``multihost``: ``mesh.processes`` and the multi-process rules, ``debug.slowdown``;
+- ``runtime.multihost``: ``mesh.processes`` and the multi-process rules, ``debug.slowdown``;
 - ``data.corrupt``: ``debug.corrupt``;
-- ``tensorboard``: ``log.tensorboard`` (tensorboardX installed);
-- ``wandb_log``: ``log.wandb`` (wandb installed), ``log.wandb_project``.
+- ``rundir.tensorboard``: ``log.tensorboard`` (tensorboardX installed);
+- ``rundir.wandb_log``: ``log.wandb`` (wandb installed), ``log.wandb_project``.
 
 ``validate`` runs ``check_fields`` first (so a part may assume ranges hold, e.g. ``mesh.replica
 > 0``), then each part in that order; the first broken rule raises ``ConfigError`` naming its key.

@@ -17,7 +17,7 @@ which order, and how their results go back into the state and the per-sync figur
 Every function takes the state as arrays (this device's blocks: per-replica leaves with their
 local replica dim of size 1) and the static facts from the ``state.StateLayout`` (its ``plan``,
 outer optimizer and where θ̄ lives), and returns ``(params, outer, metrics)`` or the like: no
-object holds state between calls. ``step.StepPrograms`` compiles them into steps; tests call them
+object holds state between calls. ``programs.StepPrograms`` compiles them into steps; tests call them
 under ``jax.shard_map`` directly.
 
 A ``span`` is the units of one fragment group (``fragments.fragment_layers``): (the root is in
