@@ -2,9 +2,8 @@
 
     cfg = load_config("configs/demo.py", ["steps=100", "method=diloco"])  # read, then validate
 
-``config.py`` is a leaf (dataclasses, overrides, serialisation; ``config_files.py`` reads files); its
-``check_fields``
-checks what the fields say on their own. A rule that needs a part of the package lives with that
+``config.py`` is a leaf (dataclasses, overrides, serialisation; ``config_files.py`` reads files);
+its ``check_fields`` checks what the fields say on their own. A rule that needs a part of the package lives with that
 part as its ``validate(cfg)``, next to what it checks against:
 
 - ``data.sources``: ``data.source`` (the ``SOURCES`` registry), ``data.paths``, ``data.token_dtype``;
