@@ -137,7 +137,7 @@ def val_batches(corpus: Corpus, seq_len: int, batch_size: int, max_batches: int 
     if seq_len <= 0 or batch_size <= 0:
         raise DataError(f"val batches: seq_len and batch_size must be positive, got {seq_len}, {batch_size}")
     val_tokens = corpus.val_tokens
-    if corpus.streamed is not None:  # read the validation documents of the first row groups, as many as needed
+    if corpus.streamed is not None:  # read the validation documents of the first units, as many as needed
         want = None if max_batches is None else max(1, int(max_batches)) * batch_size * (seq_len + 1)
         val_tokens = corpus.streamed.val_tokens(want)
     n = num_windows(val_tokens, seq_len)
@@ -147,7 +147,8 @@ def val_batches(corpus: Corpus, seq_len: int, batch_size: int, max_batches: int 
                         f"{n} windows of seq_len+1 = {seq_len + 1}; one batch needs batch_size = {batch_size} "
                         f"windows. Raise data.val_fraction, add data or lower the batch size / data.seq_len"
                         + (f" (streamed parquet reads validation documents from the first "
-                           f"{corpus.streamed.VAL_MAX_UNITS} row groups at most; or tokenize the corpus)"
+                           f"{corpus.streamed.VAL_MAX_UNITS} row groups at most, or slices of data.unit_bytes of "
+                           f"them; or tokenize the corpus)"
                            if corpus.streamed is not None else ""))
     count = avail if max_batches is None else max(0, min(int(max_batches), avail))
     w = seq_len + 1

@@ -96,7 +96,7 @@ def plan_units(files: list[str], text_column: str) -> list[Unit]:
                 raise DataError(f"tokenize: input {p!r} is empty; expected {kind} documents")
             units.append(Unit(len(units), p, kind))
             continue
-        for g, _, _ in parquet_row_groups(p, text_column, "tokenize: ", "--text-column"):
+        for g, *_ in parquet_row_groups(p, text_column, "tokenize: ", "--text-column"):
             units.append(Unit(len(units), p, "parquet", g))
     return units
 
