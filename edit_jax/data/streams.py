@@ -91,6 +91,7 @@ class TrainStream(ReplicaStreams):
         self.steps_per_epoch = n // batch_size
         self.fingerprint = (corpus.train_fingerprint if corpus.train_fingerprint is not None
                             else fingerprint(corpus.train_tokens))
+        self._sampled = corpus.train_tokens if corpus.sampled_fingerprint_ok else None
         self._datasets = [replica_dataset(corpus.train_tokens, seq_len, batch_size, num_replicas, seed, r)
                           for r in range(num_replicas)]
 
@@ -118,6 +119,9 @@ class TrainStream(ReplicaStreams):
             raise DataError(f"train stream state: expected a dict from get_state() with a 'step', got {state!r}")
         if state.get("version", self.STATE_VERSION) != self.STATE_VERSION:
             raise DataError(f"train stream state: version {state.get('version')} is not {self.STATE_VERSION}")
+        if (self._sampled is not None and state.get("fingerprint") not in (None, self.fingerprint)
+                and state.get("fingerprint") == fingerprint(self._sampled)):
+            state = {**state, "fingerprint": self.fingerprint}  # saved before loose arrays had their identity
         self._check_same(state, ("seed", "batch_size", "seq_len", "num_windows", "fingerprint"),
                          ("num_windows", "fingerprint"), "the corpus changed", required=False)
         self.step = self._saved_step(state)
