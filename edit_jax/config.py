@@ -93,7 +93,7 @@ class DataConfig:
     # training process has its own); 0: one thread of the training process.
     workers: int = 1
     # "parquet": text bytes per unit (a row group, or a slice of one) a reader reads at a time.
-    unit_bytes: int = 16 * 2**20
+    unit_bytes: int = 8 * 2**20
 
 
 @dataclass

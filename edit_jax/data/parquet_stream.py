@@ -151,7 +151,7 @@ class ParquetCorpus:
     VAL_MAX_UNITS = 256
 
     def __init__(self, groups: list[RowGroup], column: str, tokenizer, val_fraction: float, workers: int,
-                 dtype, unit_bytes: int = 16 * 2**20):
+                 dtype, unit_bytes: int = 8 * 2**20):
         if not groups:
             raise DataError("data.source='parquet': the files hold no row groups; expected documents")
         if not isinstance(unit_bytes, int) or unit_bytes <= 0:
