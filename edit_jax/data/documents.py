@@ -1,6 +1,7 @@
 """Documents, below every reader: the train / validation rule (``is_val``: the sha256 of a stable
-key), a parquet row group's documents (``row_group_documents``) and a batch of documents tokenized,
-split and packed (``split_and_pack``). ``edit-jax tokenize``, the streamed parquet source and the
+key), a range of a parquet row group's rows as documents (``row_range_documents``, read without
+the rest of the row group) and a batch of documents tokenized, split and packed
+(``split_and_pack``). ``edit-jax tokenize``, the streamed parquet source and the
 in-memory sources share them, so one document lands in the same split, with the same tokens,
 on every path."""
 
@@ -67,22 +68,6 @@ def _text_value(v, path: str, column: str, row_group: int, row: int, who: str) -
                     f"row group {row_group} row {row} is {type(v).__name__}")
 
 
-def row_group_documents(path: str, row_group: int, column: str, who: str = "") -> list[tuple[str, bytes]]:
-    """The non-empty documents (name, raw UTF-8 bytes) of one parquet row group, in row order;
-    ``who`` prefixes error messages ("tokenize: ")."""
-    pq = pyarrow_parquet(who)
-    try:
-        table = pq.ParquetFile(path).read_row_group(row_group, columns=[column])
-    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
-        raise DataError(f"{who}parquet file {path!r}: cannot read row group {row_group} ({e})") from e
-    docs = []
-    for i, v in enumerate(table.column(column).to_pylist()):
-        raw = _text_value(v, path, column, row_group, i, who)
-        if raw:
-            docs.append((f"{path}[row group {row_group}, row {i}]", raw))
-    return docs
-
-
 # Reading rows [start, stop) of a row group without the rest of it: pyarrow's batch reader over
 # that row group, with pre-buffering off and a read buffer (else pyarrow reads the whole column
 # chunk at once), decoding BATCH_TEXT_BYTES of text at a time. Rows before ``start`` are decoded
@@ -106,7 +91,7 @@ _open_lock = threading.Lock()
 def row_range_documents(path: str, row_group: int, column: str, start: int, stop: int, batch_rows: int,
                         key: str = "", who: str = "") -> list[tuple[str, bytes]]:
     """The non-empty documents of rows ``[start, stop)`` of one parquet row group, in row order
-    (the same documents and names as ``row_group_documents`` gives for those rows), reading
+    (each named ``PATH[row group G, row I]``, I counted in the row group), reading
     ``batch_rows`` rows at a time. ``key`` names the reader's stream (one replica's): a later call
     with the same key for rows after ``stop`` continues from here."""
     pq = pyarrow_parquet(who)
@@ -180,5 +165,5 @@ def split_and_pack(tok, docs: list[tuple[str, bytes]], val_fraction: float, dtyp
     return out
 
 
-__all__ = ["SPLITS", "is_val", "pyarrow_parquet", "parquet_row_groups", "row_group_documents", "row_range_documents",
+__all__ = ["SPLITS", "is_val", "pyarrow_parquet", "parquet_row_groups", "row_range_documents",
            "split_and_pack"]
