@@ -97,3 +97,16 @@ def test_a_checkpoint_with_the_sampled_fingerprint_resumes(tmp_path):
     changed = D.make_train_stream(D.load_corpus(_cfg(other)), SEQ, BATCH, 2, seed=0)
     with pytest.raises(D.DataError, match="fingerprint"):
         changed.set_state(state)  # one token changed in the first 1024 of a file: another corpus
+
+
+def test_npy_arrays_are_flattened_in_c_order(tmp_path):
+    """A 2-D .npy is flattened row by row whether it is stored in C or Fortran order (the Fortran
+    one cannot be read as a byte range of the file: it is read through the map)."""
+    grid = (np.arange(600, dtype=np.int32) % 251).reshape(20, 30)
+    for order in ("C", "F"):
+        path = str(tmp_path / f"grid_{order}.npy")
+        np.save(path, np.asarray(grid, order=order))
+        corpus = D.load_corpus(DataConfig(source="tokens", paths=(path,), seq_len=SEQ, val_fraction=0.1))
+        np.testing.assert_array_equal(np.asarray(corpus.train_tokens), grid.reshape(-1)[:540])
+        np.testing.assert_array_equal(corpus.train_tokens[100:200:3], grid.reshape(-1)[100:200:3])
+        np.testing.assert_array_equal(np.asarray(corpus.val_tokens), grid.reshape(-1)[540:])
