@@ -1,16 +1,20 @@
 """Streaming parquet (``data.source=parquet``): train on parquet text without tokenizing it first.
 
-Start-up reads only the files' footers: the corpus is a list of units, one per row group
-(``list_row_groups``). Training reads a unit when a replica's stream reaches it, in background
-worker processes (``data.workers``; 0: a thread of the training process) that read the row group,
-split its documents train / validation by the sha256 of their text (the rule of every source and
-of ``edit-jax tokenize``) and tokenize them; one or two units per replica are read ahead, so
-memory is bounded by a few row groups, never a file.
+Start-up reads only the files' footers: the corpus is a list of units (``slice_row_groups``), a
+unit being a row group, or, for a row group holding more than ``data.unit_bytes`` of text (its
+text column's uncompressed size in the footer; pandas' and pyarrow's defaults put up to a million
+rows in one), a slice of consecutive rows of about that size. Training reads a unit when a
+replica's stream reaches it, in background worker processes (``data.workers``; 0: a thread of the
+training process) that read its rows in pyarrow batches without the rest of the row group
+(``documents.row_range_documents``), split its documents train / validation by the sha256 of
+their text (the rule of every source and of ``edit-jax tokenize``) and tokenize them; one or two
+units per replica are read ahead, so memory is bounded by a few units, whatever the file layout.
 
 Each replica has a stream of its own (``ParquetStream``), disjoint from the others': in epoch
-``e`` the units are permuted by (``data.seed``, ``e``) and replica ``r`` of ``N`` takes units
-``perm[r::N]``; its stream is their train tokens concatenated (an EOS after each document), cut
-into windows of ``seq_len + 1`` tokens, ``B/N`` windows a step. A replica's position is a cursor
+``e`` the row groups are permuted by (``data.seed``, ``e``), each expanded into its units in row
+order, and replica ``r`` of ``N`` takes every ``N``-th unit from ``r`` (``replica_units``); its
+stream is their train tokens concatenated (an EOS after each document), cut into windows of
+``seq_len + 1`` tokens, ``B/N`` windows a step. A replica's position is a cursor
 ``(k, epoch, pos, offset)``: the next step, the epoch, the unit's place in the replica's order and
 the token offset in it. The cursor is all a resume needs (one unit is read again, no replay from
 the start), and it is O(1). With several processes each process reads only the units of the
@@ -24,7 +28,7 @@ both, and reads nothing at start.
 
 Validation: the validation documents of the units in file order, read at start until the run's
 ``eval_batches`` are full (about ``1/val_fraction`` times their tokens of text is read), from at
-most ``ParquetCorpus.VAL_MAX_UNITS`` row groups.
+most ``ParquetCorpus.VAL_MAX_UNITS`` units.
 """
 
 from __future__ import annotations
@@ -145,8 +149,8 @@ class ParquetCorpus:
     at most about ``unit_bytes`` of text each) and the readers that tokenize them (shared by the
     training stream and the validation batches)."""
 
-    # Validation reads at most this many row groups at start (FineWeb-Edu's hold about 1 M tokens
-    # each: some 250 M tokens of text, 12 M validation tokens at val_fraction 0.05). A run that
+    # Validation reads at most this many units at start (FineWeb-Edu's row groups hold about 1 M
+    # tokens each: some 250 M tokens of text, 12 M validation tokens at val_fraction 0.05). A run that
     # asks for more evaluates on what they hold, and says so.
     VAL_MAX_UNITS = 256
 
