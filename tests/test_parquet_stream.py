@@ -195,6 +195,8 @@ def test_errors_name_the_field_or_file(files, tmp_path, monkeypatch):
 
     with pytest.raises(ConfigError, match="data.workers"):
         load_config(os.path.join(REPO, "configs/tiny.py"), ["data.source=parquet", f"data.paths={files[0]}", "data.workers=-1"])
+    with pytest.raises(ConfigError, match="data.unit_bytes"):
+        load_config(os.path.join(REPO, "configs/tiny.py"), ["data.source=parquet", f"data.paths={files[0]}", "data.unit_bytes=0"])
     monkeypatch.setitem(__import__("sys").modules, "pyarrow.parquet", None)
     with pytest.raises(D.DataError, match=r"pip install edit-jax\[parquet\]"):
         D.load_corpus(_cfg(files))

@@ -195,7 +195,7 @@ class ParquetCorpus:
         files = len({g.path for g in self.groups})
         sliced = len(self.units) - len(self.groups)
         return (f"{files} parquet file{'s' if files != 1 else ''}, {len(self.groups)} row groups"
-                + (f" ({len(self.units)} units of <= {self.unit_bytes / 2**20:g} MiB of text)" if sliced else "")
+                + (f" ({len(self.units)} units of about {self.unit_bytes / 2**20:g} MiB of text)" if sliced else "")
                 + f", {sum(g.rows for g in self.groups)} rows, streamed")
 
     def _executor(self) -> cf.Executor:
