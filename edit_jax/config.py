@@ -91,6 +91,8 @@ class DataConfig:
     # "parquet": background processes that read and tokenize row groups ahead of training (each
     # training process has its own); 0: one thread of the training process.
     workers: int = 1
+    # "parquet": text bytes per unit (a row group, or a slice of one) a reader reads at a time.
+    unit_bytes: int = 8 * 2**20
 
 
 @dataclass
@@ -333,7 +335,7 @@ def check_fields(cfg: Config) -> None:
                      ("model.ffn_dim", m.ffn_dim), ("model.vocab_size", m.vocab_size), ("mesh.replica", mesh.replica),
                      ("mesh.shard", mesh.shard), ("data.seq_len", d.seq_len), ("log_every", cfg.log_every),
                      ("eval_batches", cfg.eval_batches), ("sync.tau", s.tau), ("keep_checkpoints", cfg.keep_checkpoints),
-                     ("model.scan_unroll", m.scan_unroll)]:
+                     ("model.scan_unroll", m.scan_unroll), ("data.unit_bytes", d.unit_bytes)]:
         require(val > 0, key, f"must be positive, got {val}")
     for key, val in [("eval_every", cfg.eval_every), ("checkpoint_every", cfg.checkpoint_every),
                      ("optim.warmup_steps", o.warmup_steps), ("optim.decay_steps", o.decay_steps),

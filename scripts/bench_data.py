@@ -2,6 +2,7 @@
 
     python scripts/bench_data.py                       # shards of 1, 4 and 16 GB (needs ~22 GB of disk)
     python scripts/bench_data.py --sizes-gb 1 4 --parquet-mb 64 --work-dir /tmp/bench_data
+    python scripts/bench_data.py --cases stdlib loose one-row-group --work-dir /tmp/bench_data   # issue 30
 
 For each corpus, a tiny training run (``edit-jax train --config configs/tiny.py steps=4``) in a
 child process: its wall time, its peak RSS (``os.wait4``'s ``ru_maxrss`` of that child) and the time
@@ -10,7 +11,12 @@ the stream and takes one batch). Corpora: the stdlib corpus (the reference), gen
 shards of each ``--sizes-gb`` (an index.json per directory, as ``edit-jax tokenize`` writes), the
 tokenized parquet files and the parquet files streamed (data.source=parquet) with the reader in
 the training process (``data.workers=0``: the peak RSS includes the tokenizing) and in a reader
-process (``data.workers=1``: the training process's own peak).
+process (``data.workers=1``: the training process's own peak). Two inputs as users make them
+(``--cases loose one-row-group``): nanoGPT-style loose ``.bin`` shards of 100 M uint16 tokens
+(``--loose-gb``, default 1, 4, 16 GB: one set of files, the smaller sets hard links to its first
+files) read with ``data.source=tokens``, and parquet files of ``--big-docs`` documents each written
+with pyarrow's defaults (``write_table``: one row group per file, as pandas' ``to_parquet`` writes
+them) streamed with ``data.workers`` 0 and 1.
 
 Then the token-shard stream's own tokens/s in one process (no model: ``TrainStream.next()`` on
 batches of the 1B preset's per-host shape), and the streamed parquet source's (row groups read and
@@ -25,6 +31,7 @@ the process start (about half a second). Prints tables; writes JSON (``--json``)
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -108,6 +115,63 @@ def write_parquet_set(directory: str, total_mb: float, files: int = 4, seed: int
             docs.append(text)
             size += len(text)
         pq.write_table(pa.table({"text": docs, "id": np.arange(len(docs))}), p, row_group_size=2000)
+    return paths
+
+
+LOOSE_SHARD_TOKENS = 100_000_000  # nanoGPT's fineweb / openwebtext shards
+
+
+def write_loose_bins(directory: str, sizes_gb: list[float], seed: int = 0) -> dict[float, str]:
+    """nanoGPT-style loose shards: raw uint16 files of LOOSE_SHARD_TOKENS byte-tokenizer ids, no
+    index, enough for the largest size; for each size a directory of hard links to the first
+    files (``{size: glob}``). Idempotent."""
+    total = int(max(sizes_gb) * 2**30) // 2
+    count = -(-total // LOOSE_SHARD_TOKENS)
+    src = os.path.join(directory, "all")
+    os.makedirs(src, exist_ok=True)
+    block = np.random.default_rng(seed).integers(0, 257, 1 << 24, dtype=np.uint16)
+    for k in range(count):
+        path = os.path.join(src, f"shard_{k:06d}.bin")
+        size = min(LOOSE_SHARD_TOKENS, total - k * LOOSE_SHARD_TOKENS)
+        if os.path.isfile(path) and os.path.getsize(path) == 2 * size:
+            continue
+        with open(path + ".tmp", "wb") as f:
+            left, shift = size, k * 7919
+            while left:
+                piece = np.roll(block, shift)[:min(left, block.size)]
+                f.write(piece.tobytes())
+                left -= piece.size
+                shift += 104729
+        os.replace(path + ".tmp", path)
+    out = {}
+    for gb in sizes_gb:
+        d = os.path.join(directory, f"{gb:g}gb")
+        os.makedirs(d, exist_ok=True)
+        want = -(-(int(gb * 2**30) // 2) // LOOSE_SHARD_TOKENS)
+        for k in range(want):
+            name = f"shard_{k:06d}.bin"
+            if not os.path.exists(os.path.join(d, name)):
+                os.link(os.path.join(src, name), os.path.join(d, name))
+        out[gb] = os.path.join(d, "*.bin")
+    return out
+
+
+def write_parquet_defaults(directory: str, files: int, docs: int, seed: int = 0) -> list[str]:
+    """``files`` parquet files of ``docs`` word-salad documents each (100 to 1500 words), written
+    with pyarrow's defaults: one row group per file (pandas' to_parquet writes the same)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(directory, exist_ok=True)
+    paths = [os.path.join(directory, f"defaults-{i:03d}.parquet") for i in range(files)]
+    rng = np.random.default_rng(seed)
+    words = np.array(WORDS)
+    for p in paths:
+        if os.path.isfile(p):
+            continue
+        texts = [" ".join(words[rng.integers(0, len(words), int(rng.integers(100, 1500)))]) + "." for _ in range(docs)]
+        pq.write_table(pa.table({"text": texts, "id": np.arange(docs)}), p + ".tmp")
+        os.replace(p + ".tmp", p)
     return paths
 
 
@@ -271,60 +335,97 @@ def main() -> None:
     ap.add_argument("--work-dir", default=os.path.join(REPO, "runs", "bench_data"))
     ap.add_argument("--keep", action="store_true", help="keep the generated data (default: remove the shards)")
     ap.add_argument("--json", default=os.path.join(REPO, "runs", "bench", "bench_data.json"))
+    ap.add_argument("--cases", nargs="+", default=["all"],
+                    choices=["all", "stdlib", "parquet", "shards", "loose", "one-row-group", "streams", "tokenize"],
+                    help="what to run (all: every case; stdlib is the reference of the RSS column)")
+    ap.add_argument("--loose-gb", type=float, nargs="+", default=[1, 4, 16], help="loose .bin sets (GB)")
+    ap.add_argument("--big-files", type=int, default=2, help="parquet files with one row group each")
+    ap.add_argument("--big-docs", type=int, default=100_000, help="documents per one-row-group file")
     args = ap.parse_args()
     work = os.path.abspath(args.work_dir)
     os.makedirs(work, exist_ok=True)
     result = {"command": " ".join(["python", "scripts/bench_data.py", *sys.argv[1:]]), "loadavg_at_start": loadavg(),
               "host_cpus": os.cpu_count(), "runs": [], "stream": [], "tokenize": []}
 
+    def want(case: str) -> bool:
+        return "all" in args.cases or case in args.cases
+
     print("tiny runs (steps=4) ...", file=sys.stderr, flush=True)
     result["runs"].append(tiny_run("stdlib", [], work))
-    parquet = write_parquet_set(os.path.join(work, "parquet"), args.parquet_mb, args.parquet_files)
-    tok_dir = os.path.join(work, "parquet_tokens")
-    result["tokenize"].append(tokenize_rate(parquet, tok_dir, "byte", 1))
-    result["runs"].append(tiny_run(f"tokenized parquet ({args.parquet_mb:g} MB text)",
-                                   ["data.source=tokens", f"data.paths={tok_dir}"], work))
-    # Streamed parquet: with data.workers=0 the reading and tokenizing thread is inside the
-    # measured process (its RSS is everything); with 1 reader process the training process's own.
-    for workers in (0, 1):
-        result["runs"].append(tiny_run(f"parquet streamed ({args.parquet_files} files), data.workers={workers}",
-                                       ["data.source=parquet", "data.paths=" + ",".join(parquet),
-                                        f"data.workers={workers}"], work))
+    parquet, tok_dir, bpe = [], os.path.join(work, "parquet_tokens"), None
+    if want("parquet") or want("streams") or want("tokenize"):
+        parquet = write_parquet_set(os.path.join(work, "parquet"), args.parquet_mb, args.parquet_files)
+    if want("parquet"):
+        result["tokenize"].append(tokenize_rate(parquet, tok_dir, "byte", 1))
+        result["runs"].append(tiny_run(f"tokenized parquet ({args.parquet_mb:g} MB text)",
+                                       ["data.source=tokens", f"data.paths={tok_dir}"], work))
+        # Streamed parquet: with data.workers=0 the reading and tokenizing thread is inside the
+        # measured process (its RSS is everything); with 1 reader process the training process's own.
+        for workers in (0, 1):
+            result["runs"].append(tiny_run(f"parquet streamed ({args.parquet_files} files), data.workers={workers}",
+                                           ["data.source=parquet", "data.paths=" + ",".join(parquet),
+                                            f"data.workers={workers}"], work))
+    if want("one-row-group"):
+        print(f"writing {args.big_files} parquet files of {args.big_docs} documents (pyarrow defaults) ...",
+              file=sys.stderr, flush=True)
+        big = write_parquet_defaults(os.path.join(work, "parquet_defaults"), args.big_files, args.big_docs)
+        mb = sum(os.path.getsize(p) for p in big) / 1e6
+        for workers in (0, 1):
+            result["runs"].append(tiny_run(f"parquet, 1 row group x {args.big_docs // 1000}k docs per file "
+                                           f"({args.big_files} files, {mb:.0f} MB), data.workers={workers}",
+                                           ["data.source=parquet", "data.paths=" + ",".join(big),
+                                            f"data.workers={workers}"], work))
+    if want("loose"):
+        print(f"writing loose .bin shards ({max(args.loose_gb):g} GB) ...", file=sys.stderr, flush=True)
+        loose_dir = os.path.join(work, "loose")
+        sets = write_loose_bins(loose_dir, args.loose_gb)
+        for gb in args.loose_gb:
+            result["runs"].append(tiny_run(f"loose .bin {gb:g} GB ({len(glob.glob(sets[gb]))} files of 100M tokens)",
+                                           ["data.source=tokens", f"data.paths={sets[gb]}"], work))
+        if not args.keep:
+            shutil.rmtree(loose_dir)
     host = paper_host_tokens_per_s()
     result["paper_1b_host"] = host
-    for gb in args.sizes_gb:
-        d = os.path.join(work, f"shards_{gb:g}gb")
-        print(f"writing {gb:g} GB of shards ...", file=sys.stderr, flush=True)
-        write_synthetic_shards(d, gb)
-        result["runs"].append(tiny_run(f"token shards {gb:g} GB", ["data.source=tokens", f"data.paths={d}"], work))
-        s = stream_tokens_per_s(d, host["seq_len"], host["rows_per_host_step"])
-        s["corpus"] = f"token shards {gb:g} GB"
-        result["stream"].append(s)
-        if not args.keep:
-            shutil.rmtree(d)
-    result["tokenize"].append(tokenize_rate(parquet, tok_dir + "_w2", "byte", 2))
-    bpe = train_bpe(parquet, os.path.join(work, "bpe_tokenizer.json"), args.bpe_vocab)
-    if bpe:
-        result["tokenize"].append(tokenize_rate(parquet[:1], tok_dir + "_bpe", bpe, 1))  # slower: one file
+    if want("shards"):
+        for gb in args.sizes_gb:
+            d = os.path.join(work, f"shards_{gb:g}gb")
+            print(f"writing {gb:g} GB of shards ...", file=sys.stderr, flush=True)
+            write_synthetic_shards(d, gb)
+            result["runs"].append(tiny_run(f"token shards {gb:g} GB", ["data.source=tokens", f"data.paths={d}"], work))
+            if want("streams"):
+                s = stream_tokens_per_s(d, host["seq_len"], host["rows_per_host_step"])
+                s["corpus"] = f"token shards {gb:g} GB"
+                result["stream"].append(s)
+            if not args.keep:
+                shutil.rmtree(d)
+    if want("tokenize"):
+        result["tokenize"].append(tokenize_rate(parquet, tok_dir + "_w2", "byte", 2))
+        bpe = train_bpe(parquet, os.path.join(work, "bpe_tokenizer.json"), args.bpe_vocab)
+        if bpe:
+            result["tokenize"].append(tokenize_rate(parquet[:1], tok_dir + "_bpe", bpe, 1))  # slower: one file
 
     ref = next(r for r in result["runs"] if r["corpus"] == "stdlib")
     rows = [[r["corpus"], r.get("seconds"), r.get("first_batch_s"), r.get("peak_rss_gb"),
              f"{r['peak_rss_gb'] / ref['peak_rss_gb']:.2f}x" if r.get("peak_rss_gb") else "-"] for r in result["runs"]]
     print_table("tiny training run (configs/tiny.py steps=4), one process",
                 ["corpus", "wall s", "first batch s", "peak RSS GB", "RSS vs stdlib"], rows)
-    for tokenizer, workers in [("byte", 0), ("byte", 1)] + ([(bpe, 1), (bpe, 2)] if bpe else []):
+    for tokenizer, workers in ([("byte", 0), ("byte", 1)] + ([(bpe, 1), (bpe, 2)] if bpe else [])
+                               if want("streams") else []):
         result["stream"].append(parquet_stream_tokens_per_s(parquet, tokenizer, workers, host["seq_len"],
                                                             host["rows_per_host_step"]))
     rows = [[s["corpus"], f"{s['rows']} x {s['seq_len']}", f"{s['tokens_per_s'] / 1e6:.2f} M",
              f"{s['tokens_per_s'] / host['tokens_per_s_per_host']:.1f}x"] for s in result["stream"]]
-    print_table("token-shard and streamed-parquet streams, one process, no model", ["corpus", "batch", "tokens/s", "vs 1B preset host"],
-                rows, note=f"1B preset host: {host['tokens_per_s_per_host'] / 1e3:.0f} K tokens/s "
-                           f"(ASSUMPTION: {host['assumption']})")
+    if rows:
+        print_table("token-shard and streamed-parquet streams, one process, no model",
+                    ["corpus", "batch", "tokens/s", "vs 1B preset host"], rows,
+                    note=f"1B preset host: {host['tokens_per_s_per_host'] / 1e3:.0f} K tokens/s "
+                         f"(ASSUMPTION: {host['assumption']})")
     rows = [[t.get("tokenizer"), t.get("workers"), t.get("tokens"), t.get("seconds"),
              f"{t['tokens_per_s_per_worker'] / 1e6:.2f} M" if t.get("tokens_per_s_per_worker") else "-",
              t.get("peak_rss_gb")] for t in result["tokenize"]]
-    print_table(f"edit-jax tokenize ({args.parquet_files} parquet files, {args.parquet_mb:g} MB text)",
-                ["tokenizer", "workers", "tokens", "wall s", "tokens/s/worker", "peak RSS GB (parent)"], rows)
+    if rows:
+        print_table(f"edit-jax tokenize ({args.parquet_files} parquet files, {args.parquet_mb:g} MB text)",
+                    ["tokenizer", "workers", "tokens", "wall s", "tokens/s/worker", "peak RSS GB (parent)"], rows)
     for r in result["runs"] + result["tokenize"]:
         r.pop("stdout", None)
     write_json(args.json, result)

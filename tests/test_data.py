@@ -328,13 +328,15 @@ def test_errors_name_the_path(tmp_path, monkeypatch):
 
 
 def test_token_file_errors(tmp_path):
-    big = str(tmp_path / "big.npy")
-    np.save(big, np.array([1, 2, 300], dtype=np.int32))
-    msg = _err(DataConfig(source="tokens", paths=(big,), seq_len=1))
-    assert big in msg and "max 300" in msg and "257" in msg
+    big = str(tmp_path / "big.npy")  # ids are checked as they are read (no scan at start)
+    np.save(big, np.array([1, 2, 300, 4, 5, 6, 7, 8], dtype=np.int32))
+    with pytest.raises(D.DataError) as e:
+        D.load_corpus(DataConfig(source="tokens", paths=(big,), seq_len=1, val_fraction=0.25)).train_tokens[:]
+    assert big in str(e.value) and "id 300 at token 2" in str(e.value) and "257" in str(e.value)
     neg = str(tmp_path / "neg.npy")
-    np.save(neg, np.array([1, -2, 3], dtype=np.int32))
-    assert neg in _err(DataConfig(source="tokens", paths=(neg,), seq_len=1))
+    np.save(neg, np.array([1, 3, 3, 4, 5, 6, 7, -2], dtype=np.int32))
+    with pytest.raises(D.DataError, match=r"neg\.npy.*id -2 at token 7"):
+        D.load_corpus(DataConfig(source="tokens", paths=(neg,), seq_len=1, val_fraction=0.25)).val_tokens[:]
     flt = str(tmp_path / "f.npy")
     np.save(flt, np.ones(10, dtype=np.float32))
     assert "integer" in _err(DataConfig(source="tokens", paths=(flt,), seq_len=1))

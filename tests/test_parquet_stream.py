@@ -161,10 +161,12 @@ def test_errors_name_the_field_or_file(files, tmp_path, monkeypatch):
     s = D.make_train_stream(D.load_corpus(_cfg([ints])), SEQ, BATCH, N, 0)
     with pytest.raises(D.DataError, match=r"ints\.parquet.*must hold text, row group \d row 0 is int"):
         s.next()
-    one = str(tmp_path / "one.parquet")
-    pq.write_table(pa.table({"text": _rows(9, 20)}), one)
-    with pytest.raises(D.DataError, match=r"1 row groups for mesh.replica=2"):
+    one = str(tmp_path / "one.parquet")  # one row group of one row cannot feed two replicas
+    pq.write_table(pa.table({"text": ["a single document"]}), one)
+    with pytest.raises(D.DataError, match=r"hold 1 rows for mesh.replica=2"):
         D.make_train_stream(D.load_corpus(_cfg([one])), SEQ, BATCH, N, 0)
+    with pytest.raises(D.DataError, match=r"data.unit_bytes must be a positive int"):
+        D.load_corpus(_cfg([one], unit_bytes=0))
     stream = D.make_train_stream(D.load_corpus(_cfg(files)), SEQ, BATCH, N, 0)
     stream.next()
     stream.next()
@@ -193,6 +195,8 @@ def test_errors_name_the_field_or_file(files, tmp_path, monkeypatch):
 
     with pytest.raises(ConfigError, match="data.workers"):
         load_config(os.path.join(REPO, "configs/tiny.py"), ["data.source=parquet", f"data.paths={files[0]}", "data.workers=-1"])
+    with pytest.raises(ConfigError, match="data.unit_bytes"):
+        load_config(os.path.join(REPO, "configs/tiny.py"), ["data.source=parquet", f"data.paths={files[0]}", "data.unit_bytes=0"])
     monkeypatch.setitem(__import__("sys").modules, "pyarrow.parquet", None)
     with pytest.raises(D.DataError, match=r"pip install edit-jax\[parquet\]"):
         D.load_corpus(_cfg(files))
@@ -272,3 +276,79 @@ def test_readers_end_with_a_killed_training_process(files):
         assert not alive, f"reader processes {alive} outlived their training process"
     finally:
         kill_group(proc)
+
+
+def _docs_tokens(rows: list, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) tokens of ``rows`` recomputed here: bytes + EOS per non-empty row, split by sha256."""
+    split = {"train": [], "val": []}
+    for v in rows:
+        if not v:
+            continue
+        raw = v.encode()
+        h = int.from_bytes(hashlib.sha256(raw).digest()[:8], "little")
+        split["val" if h < val_fraction * 2.0**64 else "train"] += list(raw) + [EOS]
+    return np.array(split["train"], np.int64), np.array(split["val"], np.int64)
+
+
+def test_one_big_row_group_is_sliced_across_replicas(tmp_path, monkeypatch):
+    """A file written with pyarrow's defaults (pandas' to_parquet writes the same way): one row
+    group. With data.unit_bytes well below its text, it is cut into slices of consecutive rows that
+    together cover it once; the 2 replicas take alternate slices (disjoint, complete), each
+    replica's tokens equal the train documents of its slices recomputed from pyarrow's rows, the
+    trace names file, row group and rows of each read, and a stream restored from the JSON state
+    (mid slice, across slices and epochs) gives the same batches. A row group smaller than a unit
+    still feeds 2 replicas (cut in 2)."""
+    path = str(tmp_path / "defaults.parquet")
+    rows = _rows(21, 120)
+    pq.write_table(pa.table({"text": rows, "n": list(range(120))}), path)  # the defaults: one row group
+    assert pq.ParquetFile(path).metadata.num_row_groups == 1
+    text = pq.ParquetFile(path).metadata.row_group(0).column(0).total_uncompressed_size
+    cfg = _cfg([path], unit_bytes=text // 5)
+    monkeypatch.setattr(PS, "BATCH_TEXT_BYTES", text // 17)  # pyarrow batches straddle the slices' ends
+    trace = str(tmp_path / "trace.jsonl")
+    monkeypatch.setenv(PS.TRACE_ENV, trace)
+    stream = D.make_train_stream(D.load_corpus(cfg), SEQ, BATCH, N, seed=5)
+    units = stream.unit_list
+    assert 5 <= len(units) <= 6 and [u.row_group for u in units] == [0] * len(units)
+    assert all(0 < u.batch_rows < u.stop - u.start and (u.stop - u.start) % u.batch_rows for u in units)
+    bounds = [(u.start, u.stop) for u in units]
+    assert bounds[0][0] == 0 and bounds[-1][1] == 120 and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    rows_per, total = BATCH // N, _docs_tokens(rows, 0.2)[0]
+    steps = int(2.5 * total.size / N / (rows_per * (SEQ + 1)))  # about 2.5 epochs of each replica
+    batches = [stream.next() for _ in range(steps)]
+    epochs = stream.get_state()["cursors"]
+    stream.close()
+    assert min(c[1] for c in epochs) >= 2, epochs
+    for r in range(N):
+        mine = list(range(r, len(units), N))  # one row group: every epoch the same alternate slices
+        assert PS.replica_units(stream.slices, 5, 1, r, N).tolist() == mine
+        got = np.concatenate([b[r * rows_per:(r + 1) * rows_per].ravel() for b in batches])
+        want = np.concatenate([_docs_tokens(rows[units[u].start:units[u].stop], 0.2)[0] for _ in range(6) for u in mine])
+        np.testing.assert_array_equal(got, want[:got.size])
+    reads = [json.loads(x) for x in open(trace)]
+    assert {(x["file"], x["row_group"]) for x in reads} == {(path, 0)}
+    for x in reads:  # each read is one slice, read by the replica it belongs to
+        assert tuple(x["rows"]) == bounds[x["unit"]] and x["unit"] % N == x["replica"]
+    assert sum(_docs_tokens(rows[a:b], 0.2)[0].size for a, b in bounds) == total.size
+    for k in (3, steps // 3, steps // 2, steps - 12):  # mid slice, other slices, other epochs
+        first = D.make_train_stream(D.load_corpus(cfg), SEQ, BATCH, N, seed=5)
+        for _ in range(k):
+            first.next()
+        state = json.loads(json.dumps(first.get_state()))
+        first.close()
+        again = D.make_train_stream(D.load_corpus(cfg), SEQ, BATCH, N, seed=5)
+        again.set_state(state)
+        for j in range(k, k + 12):
+            np.testing.assert_array_equal(again.next(), batches[j])
+        again.close()
+    one = D.make_train_stream(D.load_corpus(cfg), SEQ, 4, 1, seed=5)  # one replica reads the slices in row order
+    got = np.concatenate([one.next().ravel() for _ in range(int(1.5 * total.size / (4 * (SEQ + 1))))])
+    one.close()
+    np.testing.assert_array_equal(got, np.concatenate([total, total])[:got.size])
+    small = D.make_train_stream(D.load_corpus(_cfg([path])), SEQ, BATCH, N, seed=5)  # default: 1 unit of text
+    assert [(u.start, u.stop) for u in small.unit_list] == [(0, 60), (60, 120)]
+    b = small.next()
+    small.close()
+    for r in range(N):
+        want = _docs_tokens(rows[60 * r:60 * (r + 1)], 0.2)[0]
+        np.testing.assert_array_equal(b[r * rows_per:(r + 1) * rows_per].ravel(), want[:rows_per * (SEQ + 1)])

@@ -99,6 +99,21 @@ def test_tokenize_is_deterministic_across_workers(inputs, shard_dir, tmp_path):
     assert _files(out) == _files(shard_dir)
 
 
+def test_tokenize_reads_large_row_groups_in_slices(inputs, shard_dir, tmp_path, monkeypatch):
+    """A row group of more text than a batch (a million-row group of pandas' defaults, here 21
+    documents against a batch of 300 bytes) is read in slices of consecutive rows, pyarrow's
+    batches straddling their ends; the shards are byte-identical to reading it whole."""
+    calls = []
+    real = T.row_range_documents
+    monkeypatch.setattr(T, "row_range_documents", lambda *a, **k: calls.append(a[3:5]) or real(*a, **k))
+    monkeypatch.setattr(T, "JSONL_BATCH_BYTES", 300)
+    monkeypatch.setattr(T, "BATCH_TEXT_BYTES", 100)
+    out = str(tmp_path / "sliced")
+    T.tokenize(inputs[0], out, val_fraction=0.2, shard_tokens=500, progress=False)
+    assert _files(out) == _files(shard_dir)
+    assert len(calls) > 3 * 6 and (0, calls[1][0]) == calls[0] and calls[1][0] > 0  # several slices a row group
+
+
 def test_killed_tokenize_resumes_to_the_same_shards(inputs, shard_dir, tmp_path, monkeypatch):
     out = str(tmp_path / "killed")
     # Killed after 3 of 8 units: parts on disk, no index.

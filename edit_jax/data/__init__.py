@@ -23,15 +23,17 @@ expected.
 Corpora larger than memory: ``edit-jax tokenize`` (``tokenize``) writes token shards plus an
 ``index.json`` (``shards``); ``data.source=tokens`` with ``data.paths=DIR`` memory-maps them as one
 virtual stream per split (``shards.ConcatTokens``) after reading only the index, so step 1 and
-memory do not depend on the corpus size.
+memory do not depend on the corpus size. Loose ``.bin`` / ``.npy`` arrays are not scanned at start
+either (their ids are checked as they are read), and streamed parquet reads units of at most about
+``data.unit_bytes`` of text, whatever the size of the files' row groups.
 
 Modules: ``errors`` (DataError), ``tokenizers`` (byte and tokenizer.json tokenizers), ``sources/``
 (one module per source plus the ``SOURCES`` registry; to add a source: one file there and one
 registry line), ``corpus`` (``Corpus``, ``load_corpus``), ``batches`` (``ReplicaStreams``: the
 interface of both training streams), ``streams`` (windows, ``TrainStream``,
 validation batches), ``shards`` (the shard directory: index, ``ConcatTokens``, checks),
-``tokenize`` (``edit-jax tokenize``), ``parquet_stream`` (``data.source=parquet``: row groups read and
-tokenized in the background, per-replica streams with O(1) cursors). This module is the public API:
+``tokenize`` (``edit-jax tokenize``), ``parquet_stream`` (``data.source=parquet``: row groups, or
+slices of them, read and tokenized in the background, per-replica streams with O(1) cursors). This module is the public API:
 it re-exports the first ones.
 """
 

@@ -33,6 +33,7 @@ class Corpus:
     tokenizer: str = "byte"
     info: dict = field(default_factory=dict)  # numbers for logs: files, bytes, tokens, load_seconds, split
     train_fingerprint: int | None = None  # known without a scan (token shards' index); None: sampled
+    sampled_fingerprint_ok: bool = False  # a saved sampled fingerprint is accepted too (loose arrays)
     streamed: object | None = None  # a ParquetCorpus (data.source=parquet), else None
 
 
@@ -67,7 +68,8 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     desc = (f"{cfg.source}: {what}, {_human(result.bytes)}B, {_human(train.size + val.size)} tokens "
             f"({_human(train.size)} train / {_human(val.size)} val, {result.split.split(' (')[0]} split), "
             f"tokenizer {tok.name}")
-    corpus = Corpus(train, val, tok.vocab_size, tok.eos_id, desc, tok.name, info, result.fingerprint)
+    corpus = Corpus(train, val, tok.vocab_size, tok.eos_id, desc, tok.name, info, result.fingerprint,
+                    sampled_fingerprint_ok=result.sampled_fingerprint_ok)
     window = cfg.seq_len + 1
     for split, arr in (("train", train), ("validation", val)):
         if arr.size < window:

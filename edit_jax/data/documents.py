@@ -1,12 +1,16 @@
 """Documents, below every reader: the train / validation rule (``is_val``: the sha256 of a stable
-key), a parquet row group's documents (``row_group_documents``) and a batch of documents tokenized,
-split and packed (``split_and_pack``). ``edit-jax tokenize``, the streamed parquet source and the
+key), a range of a parquet row group's rows as documents (``row_range_documents``, read without
+the rest of the row group) and a batch of documents tokenized, split and packed
+(``split_and_pack``). ``edit-jax tokenize``, the streamed parquet source and the
 in-memory sources share them, so one document lands in the same split, with the same tokens,
 on every path."""
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import os
+import threading
 
 import numpy as np
 
@@ -30,9 +34,10 @@ def pyarrow_parquet(who: str = "") -> object:
     return pq
 
 
-def parquet_row_groups(path: str, column: str, who: str, field: str) -> list[tuple[int, int, int]]:
-    """(row group, rows, uncompressed bytes) of every row group of a parquet file, from its footer
-    alone; the file must be parquet with the text column ``column`` (the ``field`` that set it)."""
+def parquet_row_groups(path: str, column: str, who: str, field: str) -> list[tuple[int, int, int, int]]:
+    """(row group, rows, uncompressed bytes, uncompressed bytes of the text column) of every row
+    group of a parquet file, from its footer alone; the file must be parquet with the text column
+    ``column`` (the ``field`` that set it)."""
     pq = pyarrow_parquet(who)
     try:
         meta = pq.ParquetFile(path)
@@ -42,30 +47,102 @@ def parquet_row_groups(path: str, column: str, who: str, field: str) -> list[tup
     if column not in names:
         raise DataError(f"{who}parquet file {path!r}: no column {column!r} ({field}); columns are {', '.join(names)}")
     md = meta.metadata
-    return [(g, md.row_group(g).num_rows, md.row_group(g).total_byte_size) for g in range(md.num_row_groups)]
+    out = []
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        leaves = [rg.column(j) for j in range(rg.num_columns)]
+        text = sum(c.total_uncompressed_size for c in leaves
+                   if c.path_in_schema == column or c.path_in_schema.startswith(column + "."))
+        out.append((g, rg.num_rows, rg.total_byte_size, text or rg.total_byte_size))
+    return out
 
 
-def row_group_documents(path: str, row_group: int, column: str, who: str = "") -> list[tuple[str, bytes]]:
-    """The non-empty documents (name, raw UTF-8 bytes) of one parquet row group, in row order;
-    ``who`` prefixes error messages ("tokenize: ")."""
+def _text_value(v, path: str, column: str, row_group: int, row: int, who: str) -> bytes | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return v.encode("utf-8")
+    if isinstance(v, (bytes, bytearray)):
+        return bytes(v)
+    raise DataError(f"{who}parquet file {path!r}: column {column!r} must hold text, "
+                    f"row group {row_group} row {row} is {type(v).__name__}")
+
+
+# Reading rows [start, stop) of a row group without the rest of it: pyarrow's batch reader over
+# that row group, with pre-buffering off and a read buffer (else pyarrow reads the whole column
+# chunk at once), decoding BATCH_TEXT_BYTES of text at a time. Rows before ``start`` are decoded
+# and dropped (parquet has no row index); a reader that goes on to the next rows of the same row
+# group (a replica's slices of one row group come in order) continues where it stopped, so a row
+# group is decoded about once per reader and replica, not once per slice.
+READ_BUFFER = 1 << 20
+BATCH_TEXT_BYTES = 4 << 20
+_MAX_OPEN = 8  # open row-group readers kept per process (each: a file, its buffer, at most one batch)
+
+
+class _RowReader:
+    def __init__(self, batches):
+        self.batches, self.next_row, self.pending = batches, 0, None  # pending: (first row, batch) not used up
+
+
+_open_readers: "collections.OrderedDict[tuple, _RowReader]" = collections.OrderedDict()
+_open_lock = threading.Lock()
+
+
+def row_range_documents(path: str, row_group: int, column: str, start: int, stop: int, batch_rows: int,
+                        key: str = "", who: str = "") -> list[tuple[str, bytes]]:
+    """The non-empty documents of rows ``[start, stop)`` of one parquet row group, in row order
+    (each named ``PATH[row group G, row I]``, I counted in the row group), reading
+    ``batch_rows`` rows at a time. ``key`` names the reader's stream (one replica's): a later call
+    with the same key for rows after ``stop`` continues from here."""
     pq = pyarrow_parquet(who)
+    where = f"{who}parquet file {path!r}: row group {row_group} rows {start}-{stop - 1}"
     try:
-        table = pq.ParquetFile(path).read_row_group(row_group, columns=[column])
+        st = os.stat(path)
+    except OSError as e:
+        raise DataError(f"{where}: cannot read it ({e.strerror or e})") from e
+    ident = (path, st.st_size, st.st_mtime_ns, row_group, column, int(batch_rows), key)
+    with _open_lock:
+        reader = _open_readers.pop(ident, None)
+    docs: list[tuple[str, bytes]] = []
+    try:
+        if reader is None or (reader.pending[0] if reader.pending else reader.next_row) > start:
+            f = pq.ParquetFile(path, buffer_size=READ_BUFFER, pre_buffer=False)
+            reader = _RowReader(f.iter_batches(batch_size=max(1, int(batch_rows)), row_groups=[row_group],
+                                               columns=[column], use_threads=False))
+        while True:
+            if reader.pending is not None:
+                first, batch = reader.pending
+                reader.pending = None
+            else:
+                if reader.next_row >= stop:
+                    break
+                batch = next(reader.batches, None)
+                if batch is None:
+                    raise DataError(f"{where}: the row group ends at row {reader.next_row} (the file changed?)")
+                first = reader.next_row
+                reader.next_row += batch.num_rows
+            end = first + batch.num_rows
+            if end <= start:
+                continue
+            if first >= stop:
+                reader.pending = (first, batch)
+                break
+            lo, hi = max(start, first), min(stop, end)
+            for i, v in enumerate(batch.column(0).slice(lo - first, hi - lo).to_pylist(), start=lo):
+                raw = _text_value(v, path, column, row_group, i, who)
+                if raw:
+                    docs.append((f"{path}[row group {row_group}, row {i}]", raw))
+            if end > stop:
+                reader.pending = (first, batch)
+                break
+    except DataError:
+        raise
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
-        raise DataError(f"{who}parquet file {path!r}: cannot read row group {row_group} ({e})") from e
-    docs = []
-    for i, v in enumerate(table.column(column).to_pylist()):
-        if v is None:
-            continue
-        if isinstance(v, str):
-            raw = v.encode("utf-8")
-        elif isinstance(v, (bytes, bytearray)):
-            raw = bytes(v)
-        else:
-            raise DataError(f"{who}parquet file {path!r}: column {column!r} must hold text, "
-                            f"row group {row_group} row {i} is {type(v).__name__}")
-        if raw:
-            docs.append((f"{path}[row group {row_group}, row {i}]", raw))
+        raise DataError(f"{where}: cannot read it ({e})") from e
+    with _open_lock:
+        _open_readers[ident] = reader
+        while len(_open_readers) > _MAX_OPEN:
+            _open_readers.popitem(last=False)
     return docs
 
 
@@ -88,4 +165,5 @@ def split_and_pack(tok, docs: list[tuple[str, bytes]], val_fraction: float, dtyp
     return out
 
 
-__all__ = ["SPLITS", "is_val", "pyarrow_parquet", "parquet_row_groups", "row_group_documents", "split_and_pack"]
+__all__ = ["SPLITS", "is_val", "pyarrow_parquet", "parquet_row_groups", "row_range_documents",
+           "split_and_pack"]

@@ -91,6 +91,7 @@ class TrainStream(ReplicaStreams):
         self.steps_per_epoch = n // batch_size
         self.fingerprint = (corpus.train_fingerprint if corpus.train_fingerprint is not None
                             else fingerprint(corpus.train_tokens))
+        self._sampled = corpus.train_tokens if corpus.sampled_fingerprint_ok else None
         self._datasets = [replica_dataset(corpus.train_tokens, seq_len, batch_size, num_replicas, seed, r)
                           for r in range(num_replicas)]
 
@@ -118,6 +119,9 @@ class TrainStream(ReplicaStreams):
             raise DataError(f"train stream state: expected a dict from get_state() with a 'step', got {state!r}")
         if state.get("version", self.STATE_VERSION) != self.STATE_VERSION:
             raise DataError(f"train stream state: version {state.get('version')} is not {self.STATE_VERSION}")
+        if (self._sampled is not None and state.get("fingerprint") not in (None, self.fingerprint)
+                and state.get("fingerprint") == fingerprint(self._sampled)):
+            state = {**state, "fingerprint": self.fingerprint}  # saved before loose arrays had their identity
         self._check_same(state, ("seed", "batch_size", "seq_len", "num_windows", "fingerprint"),
                          ("num_windows", "fingerprint"), "the corpus changed", required=False)
         self.step = self._saved_step(state)
@@ -137,7 +141,7 @@ def val_batches(corpus: Corpus, seq_len: int, batch_size: int, max_batches: int 
     if seq_len <= 0 or batch_size <= 0:
         raise DataError(f"val batches: seq_len and batch_size must be positive, got {seq_len}, {batch_size}")
     val_tokens = corpus.val_tokens
-    if corpus.streamed is not None:  # read the validation documents of the first row groups, as many as needed
+    if corpus.streamed is not None:  # read the validation documents of the first units, as many as needed
         want = None if max_batches is None else max(1, int(max_batches)) * batch_size * (seq_len + 1)
         val_tokens = corpus.streamed.val_tokens(want)
     n = num_windows(val_tokens, seq_len)
@@ -147,7 +151,8 @@ def val_batches(corpus: Corpus, seq_len: int, batch_size: int, max_batches: int 
                         f"{n} windows of seq_len+1 = {seq_len + 1}; one batch needs batch_size = {batch_size} "
                         f"windows. Raise data.val_fraction, add data or lower the batch size / data.seq_len"
                         + (f" (streamed parquet reads validation documents from the first "
-                           f"{corpus.streamed.VAL_MAX_UNITS} row groups at most; or tokenize the corpus)"
+                           f"{corpus.streamed.VAL_MAX_UNITS} row groups at most, or slices of data.unit_bytes of "
+                           f"them; or tokenize the corpus)"
                            if corpus.streamed is not None else ""))
     count = avail if max_batches is None else max(0, min(int(max_batches), avail))
     w = seq_len + 1

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edit_jax.data.documents import parquet_row_groups, row_group_documents, split_and_pack
+from edit_jax.data.documents import BATCH_TEXT_BYTES, parquet_row_groups, row_range_documents, split_and_pack
 from edit_jax.data.errors import DataError
 from edit_jax.data.shards import (INDEX_FORMAT, INDEX_NAME, INDEX_VERSION, SPLITS, dtype_for_vocab, shard_name,
                                   tokenizer_identity)
@@ -96,16 +96,22 @@ def plan_units(files: list[str], text_column: str) -> list[Unit]:
                 raise DataError(f"tokenize: input {p!r} is empty; expected {kind} documents")
             units.append(Unit(len(units), p, kind))
             continue
-        for g, _, _ in parquet_row_groups(p, text_column, "tokenize: ", "--text-column"):
+        for g, *_ in parquet_row_groups(p, text_column, "tokenize: ", "--text-column"):
             units.append(Unit(len(units), p, "parquet", g))
     return units
 
 
 def _documents(unit: Unit, job: Job):
-    """Yields batches of (name, raw UTF-8 bytes) documents of one unit; a batch is bounded by a
-    row group (parquet) or about JSONL_BATCH_BYTES of text (jsonl)."""
+    """Yields batches of (name, raw UTF-8 bytes) documents of one unit; a batch is about
+    JSONL_BATCH_BYTES of text (a parquet row group, which pandas' and pyarrow's defaults make as
+    large as a million rows, is read in slices of consecutive rows of about that size)."""
     if unit.kind == "parquet":
-        yield row_group_documents(unit.path, unit.row_group, job.text_column, "tokenize: ")
+        _, rows, _, text = parquet_row_groups(unit.path, job.text_column, "tokenize: ", "--text-column")[unit.row_group]
+        n = max(1, min(max(rows, 1), -(-text // JSONL_BATCH_BYTES)))
+        batch_rows = max(1, int(rows * BATCH_TEXT_BYTES / max(1, text)))
+        for j in range(n):
+            yield row_range_documents(unit.path, unit.row_group, job.text_column, j * rows // n,
+                                      (j + 1) * rows // n, batch_rows, "tokenize", "tokenize: ")
     elif unit.kind == "jsonl":
         batch, size = [], 0
         with open(unit.path, "rb") as f:

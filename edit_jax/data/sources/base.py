@@ -28,6 +28,9 @@ class SourceResult:
     # The train stream's identity when the source knows it without reading the tokens (shard
     # indexes); None: streams.fingerprint samples the tokens.
     fingerprint: int | None = None
+    # Also accept, on resume, the fingerprint sampled from the tokens (what loose arrays had before
+    # they got an identity that reads nothing): checkpoints made then still resume.
+    sampled_fingerprint_ok: bool = False
     # A streamed source (parquet) reads its documents during training instead: train / val are None.
     streamed: object | None = None
 
