@@ -13,6 +13,7 @@ import pytest
 from edit_jax import data as D
 from edit_jax.config import ConfigError, DataConfig
 from edit_jax.data import parquet_stream as PS
+from edit_jax.data import parquet_units as PU
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -99,7 +100,7 @@ def test_resume_from_any_cursor_gives_identical_batches(files, tmp_path, monkeyp
     want = [ref.next() for _ in range(45)]
     ref.close()
     trace = str(tmp_path / "trace.jsonl")
-    monkeypatch.setenv(PS.TRACE_ENV, trace)
+    monkeypatch.setenv(PU.TRACE_ENV, trace)
     for k in (1, 7, 20, 33):
         first = D.make_train_stream(D.load_corpus(cfg), SEQ, BATCH, N, seed=1)
         for _ in range(k):
@@ -127,7 +128,7 @@ def test_a_process_reads_only_the_replicas_it_trains(files, tmp_path, monkeypatc
     rows. The row groups read for training are disjoint, and each is the replica's own; the
     merged state (the exchange at a checkpoint) has each replica's cursor from its process."""
     trace = str(tmp_path / "trace.jsonl")
-    monkeypatch.setenv(PS.TRACE_ENV, trace)
+    monkeypatch.setenv(PU.TRACE_ENV, trace)
     cfg = _cfg(files)
     streams = [D.make_train_stream(D.load_corpus(cfg), SEQ, BATCH, N, seed=0) for _ in range(N)]
     together = D.make_train_stream(D.load_corpus(cfg), SEQ, BATCH, N, seed=0)
@@ -220,7 +221,7 @@ def test_validation_reads_at_most_val_max_units(files, monkeypatch):
     """Validation comes from the first VAL_MAX_UNITS row groups at most: fewer batches than asked
     when they hold no more, and an error naming the fields when they hold less than one."""
     units = _expected_units(files, 0.2)
-    monkeypatch.setattr(PS.ParquetCorpus, "VAL_MAX_UNITS", 2)
+    monkeypatch.setattr(PU.ParquetCorpus, "VAL_MAX_UNITS", 2)
     corpus = D.load_corpus(_cfg(files))
     have = units[0][1].size + units[1][1].size
     val = D.val_batches(corpus, 3, 4, 1000)
@@ -306,7 +307,7 @@ def test_one_big_row_group_is_sliced_across_replicas(tmp_path, monkeypatch):
     cfg = _cfg([path], unit_bytes=text // 5)
     monkeypatch.setattr(PS, "BATCH_TEXT_BYTES", text // 17)  # pyarrow batches straddle the slices' ends
     trace = str(tmp_path / "trace.jsonl")
-    monkeypatch.setenv(PS.TRACE_ENV, trace)
+    monkeypatch.setenv(PU.TRACE_ENV, trace)
     stream = D.make_train_stream(D.load_corpus(cfg), SEQ, BATCH, N, seed=5)
     units = stream.unit_list
     assert 5 <= len(units) <= 6 and [u.row_group for u in units] == [0] * len(units)

@@ -23,7 +23,7 @@ from edit_jax.data.tokenizers import make_tokenizer
 class Corpus:
     """One packed token stream per split. Token arrays are 1-D unsigned ints (may be memmaps); for
     a streamed source (``data.source=parquet``) they are None and ``streamed`` reads the documents
-    as training needs them (``parquet_stream.ParquetCorpus``)."""
+    as training needs them (``parquet_units.ParquetCorpus``)."""
 
     train_tokens: np.ndarray | None
     val_tokens: np.ndarray | None

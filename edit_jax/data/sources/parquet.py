@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from edit_jax.data.parquet_stream import ParquetCorpus, list_row_groups
+from edit_jax.data.parquet_units import ParquetCorpus, list_row_groups
 from edit_jax.data.sources.base import SourceResult, _token_dtype
 
 
