@@ -305,7 +305,7 @@ def test_one_big_row_group_is_sliced_across_replicas(tmp_path, monkeypatch):
     assert pq.ParquetFile(path).metadata.num_row_groups == 1
     text = pq.ParquetFile(path).metadata.row_group(0).column(0).total_uncompressed_size
     cfg = _cfg([path], unit_bytes=text // 5)
-    monkeypatch.setattr(PS, "BATCH_TEXT_BYTES", text // 17)  # pyarrow batches straddle the slices' ends
+    monkeypatch.setattr(PU, "BATCH_TEXT_BYTES", text // 17)  # pyarrow batches straddle the slices' ends
     trace = str(tmp_path / "trace.jsonl")
     monkeypatch.setenv(PU.TRACE_ENV, trace)
     stream = D.make_train_stream(D.load_corpus(cfg), SEQ, BATCH, N, seed=5)
