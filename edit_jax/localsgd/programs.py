@@ -50,6 +50,7 @@ from edit_jax.localsgd.methods import STEP_KINDS, MethodPlan, StepKind, plan_for
 from edit_jax.localsgd.sharding import BATCH_SPEC, REPLICA, SHARD, gather_unit, named, shard_sq_norm
 from edit_jax.localsgd.state import StateLayout, TrainState, init_outer_opt_state
 from edit_jax.localsgd.sync import SYNC_METRICS, SYNC_SCOPE
+from edit_jax.localsgd.xla_options import compiler_options
 
 
 class StepPrograms:
@@ -80,6 +81,8 @@ class StepPrograms:
         if hasattr(self.model, "attention_impl"):
             impl = self.model.attention_impl(self.cfg.model, mesh.devices.flat[0].platform)
             self.model_cfg = dataclasses.replace(self.cfg.model, attention=impl)
+        # XLA options for the mesh's platform: on GPUs the latency-hiding scheduler (xla_options.py)
+        self.compiler_options = compiler_options(mesh.devices.flat[0].platform)
         self.state_specs, self.state_shardings = lay.state_specs, lay.state_shardings
         # Streaming sync: group of each unit (None: one group, every unit syncs together).
         self.groups = fragment_of_unit(self.cfg) if self.plan.uses_outer and self.cfg.sync.fragments > 1 else None
@@ -131,7 +134,8 @@ class StepPrograms:
                 new, metrics = mapped(state.replace(outer=self.layout.outer_to_device(state.outer)), batch, shares)
                 return new.replace(outer=self.layout.outer_to_home(new.outer)), metrics
 
-            self._compiled[kind] = jax.jit(step, donate_argnums=0, out_shardings=(self.state_shardings, None))
+            self._compiled[kind] = jax.jit(step, donate_argnums=0, out_shardings=(self.state_shardings, None),
+                                           compiler_options=self.compiler_options or None)
         return self._compiled[kind]
 
     def grads_fn(self, sync_over_replica: bool):

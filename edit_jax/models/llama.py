@@ -17,6 +17,7 @@ Params tree: {"root": {"embed", "final_norm", ["lm_head"]}, "layers": {...stacke
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -150,7 +151,8 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
     k_embed, k_head, k_layers = jax.random.split(key, 3)
     dummy = jnp.zeros((1, 1, cfg.d_model), jnp.float32)
     layer_keys = jax.random.split(k_layers, cfg.n_layers)
-    layers = jax.vmap(lambda k: DecoderLayer(cfg).init(k, dummy)["params"])(layer_keys)
+    plain = dataclasses.replace(cfg, attention="xla")  # the params do not depend on the kernel
+    layers = jax.vmap(lambda k: DecoderLayer(plain).init(k, dummy)["params"])(layer_keys)
     root = {
         "embed": cfg.init_std * jax.random.normal(k_embed, (cfg.vocab_size, cfg.d_model), jnp.float32),
         "final_norm": {"scale": jnp.ones((cfg.d_model,), jnp.float32)},
