@@ -31,6 +31,7 @@ mean gradient; ``hsdp`` then averages over replicas.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Any
 
@@ -38,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec as P
 
 from edit_jax.config import Config
@@ -47,7 +49,8 @@ from edit_jax.localsgd.methods import STEP_KINDS, MethodPlan, StepKind, plan_for
 from edit_jax.localsgd.sharding import BATCH_SPEC, REPLICA, SHARD, gather_unit, named, shard_sq_norm
 from edit_jax.localsgd.state import StateLayout, TrainState, init_outer_opt_state
 from edit_jax.localsgd.sync import SYNC_METRICS, SYNC_SCOPE
-from edit_jax.models.family import model_family
+from edit_jax.localsgd.xla_options import compiler_options
+from edit_jax.models.family import HOOK_SAVED, model_family
 
 
 class StepPrograms:
@@ -70,8 +73,16 @@ class StepPrograms:
         self.layout = lay = StateLayout(method_plan, mesh)
         self.n, self.s = lay.n, lay.s
         self.model = model_family(self.cfg.model.family)
-        if hasattr(self.model, "attention_impl"):  # model.attention=cudnn off a GPU: said before any work
-            self.model.attention_impl(self.cfg.model, mesh.devices.flat[0].platform)
+        # The model config the steps trace with: model.attention resolved for the mesh's devices
+        # (auto: cuDNN on GPUs), not for the process's default backend, which is the CPU when the
+        # programs are compiled for a GPU target without one (``edit-jax plan --target``).
+        # model.attention=cudnn off a GPU is an error here, before any work.
+        self.model_cfg = self.cfg.model
+        if hasattr(self.model, "attention_impl"):
+            impl = self.model.attention_impl(self.cfg.model, mesh.devices.flat[0].platform)
+            self.model_cfg = dataclasses.replace(self.cfg.model, attention=impl)
+        # XLA options for the mesh's platform: on GPUs the latency-hiding scheduler (xla_options.py)
+        self.compiler_options = compiler_options(mesh.devices.flat[0].platform)
         self.state_specs, self.state_shardings = lay.state_specs, lay.state_shardings
         # Streaming sync: group of each unit (None: one group, every unit syncs together).
         self.groups = fragment_of_unit(self.cfg) if self.plan.uses_outer and self.cfg.sync.fragments > 1 else None
@@ -123,7 +134,8 @@ class StepPrograms:
                 new, metrics = mapped(state.replace(outer=self.layout.outer_to_device(state.outer)), batch, shares)
                 return new.replace(outer=self.layout.outer_to_home(new.outer)), metrics
 
-            self._compiled[kind] = jax.jit(step, donate_argnums=0, out_shardings=(self.state_shardings, None))
+            self._compiled[kind] = jax.jit(step, donate_argnums=0, out_shardings=(self.state_shardings, None),
+                                           compiler_options=self.compiler_options or None)
         return self._compiled[kind]
 
     def grads_fn(self, sync_over_replica: bool):
@@ -171,14 +183,19 @@ class StepPrograms:
             if xs is not None:  # xs None: no sync in this step, or a unit outside the due group
                 with jax.named_scope(SYNC_SCOPE):  # the profile files these ops under "sync"
                     unit, res = sync.sync_in_forward(unit, xs, which, lay, shares)
+                # The synced unit's shard, in the compute dtype, is kept for the backward (the
+                # model's remat saves HOOK_SAVED): recomputing it would run the sync's all-reduce
+                # across `replica` again. The gather within `shard` after it is still recomputed.
+                unit = checkpoint_name(jax.tree.map(lambda x: x.astype(dtype), unit), HOOK_SAVED)
             return gather_unit(unit, lay.unit_dims[which], dtype, fused), res
 
         def loss_fn(params):
             local = jax.tree.map(lambda x: x[0], params)  # drop the (size 1) local replica dim
+            mcfg = self.model_cfg
             if hasattr(self.model, "loss_sum"):  # the family computes the loss itself (chunked logits)
-                total, ys = self.model.loss_sum(cfg.model, local, batch[:, :-1], batch[:, 1:], hook, hook_xs, segments)
+                total, ys = self.model.loss_sum(mcfg, local, batch[:, :-1], batch[:, 1:], hook, hook_xs, segments)
             else:
-                logits, ys = self.model.forward(cfg.model, local, batch[:, :-1], hook, hook_xs, segments)
+                logits, ys = self.model.forward(mcfg, local, batch[:, :-1], hook, hook_xs, segments)
                 total = self.model.token_loss_sum(logits, batch[:, 1:])
             return total / lay.tokens_per_replica, ys
 

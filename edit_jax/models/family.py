@@ -10,6 +10,8 @@ the step code reaches the model only through it:
   way into compute (``which`` is "root" or "layer"); ``hook_xs``/``ys`` are per-unit inputs and
   outputs laid out like the params (``{"root": ..., "layers": ...}``);
 - ``token_loss_sum(logits, targets) -> scalar``;
+- with remat, the family keeps the values the hook names ``HOOK_SAVED`` (its checkpoint policy
+  saves them) and recomputes the rest;
 - ``flops_per_token(cfg: ModelConfig, seq_len) -> float``: training FLOPs per token (forward and
   backward, remat's recomputation not counted), for the MFU of every training record;
 - optionally ``loss_sum(cfg, params, tokens, targets, hook, hook_xs=None) -> (scalar, ys)``: the
@@ -30,6 +32,12 @@ from types import ModuleType
 from edit_jax.config import Config, require
 
 FAMILIES = {"llama": "edit_jax.models.llama"}
+# The name (``jax.ad_checkpoint.checkpoint_name``) of a hook's value that a family's remat keeps
+# for the backward pass instead of recomputing it. EDiT's hook names each synced unit so: what
+# made it crosses ``replica`` (the sync's all-reduce), and recomputing it in the backward would
+# send the whole sync a second time. Everything after it (the FSDP gather within ``shard``, the
+# layer's compute) is still recomputed.
+HOOK_SAVED = "hook_saved"
 CONTRACT = ("init_params", "forward", "token_loss_sum", "flops_per_token")  # loss_sum is optional
 
 
@@ -50,4 +58,4 @@ def validate(cfg: Config) -> None:
             f"expected one of {', '.join(FAMILIES)}; got {cfg.model.family!r}")
 
 
-__all__ = ["FAMILIES", "CONTRACT", "model_family", "validate"]
+__all__ = ["FAMILIES", "CONTRACT", "HOOK_SAVED", "model_family", "validate"]

@@ -17,6 +17,7 @@ Params tree: {"root": {"embed", "final_norm", ["lm_head"]}, "layers": {...stacke
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from edit_jax.config import ConfigError, ModelConfig
+from edit_jax.models.family import HOOK_SAVED
 
 Params = Any
 # hook(unit_params, unit_xs, which) -> (params ready for compute, unit_ys); which: "root" | "layer"
@@ -114,7 +116,10 @@ class Attention(nn.Module):
         v = (x @ wv.astype(x.dtype)).reshape(b, t, c.n_kv_heads, hd)
         q, k = rotary(q, c.rope_theta), rotary(k, c.rope_theta)
         # Grouped-query attention: dot_product_attention repeats K/V heads over query groups.
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl(c))
+        # "auto" is resolved here for JAX's default backend; the step programs resolve it for their
+        # mesh's devices first (a GPU target compiled from a CPU process), passing "cudnn" or "xla".
+        impl = c.attention if c.attention == "cudnn" else attention_impl(c)
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
         return y.reshape(b, t, c.n_heads * hd) @ wo.astype(x.dtype)
 
 
@@ -146,7 +151,8 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
     k_embed, k_head, k_layers = jax.random.split(key, 3)
     dummy = jnp.zeros((1, 1, cfg.d_model), jnp.float32)
     layer_keys = jax.random.split(k_layers, cfg.n_layers)
-    layers = jax.vmap(lambda k: DecoderLayer(cfg).init(k, dummy)["params"])(layer_keys)
+    plain = dataclasses.replace(cfg, attention="xla")  # the params do not depend on the kernel
+    layers = jax.vmap(lambda k: DecoderLayer(plain).init(k, dummy)["params"])(layer_keys)
     root = {
         "embed": cfg.init_std * jax.random.normal(k_embed, (cfg.vocab_size, cfg.d_model), jnp.float32),
         "final_norm": {"scale": jnp.ones((cfg.d_model,), jnp.float32)},
@@ -226,8 +232,9 @@ def forward_hidden(cfg: ModelConfig, params: Params, tokens: jax.Array, hook: Ho
         full, ys = hook(layer_params, layer_xs, "layer")
         return DecoderLayer(cfg).apply({"params": full}, x), ys
 
-    if cfg.remat:
-        layer_step = jax.checkpoint(layer_step, prevent_cse=False)
+    if cfg.remat:  # recompute the layer in the backward, but not what the hook named HOOK_SAVED (the sync)
+        layer_step = jax.checkpoint(layer_step, prevent_cse=False,
+                                    policy=jax.checkpoint_policies.save_only_these_names(HOOK_SAVED))
     if layer_segments is None:
         x, layer_ys = jax.lax.scan(layer_step, x, (params["layers"], xs["layers"]),
                                    unroll=min(cfg.scan_unroll, cfg.n_layers))

@@ -32,7 +32,8 @@ from edit_jax.localsgd.methods import plan_for
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import BATCH_SPEC, named
 from edit_jax.runtime.mesh import make_mesh, set_cpu_device_count
-from edit_jax.tools import hlo
+from edit_jax.tools import gpu_plan, hlo
+from edit_jax.tools.gpu_target import GpuTarget, TargetError, cuda_plugin_missing, load_target, target_devices
 from edit_jax.validate import ConfigError, load_config
 
 GIB = 1024 ** 3
@@ -124,17 +125,22 @@ def _flops(compiled) -> float | None:
     return float(cost.get("flops", float("nan"))) if cost else None
 
 
-def plan(cfg, device_memory_gb: float = 80.0) -> dict:
-    """The plan of ``cfg`` (validated; JAX already on ``mesh.replica x mesh.shard`` CPU devices)."""
+def plan(cfg, device_memory_gb: float = 80.0, target: GpuTarget | None = None) -> dict:
+    """The plan of ``cfg`` (validated). Without ``target``: compiled for ``mesh.replica x
+    mesh.shard`` CPU devices (JAX already has them); with one: for that GPU's abstract devices
+    (XLA:GPU, the CUDA plugin), each step also with ``gpu_plan.step_report``'s figures."""
     method_plan = plan_for(cfg)
     cfg = method_plan.cfg
     n, s = cfg.mesh.replica, cfg.mesh.shard
-    mesh = make_mesh(cfg.mesh, jax.devices()[: n * s])
+    devices = target_devices(target, n * s) if target is not None else jax.devices()[: n * s]
+    mesh = make_mesh(cfg.mesh, devices)
     programs = StepPrograms(method_plan, mesh)
     abstract = programs.abstract_state()
     batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.data.seq_len + 1), jax.numpy.int32,
                                  sharding=named(mesh, BATCH_SPEC))
     state = state_bytes(abstract)
+    estimate = gpu_estimate(cfg, state["params"]["device_bytes"])
+    need = state["total_device_bytes"] + estimate["total_bytes"]
     steps = {}
     for kind in step_kinds(programs.schedule, cfg):
         compiled = programs.lowered(kind, abstract, batch).compile()
@@ -148,6 +154,8 @@ def plan(cfg, device_memory_gb: float = 80.0) -> dict:
             "replica_ring_bytes": cross["ring_bytes"], "shard_ring_bytes": within["ring_bytes"],
             "replica_by_op": cross["by_op"], "shard_by_op": within["by_op"],
         }
+        if target is not None:
+            steps[kind]["xla_gpu"] = gpu_plan.step_report(compiled, kind, programs, need)
     tau = cfg.sync.tau
     window = None
     if method_plan.plan.uses_outer:  # a tau window: tau - 1 local steps and the sync step
@@ -156,10 +164,8 @@ def plan(cfg, device_memory_gb: float = 80.0) -> dict:
         sync_bytes = sum(steps[k]["replica_ring_bytes"] for k in sync_kinds) / max(len(sync_kinds), 1) \
             * (cfg.sync.fragments if cfg.sync.fragments > 1 else 1)
         window = {"tau": tau, "mean_replica_ring_bytes_per_step": ((tau - 1) * local + sync_bytes) / tau}
-    estimate = gpu_estimate(cfg, state["params"]["device_bytes"])
-    need = state["total_device_bytes"] + estimate["total_bytes"]
     worst_cpu = max(v["temp_bytes"] for v in steps.values())
-    return {
+    out = {
         "fits": bool(need <= device_memory_gb * GIB),
         "device_memory_gb": device_memory_gb,
         "gpu_estimate_total_gb": need / GIB,
@@ -173,6 +179,14 @@ def plan(cfg, device_memory_gb: float = 80.0) -> dict:
         "steps": steps,
         "tau_window": window,
     }
+    if target is not None:  # the verdict is XLA:GPU's own peak, not the estimate
+        peak = max(v["xla_gpu"]["memory"]["peak_bytes"] for v in steps.values())
+        out["target"] = {"name": target.name, "description": target.description, "memory_bytes": target.memory_bytes,
+                         "attention": programs.model_cfg.attention,
+                         "compiler_options": {k: str(v) for k, v in programs.compiler_options.items()}}
+        out["xla_gpu_max_peak_bytes"] = peak
+        out["xla_gpu_fits"] = out["fits"] = bool(peak <= device_memory_gb * GIB)
+    return out
 
 
 def _gb(x: float) -> str:
@@ -199,7 +213,10 @@ def report(p: dict) -> str:
                  + f" (fused attention: {est['fused_attention']})")
     lines.append(f"{'fits' if p['fits'] else 'does NOT fit'}: state {_gb(st['total_device_bytes'])} + estimate "
                  f"{_gb(est['total_bytes'])} = {p['gpu_estimate_total_gb']:.2f} GiB of {p['device_memory_gb']:g} GiB "
-                 f"(the CPU compile's largest temporaries: {_gb(p['cpu_compiled_max_temp_bytes'])} GiB)")
+                 f"(the {'XLA:GPU' if 'target' in p else 'CPU'} compile's largest temporaries: "
+                 f"{_gb(p['cpu_compiled_max_temp_bytes'])} GiB)")
+    if "target" in p:
+        lines += gpu_plan.report_lines(p)
     return "\n".join(lines)
 
 
@@ -207,27 +224,44 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="edit-jax plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="a config file (.py / .json) or a preset name in configs/")
     parser.add_argument("--json", default=None, help="also write the plan as JSON here")
-    parser.add_argument("--device-memory", type=float, default=80.0, help="GB of one device (default 80)")
+    parser.add_argument("--device-memory", type=float, default=None,
+                        help="GiB of one device (default: the target's memory, else 80)")
+    parser.add_argument("--target", default=None, help="compile for this GPU with XLA:GPU (h100, a100, h200; "
+                        "needs the cuda extra, not a GPU)")
+    parser.add_argument("--target-file", default=None, help="a GPU target description (GpuTargetConfigProto text)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     args = parser.parse_intermixed_args(argv)
-    if not (math.isfinite(args.device_memory) and args.device_memory > 0):
+    if args.device_memory is not None and not (math.isfinite(args.device_memory) and args.device_memory > 0):
         print(f"edit-jax: plan error: --device-memory must be a positive number, got {args.device_memory}",
               file=sys.stderr)
         return 2
     try:
         cfg = load_config(args.config, args.overrides)
+        target = None
+        if args.target is not None or args.target_file is not None:
+            target = load_target(args.target, args.target_file)
+            if target_error := cuda_plugin_missing():
+                raise TargetError(f"--target {target.name}: {target_error}")
+    except TargetError as e:
+        print(f"edit-jax: plan error: {e}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"edit-jax: bad config: {e}", file=sys.stderr)
         return 2
     if args.json and os.path.isdir(args.json):
         print(f"edit-jax: plan error: --json {args.json} is a directory; expected a file path", file=sys.stderr)
         return 2
+    memory = args.device_memory or (target.memory_bytes / GIB if target is not None else 80.0)
     # Compiled for emulated CPU devices whatever this machine has (importing jax started no
-    # backend yet: the platform and the device count still apply).
+    # backend yet: the platform and the device count still apply); a GPU target's devices are
+    # abstract ones of the CUDA plugin beside them.
     jax.config.update("jax_platforms", "cpu")
     set_cpu_device_count(cfg.mesh.replica * cfg.mesh.shard)
     try:
-        p = plan(cfg, args.device_memory)
+        p = plan(cfg, memory, target)
+    except TargetError as e:
+        print(f"edit-jax: plan error: {e}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"edit-jax: bad config: {e}", file=sys.stderr)
         return 2
