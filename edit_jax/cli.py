@@ -15,6 +15,8 @@ run, 5 a worker process was lost (mesh.processes > 1; launch.py), 130 stopped by
 from __future__ import annotations
 
 import argparse
+import glob
+import importlib.util
 import logging
 import math
 import os
@@ -42,6 +44,37 @@ def _quiet_library_reports() -> None:
         default(unraisable)
 
     sys.unraisablehook = hook
+    logging.getLogger("jax._src.xla_bridge").addFilter(_PluginErrorAsOneLine())
+
+
+class _PluginErrorAsOneLine(logging.Filter):
+    """JAX logs a plugin that fails to start (the CUDA plugin on a machine whose GPUs or driver do
+    not work) as an ERROR with its traceback, then goes on with the other platforms: said here in
+    one line, so a GPU run that fell back to the CPU is still noticed (``--debug``: JAX's report)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "plugin configuration error" not in record.getMessage().lower():
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        why = " ".join(str(exc).split())[:200] if exc is not None else record.getMessage()
+        print(f"edit-jax: a JAX plugin did not start ({why}); JAX goes on with its other platforms "
+              "(--debug shows its report)", file=sys.stderr, flush=True)
+        return False
+
+
+def _cpu_without_gpus() -> None:
+    """The CUDA plugin installed (``edit-jax[cuda]``, e.g. for ``plan --target`` on a machine
+    without a GPU) where there is no NVIDIA device: JAX would try the plugin at start, log its
+    failure with a traceback and fall back to the CPU. Ask for the CPU directly, which is what JAX
+    ends up with, unless JAX_PLATFORMS says otherwise (or a TPU runtime is installed)."""
+    if "JAX_PLATFORMS" in os.environ or glob.glob("/dev/nvidia[0-9]*") or importlib.util.find_spec("libtpu"):
+        return
+    try:
+        cuda = any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
+    except ImportError:  # no jax_plugins namespace at all
+        return
+    if cuda:
+        os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def _stopped_before_start(signum, frame):
@@ -197,6 +230,7 @@ def summary_line(result, run_dir: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _cpu_without_gpus()
     commands = {"train": _train, "placement": lambda a: __import__("edit_jax.placement.cli", fromlist=["main"]).main(a),
                 "sample": lambda a: __import__("edit_jax.tools.sample", fromlist=["main"]).main(a),
                 "export": lambda a: __import__("edit_jax.hf.export", fromlist=["main"]).main(a),

@@ -12,6 +12,9 @@ import time
 
 import pytest
 
+import logging
+
+from edit_jax import cli
 from edit_jax.cli import summary_line
 from edit_jax.rundir.runlock import RunDirError, check_writable
 from edit_jax.training.loop import TrainResult
@@ -103,6 +106,38 @@ def test_missing_jax_backend_is_one_line(tmp_path):
         pytest.skip("this machine has a CUDA backend")
     assert code == 2 and "JAX could not start a backend (JAX_PLATFORMS='cuda')" in out, out[-2000:]
     assert "Traceback" not in out
+
+
+def test_cuda_plugin_without_an_nvidia_device_asks_for_the_cpu(monkeypatch):
+    """``edit-jax[cuda]`` on a machine without a GPU (``plan --target``'s users): JAX would try
+    the plugin, log an 11-line traceback at every command and fall back to the CPU; edit-jax asks
+    for the CPU at once. A GPU's device node, the user's JAX_PLATFORMS or no plugin: left alone."""
+    plugin = lambda name: object() if name.startswith("jax_plugins.xla_cuda") else None  # noqa: E731
+    for nodes, env, find, expected in [([], {}, plugin, "cpu"), (["/dev/nvidia0"], {}, plugin, None),
+                                       ([], {"JAX_PLATFORMS": "cuda"}, plugin, "cuda"),
+                                       ([], {}, lambda name: None, None)]:
+        monkeypatch.setattr(cli.os, "environ", dict(env))
+        monkeypatch.setattr(cli.glob, "glob", lambda pattern, nodes=nodes: list(nodes))
+        monkeypatch.setattr(cli.importlib.util, "find_spec", find)
+        cli._cpu_without_gpus()
+        assert cli.os.environ.get("JAX_PLATFORMS") == expected, (nodes, env)
+
+
+def test_a_plugin_that_fails_to_start_is_one_line(capsys):
+    """JAX's ERROR record with the plugin's traceback becomes one edit-jax line naming the cause;
+    other records of that logger pass."""
+    try:
+        raise RuntimeError("operation cuInit(0) failed: Unknown CUDA error 303")
+    except RuntimeError:
+        exc_info = sys.exc_info()
+    record = logging.LogRecord("jax._src.xla_bridge", logging.ERROR, __file__, 1, "Jax plugin configuration error: "
+                               "Exception when calling jax_plugins.xla_cuda12.initialize()", None, exc_info)
+    keep = cli._PluginErrorAsOneLine()
+    assert keep.filter(record) is False
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cuInit(0) failed" in err and "Traceback" not in err, err
+    other = logging.LogRecord("jax._src.xla_bridge", logging.WARNING, __file__, 1, "something else", None, None)
+    assert keep.filter(other) is True
 
 
 def test_fallback_after_a_damaged_ocdbt_index_is_quiet(tmp_path):
