@@ -67,5 +67,9 @@ def test_saving_the_synced_unit_changes_no_result():
             assert str(m.schedule.kind(k)) == kind
             state, metrics = m.step_fn(kind)(state, m.put_batch(random_batch(cfg, seed=k)))
         out.append(jax.device_get((state.params, state.outer.params, metrics["loss"])))
+    # Float order differs (the backward reads the saved shard instead of recomputing it), and
+    # AdamW's normalisation magnifies that where the second moment is small: jax 0.12 gave one
+    # element of 24,576 off by 6.3e-6 after two steps. A wrong gradient or sync is off by the
+    # size of an update (~lr = 3e-3 per element), two orders of magnitude more.
     for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=2e-5)
