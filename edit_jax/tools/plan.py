@@ -235,29 +235,22 @@ def main(argv: list[str]) -> int:
         print(f"edit-jax: plan error: --device-memory must be a positive number, got {args.device_memory}",
               file=sys.stderr)
         return 2
-    try:
+    try:  # bad input (config, target) is one line and exit 2, before any compile and from inside it
         cfg = load_config(args.config, args.overrides)
         target = None
         if args.target is not None or args.target_file is not None:
             target = load_target(args.target, args.target_file)
             if target_error := cuda_plugin_missing():
                 raise TargetError(f"--target {target.name}: {target_error}")
-    except TargetError as e:
-        print(f"edit-jax: plan error: {e}", file=sys.stderr)
-        return 2
-    except ConfigError as e:
-        print(f"edit-jax: bad config: {e}", file=sys.stderr)
-        return 2
-    if args.json and os.path.isdir(args.json):
-        print(f"edit-jax: plan error: --json {args.json} is a directory; expected a file path", file=sys.stderr)
-        return 2
-    memory = args.device_memory or (target.memory_bytes / GIB if target is not None else 80.0)
-    # Compiled for emulated CPU devices whatever this machine has (importing jax started no
-    # backend yet: the platform and the device count still apply); a GPU target's devices are
-    # abstract ones of the CUDA plugin beside them.
-    jax.config.update("jax_platforms", "cpu")
-    set_cpu_device_count(cfg.mesh.replica * cfg.mesh.shard)
-    try:
+        if args.json and os.path.isdir(args.json):
+            print(f"edit-jax: plan error: --json {args.json} is a directory; expected a file path", file=sys.stderr)
+            return 2
+        memory = args.device_memory or (target.memory_bytes / GIB if target is not None else 80.0)
+        # Compiled for emulated CPU devices whatever this machine has (importing jax started no
+        # backend yet: the platform and the device count still apply); a GPU target's devices are
+        # abstract ones of the CUDA plugin beside them.
+        jax.config.update("jax_platforms", "cpu")
+        set_cpu_device_count(cfg.mesh.replica * cfg.mesh.shard)
         p = plan(cfg, memory, target)
     except TargetError as e:
         print(f"edit-jax: plan error: {e}", file=sys.stderr)
