@@ -52,6 +52,17 @@ WORDS = ("the of and to in is that for it as was with be by on not he this are o
          "learning energy students cells water history model data system theory process").split()
 
 
+
+def _write_rolled(f, block, size: int, k: int) -> None:
+    """``size`` tokens of ``block`` rotated by a shift that differs per file ``k`` and per piece,
+    so files and pieces differ (the bytes of a token corpus without generating one)."""
+    left, shift = size, k * 7919
+    while left:
+        piece = np.roll(block, shift)[:min(left, block.size)]
+        f.write(piece.tobytes())
+        left -= piece.size
+        shift += 104729
+
 def _python() -> str:
     return sys.executable
 
@@ -76,12 +87,7 @@ def write_synthetic_shards(directory: str, gigabytes: float, seed: int = 0) -> d
         while n > 0:
             size = min(n, SHARD_TOKENS)
             with open(os.path.join(directory, shard_name(split, k)), "wb") as f:
-                left, shift = size, k * 7919
-                while left:
-                    piece = np.roll(block, shift)[:min(left, block.size)]
-                    f.write(piece.tobytes())
-                    left -= piece.size
-                    shift += 104729
+                _write_rolled(f, block, size, k)
             splits[split].append({"file": shard_name(split, k), "tokens": size})
             n -= size
             k += 1
@@ -136,12 +142,7 @@ def write_loose_bins(directory: str, sizes_gb: list[float], seed: int = 0) -> di
         if os.path.isfile(path) and os.path.getsize(path) == 2 * size:
             continue
         with open(path + ".tmp", "wb") as f:
-            left, shift = size, k * 7919
-            while left:
-                piece = np.roll(block, shift)[:min(left, block.size)]
-                f.write(piece.tobytes())
-                left -= piece.size
-                shift += 104729
+            _write_rolled(f, block, size, k)
         os.replace(path + ".tmp", path)
     out = {}
     for gb in sizes_gb:
