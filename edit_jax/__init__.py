@@ -37,6 +37,8 @@ _API = {
     "SyncConfig": "edit_jax.config",
     "LogConfig": "edit_jax.config",
     "DebugConfig": "edit_jax.config",
+    "TrainConfig": "edit_jax.config",
+    "SpikeConfig": "edit_jax.config",
     "ConfigError": "edit_jax.config",
     "DivergedError": "edit_jax.training.resume",
     "CheckpointError": "edit_jax.rundir.checkpoint",

@@ -165,6 +165,28 @@ class DebugConfig:
     # record says step k + 1) worker W's rows of the global batch are uniform random token ids in
     # [0, model.vocab_size), fixed by (seed, step). For loss-spike tests (edit_jax/data/corrupt.py).
     corrupt: str = ""
+    # "A-B:FACTOR": the updates of inner steps A..B (0-based, both included) are multiplied by
+    # FACTOR, once per invocation: an injected loss spike (edit_jax/training/spike.py).
+    lr_spike: str = ""
+
+
+@dataclass
+class SpikeConfig:
+    """Loss-spike rollback (training/spike.py): the rule, its defaults and why are in BUILD_NOTES."""
+
+    enabled: bool = True  # false: a finite spike is not noticed, a non-finite record exits 3 at once
+    window: int = 16  # records of healthy training loss the running median and MAD are taken over
+    mads: float = 6.0  # a spike is above the median by this many median absolute deviations ...
+    margin: float = 0.2  # ... and by this fraction of the median (both must hold)
+    patience: int = 3  # records a spike may last and still settle; the next one rolls back
+    max_rollbacks: int = 3  # rollbacks in one invocation before the run exits 3
+
+
+@dataclass
+class TrainConfig:
+    """How the loop guards a run (absent from older configs: defaults apply)."""
+
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
 
 
 @dataclass
@@ -188,6 +210,7 @@ class Config:
     sync: SyncConfig = field(default_factory=SyncConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     steps: int = 200
     max_seconds: float = 0.0  # > 0: also stop after this much training wall time (then evaluate and save as at the end)
     batch_size: int = 16  # global batch in sequences, split over replica x shard
@@ -401,6 +424,6 @@ def replace(cfg, **kw):
     return dataclasses.replace(cfg, **kw)
 
 
-__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "DebugConfig", "LogConfig", "ConfigError",
+__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "DebugConfig", "LogConfig", "TrainConfig", "SpikeConfig", "ConfigError",
            "apply_overrides", "check_fields", "require", "to_dict", "from_dict", "dumps"]
 

@@ -23,6 +23,9 @@ class ReplicaStreams:
             raise DataError(f"train stream: batch_size {batch_size} must be divisible by num_replicas {num_replicas}")
         self.seq_len, self.batch_size, self.num_replicas, self.seed = seq_len, batch_size, num_replicas, int(seed)
         self.step = 0
+        # Batches skipped by loss-spike rollbacks: step k trains on the stream's batch k + offset
+        # (training/loop.py moves it past the batches a spike consumed).
+        self.offset = 0
 
     def replica_batch(self, replica: int, step: int | None = None) -> np.ndarray:
         raise NotImplementedError
@@ -53,6 +56,17 @@ class ReplicaStreams:
                 what = corpus_what if key in corpus_keys else "the config changed"
                 raise DataError(f"train stream state: saved {key}={state.get(key)} but this stream has "
                                 f"{key}={getattr(self, key)} ({what}); cannot resume at the same position")
+
+    def skip(self, batches: int) -> None:
+        """From now on step k reads what step k + ``batches`` would have read (a rollback)."""
+        self.offset += int(batches)
+
+    @staticmethod
+    def _saved_offset(state: dict) -> int:
+        offset = state.get("offset", 0)  # absent: saved before rollbacks existed
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise DataError(f"train stream state: 'offset' must be a non-negative int, got {offset!r}")
+        return offset
 
     @staticmethod
     def _saved_step(state: dict) -> int:

@@ -186,7 +186,7 @@ class ParquetStream(ReplicaStreams):
 
     def replica_batch(self, replica: int, step: int | None = None) -> np.ndarray:
         """Replica ``replica``'s rows of step ``step`` (default: the stream's ``step``)."""
-        k = self.step if step is None else int(step)
+        k = (self.step if step is None else int(step)) + self.offset  # the batch's index in the stream
         rep = self._replicas[replica]
         if rep.last is not None and rep.last[0] == k:
             return rep.last[1]
@@ -219,7 +219,7 @@ class ParquetStream(ReplicaStreams):
         return {"version": self.STATE_VERSION, "kind": self.KIND, "step": self.step, "seed": self.seed,
                 "batch_size": self.batch_size, "seq_len": self.seq_len, "num_replicas": self.num_replicas,
                 "units": self.units, "fingerprint": self.fingerprint,
-                "cursors": cursors}
+                "cursors": cursors, "offset": self.offset}
 
     def set_state(self, state: dict) -> None:
         """Resumes every replica at its saved cursor. The seed, batch size, seq_len, replica count
@@ -242,7 +242,7 @@ class ParquetStream(ReplicaStreams):
                            for c in cursors)):
             raise DataError(f"train stream state: 'cursors' must be {self.num_replicas} lists of 4 non-negative "
                             f"ints, got {cursors!r}")
-        step = self._saved_step(state)
+        step, offset = self._saved_step(state), self._saved_offset(state)
         for r, c in enumerate(cursors):
             if c[2] >= len(self._order(r, c[1])):
                 raise DataError(f"train stream state: replica {r}'s cursor {c} is past its epoch's "
@@ -252,7 +252,7 @@ class ParquetStream(ReplicaStreams):
                 fut.cancel()
             self._replicas[r] = _Replica()
             self._replicas[r].cursor = Cursor(*c)
-        self.step = step
+        self.step, self.offset = step, offset
 
     def close(self) -> None:
         self.corpus.close()

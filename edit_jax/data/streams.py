@@ -97,18 +97,18 @@ class TrainStream(ReplicaStreams):
 
     @property
     def epoch(self) -> int:
-        return self.step // self.steps_per_epoch
+        return (self.step + self.offset) // self.steps_per_epoch
 
     def replica_batch(self, replica: int, step: int | None = None) -> np.ndarray:
         """Replica ``replica``'s rows of global step ``step`` (default: the next one), without advancing."""
-        return np.asarray(self._datasets[replica][self.step if step is None else step], dtype=np.int32)
+        return np.asarray(self._datasets[replica][(self.step if step is None else step) + self.offset], dtype=np.int32)
 
     def get_state(self, gather=None) -> dict:
         """The global step and the identity fields; the same in every process (``gather``, used by
         per-replica streams, is not needed)."""
         return {"version": self.STATE_VERSION, "step": self.step, "epoch": self.epoch, "seed": self.seed,
                 "batch_size": self.batch_size, "seq_len": self.seq_len, "num_replicas": self.num_replicas,
-                "num_windows": self.num_windows, "fingerprint": self.fingerprint}
+                "num_windows": self.num_windows, "fingerprint": self.fingerprint, "offset": self.offset}
 
     def set_state(self, state: dict) -> None:
         """Resumes at ``state["step"]``. The seed, batch size, seq_len and corpus (window count and
@@ -124,7 +124,7 @@ class TrainStream(ReplicaStreams):
             state = {**state, "fingerprint": self.fingerprint}  # saved before loose arrays had their identity
         self._check_same(state, ("seed", "batch_size", "seq_len", "num_windows", "fingerprint"),
                          ("num_windows", "fingerprint"), "the corpus changed", required=False)
-        self.step = self._saved_step(state)
+        self.step, self.offset = self._saved_step(state), self._saved_offset(state)
 
 
 def make_train_stream(corpus: Corpus, seq_len: int, batch_size: int, num_replicas: int, seed: int):

@@ -114,11 +114,13 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state: Any, data_state: dict, cfg: Config) -> None:
+    def save(self, step: int, state: Any, data_state: dict, cfg: Config, healthy: bool = True) -> None:
+        """``healthy``: no loss spike was under way (training/spike.py); a rerun prefers healthy ones."""
         if int(step) in self.manager.all_steps():  # e.g. a signal right after a periodic save
             return
         meta = {"config": to_dict(cfg), "step": int(step), "state_format": STATE_FORMAT,
-                "checksums": state_checksums(state), "data_checksum": data_checksum(data_state)}
+                "checksums": state_checksums(state), "data_checksum": data_checksum(data_state),
+                "healthy": bool(healthy)}
         final_dir = os.path.join(self.directory, str(step))
         existed = os.path.isdir(final_dir)
         try:
@@ -134,7 +136,7 @@ class Checkpointer:
             raise CheckpointSaveError(f"could not save checkpoint {final_dir}: {_save_reason(e)}. Earlier checkpoints "
                                       f"are intact ({', '.join(map(str, self.all_steps())) or 'none'}); fix that and "
                                       "re-run the same command to resume") from e
-        self._rotate(int(step), meta["checksums"])
+        self._rotate(int(step), meta["checksums"], bool(healthy))
 
     def _remove_partial(self, step: int, final: bool) -> None:
         """After a failed save: what this save left of ``step`` is removed, so that it takes no
@@ -161,17 +163,29 @@ class Checkpointer:
         # other processes may already be in the next step's collectives (the launcher ends them).
         self.reload()
 
-    def _rotate(self, new_step: int, checksums: dict) -> None:
+    def _rotate(self, new_step: int, checksums: dict, healthy: bool) -> None:
         """Deletes checkpoints beyond the newest ``keep``, once ``new_step`` is finalised and its
-        metadata (with these checksums) reads back; otherwise deletes nothing."""
+        metadata (with these checksums) reads back; otherwise deletes nothing. While a loss spike
+        is under way (``healthy`` False) the newest healthy checkpoint is kept too: the rollback's
+        target is never rotated away by checkpoints of the spike."""
         try:
             ok = self.read_meta(new_step).get("checksums") == checksums
         except CheckpointError:
             ok = False
         if not ok:
             return
-        for step in self.all_steps()[:-self.keep]:
+        old = self.all_steps()[:-self.keep]
+        if not healthy:
+            newest_healthy = next((s for s in reversed(self.all_steps()) if self._healthy(s)), None)
+            old = [s for s in old if s != newest_healthy]
+        for step in old:
             self.manager.delete(step)
+
+    def _healthy(self, step: int) -> bool:
+        try:
+            return self.read_meta(step).get("healthy", True) is not False
+        except CheckpointError:
+            return False
 
     def verify(self, step: int, state: Any, meta: dict | None = None) -> None:
         """Raises ``UnreadableCheckpointError`` if the arrays of ``state`` (restored from ``step``)

@@ -5,6 +5,7 @@ tees) is written here, never by the loop itself.
     sink.training(records, own_records, elapsed)   # an advance's training records
     sink.sync(step, metrics, extra, elapsed)        # a sync that ran
     sink.evaluation(step, loss, elapsed, seconds)   # a validation loss
+    sink.event(record, elapsed)                     # a rollback, a spike that settled
 
 What each record holds is ``records.py``'s (README, "Run dir"). Process 0 writes the run's
 records (the other processes' sink writes nothing to the run's log); in A-EDiT's asynchronous
@@ -62,6 +63,11 @@ class RunRecords:
     def skipped(self, record: dict) -> None:
         """An A-EDiT meeting that skipped its sync."""
         self.log.write(record)
+
+    def event(self, record: dict, elapsed: float) -> None:
+        """What the loop did about the run's health: a ``rollback`` past a loss spike, a spike
+        that settled (``spike_settled``)."""
+        self.log.write({**record, "time": elapsed})
 
     def evaluation(self, step: int, loss: float, elapsed: float, seconds: float) -> dict:
         """A validation loss at ``step`` (``elapsed``: when it started; ``seconds``: how long it took)."""

@@ -35,6 +35,7 @@ from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import BATCH_SPEC, named
 from edit_jax.runtime import multihost
 from edit_jax.runtime.multihost import parse_slowdown
+from edit_jax.training.spike import parse_lr_spike
 from edit_jax.training.throughput import StepFigures
 
 MAX_IN_FLIGHT = 2  # steps the host may run ahead of the devices (see LockStep.advance)
@@ -100,6 +101,8 @@ class LockStep:
         self.local_steps_timed = 0
         self.own_local_times: list[float] = []  # this worker's own local step times since the last record
         self.figures = StepFigures(self.cfg, self.cfg.mesh.replica * self.cfg.mesh.shard, jax.devices()[0].device_kind)
+        self.record_next = False  # the loop asks for a record after a checkpoint (it vouches for it: spike.py)
+        self.lr_spike, self.spiked = parse_lr_spike(self.cfg.debug.lr_spike), set()
 
     def global_state(self, state):
         return state
@@ -138,7 +141,10 @@ class LockStep:
         kind = schedule.kind(k)
         self.kinds_since_record.add(kind)
         t0 = time.perf_counter()
+        before = _copy(state.params) if self._spikes(k) else None  # the step donates its input
         state, metrics = self.m.step_fn(kind)(state, self.batch(k))
+        if before is not None:  # debug.lr_spike: this step's update x factor
+            state = state.replace(params=_scaled_update(before, state.params, self.lr_spike.factor))
         # At most MAX_IN_FLIGHT steps dispatched ahead of the host: XLA:CPU's collectives deadlock
         # (rendezvous timeout) when ~50 steps are queued, and a short queue costs nothing on any
         # backend (the device is still fed one step ahead). Several processes wait for each step:
@@ -151,8 +157,9 @@ class LockStep:
             self.own_local_times.append(time.perf_counter() - t0)
         k += 1
         adv = Advance(state, k, ran=1)
-        if not (k % cfg.log_every == 0 or kind.syncs or k == cfg.steps):
+        if not (k % cfg.log_every == 0 or kind.syncs or k == cfg.steps or self.record_next):
             return adv
+        self.record_next = False
         metrics = multihost.host_values(metrics)  # waits for the steps since the last record
         now = time.perf_counter()
         dt = (now - self.last_record[0]) / max(k - self.last_record[1], 1)  # evaluation time excluded (mark)
@@ -177,6 +184,13 @@ class LockStep:
             adv.sync = metrics
         return adv
 
+    def _spikes(self, k: int) -> bool:
+        """debug.lr_spike covers step ``k`` and this invocation has not taken it yet."""
+        if self.lr_spike is None or not self.lr_spike.active(k) or k in self.spiked:
+            return False
+        self.spiked.add(k)
+        return True
+
     def _pace(self, t0: float) -> None:
         """debug.slowdown: sleep (slow - 1) x the step's own time; not the first local step (it compiled)."""
         if self.slow > 1.0:
@@ -190,6 +204,16 @@ class LockStep:
 
     def data_extra(self) -> dict:
         return {}
+
+
+@jax.jit
+def _copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+@jax.jit
+def _scaled_update(before, after, factor):
+    return jax.tree.map(lambda b, a: b + factor * (a - b), before, after)
 
 
 def _set_step(state, step: int, shardings):

@@ -5,11 +5,12 @@
     hooks.add("evaluate", evaluate, every=cfg.eval_every)  # when a multiple of eval_every is crossed
     end = hooks.run(adv, before, now)                      # None, or End: the loop stops here
 
-A hook is ``fn(adv, before, now) -> End | None``. Hooks without ``every`` run after every advance
+A hook is ``fn(adv, before, now) -> End | Rewind | None``. Hooks without ``every`` run after every advance
 (records, progress, the stop checks), in the order they were added; a hook with ``every=N`` runs
 when the step crosses a multiple of N (an A-EDiT meeting may advance many steps at once), only
 where the driver says the cadence may fall (A-EDiT: after a sync ran) and never at the last step
-(the loop's end evaluates and saves). The first hook that returns an ``End`` ends the loop.
+(the loop's end evaluates and saves). The first hook that returns an ``End`` ends the loop; one
+that returns ``Rewind`` (it rolled the state back) ends this advance's hooks.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ class End:
 
     interrupted: bool
     diverged: str | None = None
+
+
+class Rewind:
+    """A hook rolled the state back (a loss spike): the advance's later hooks do not run, the
+    loop goes on from the restored step."""
 
 
 @dataclass(frozen=True)
@@ -56,8 +62,9 @@ class Hooks:
             return True
         return cadence and now < self.last_step and crossed(hook.every, before, now)
 
-    def run(self, adv, before: int, now: int) -> End | None:
-        """Runs the due hooks after an advance from ``before`` to ``now``; the first ``End`` wins."""
+    def run(self, adv, before: int, now: int) -> End | Rewind | None:
+        """Runs the due hooks after an advance from ``before`` to ``now``; the first ``End`` or
+        ``Rewind`` wins."""
         for hook in self.hooks:
             if self.due(hook, adv.cadence, before, now):
                 end = hook.fn(adv, before, now)
@@ -66,4 +73,4 @@ class Hooks:
         return None
 
 
-__all__ = ["End", "Hook", "Hooks", "crossed"]
+__all__ = ["End", "Hook", "Hooks", "Rewind", "crossed"]

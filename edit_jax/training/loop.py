@@ -54,8 +54,9 @@ from edit_jax.runtime import multihost
 from edit_jax.runtime.mesh import make_mesh
 from edit_jax.training.drivers import Advance, AsyncWorkers, LockStep, Wants
 from edit_jax.training.evaluate import Evaluator
-from edit_jax.training.hooks import End, Hooks
-from edit_jax.training.resume import DivergedError, check_before_save, restore_verified
+from edit_jax.training.hooks import End, Hooks, Rewind
+from edit_jax.training.resume import DivergedError, check_before_save, restore_verified, set_aside_untrusted
+from edit_jax.training.spike import SpikeWatch
 
 
 @dataclass
@@ -70,6 +71,7 @@ class TrainResult:
     interrupted: bool = False
     resumed_from: int | None = None
     history: list[dict] = field(default_factory=list)  # training records of this invocation
+    rollbacks: int = 0  # loss-spike rollbacks in this invocation
     already_finished: bool = False  # the run dir's checkpoint was already at cfg.steps: nothing done
 
 
@@ -171,9 +173,12 @@ class Training:
         self.evaluator = Evaluator(self.programs)
         self.history, self.last_loss, self.val_loss, self.done_here = [], float("nan"), None, 0
         self.t_start = time.perf_counter()
+        self.watch = SpikeWatch(self.cfg, (setup.data_state or {}).get("spike_history", ()), setup.resumed_from)
+        self.rollbacks = 0
         self.hooks = Hooks(last_step=self.cfg.steps)
         self.hooks.add("records", self.write_records)
         self.hooks.add("progress", self.show_progress)
+        self.hooks.add("spike", self.watch_loss)
         self.hooks.add("stop checks", self.check_stop)
         self.hooks.add("evaluate", self.evaluate_on_cadence, every=self.cfg.eval_every)
         self.hooks.add("checkpoint", self.checkpoint_on_cadence, every=self.cfg.checkpoint_every)
@@ -198,7 +203,7 @@ class Training:
             before, self.state, self.k = self.k, adv.state, adv.step
             self.done_here += adv.ran
             end = self.hooks.run(adv, before, self.k)
-            if end is not None:
+            if isinstance(end, End):
                 return end
 
     def _wants(self) -> Wants:
@@ -238,9 +243,7 @@ class Training:
                 self.bar.set_postfix(loss=f"{adv.loss:.3f}")
 
     def check_stop(self, adv: Advance, before: int, now: int) -> End | None:
-        """Divergence, A-EDiT's budget, a stop (signal, stop_after, another worker), max_seconds."""
-        if adv.diverged is not None:
-            return End(interrupted=True, diverged=adv.diverged)
+        """A-EDiT's budget, a stop (signal, stop_after, another worker), max_seconds."""
         if adv.finished:  # A-EDiT: the global token budget is reached (or max_seconds)
             if adv.time_up:
                 self.say(f"edit-jax: max_seconds={self.cfg.max_seconds:g} reached")
@@ -264,12 +267,70 @@ class Training:
         self.val_loss = self.evaluate(now)
         self.driver.mark(now)  # evaluation time is not step time
 
-    def checkpoint_on_cadence(self, adv: Advance, before: int, now: int) -> End | None:
+    def checkpoint_on_cadence(self, adv: Advance, before: int, now: int) -> End | Rewind | None:
         diverged = self.guarded_save(now, final=False)
-        if diverged is not None:
-            return End(interrupted=True, diverged=diverged)
+        if diverged is not None:  # a non-finite state: as a non-finite loss
+            return self.roll_back(now, diverged) if self.cfg.train.spike.enabled else End(True, diverged)
         self.driver.mark(now)
+        if self.cfg.train.spike.enabled and hasattr(self.driver, "record_next"):  # it vouches for this checkpoint
+            self.driver.record_next = True
         return None
+
+    # -- loss spikes (spike.py) ------------------------------------------------------------------
+
+    def watch_loss(self, adv: Advance, before: int, now: int) -> End | Rewind | None:
+        """Each training record through the spike rule; a spike that does not settle (or a
+        non-finite record, or one still under way at the last step) rolls back."""
+        for i, rec in enumerate(adv.records):
+            last = i == len(adv.records) - 1
+            verdict = self.watch.observe(rec["step"], rec, nonfinite=last and adv.diverged is not None)
+            if not self.cfg.train.spike.enabled:
+                return End(interrupted=True, diverged=adv.diverged) if adv.diverged is not None else None
+            if verdict.settled is not None:
+                self.sink.event({"step": rec["step"], "spike_settled": verdict.settled}, self.elapsed())
+                self.say(f"edit-jax: step {rec['step']}: the loss spike from step {verdict.settled} settled")
+            elif verdict.spike and self.watch.spike_records == 1 and not verdict.roll_back:
+                self.say(f"edit-jax: step {rec['step']}: loss spike ({verdict.loss:.4g} > {verdict.threshold:.4g}); "
+                         f"rolling back unless it settles within {self.cfg.train.spike.patience} records")
+            if verdict.roll_back or (verdict.spike and last and now >= self.cfg.steps):
+                why = adv.diverged.removesuffix("; stopping") if adv.diverged is not None and last else (
+                    f"loss spike from step {self.watch.spike_since} (loss {verdict.loss:.4g} at step {rec['step']}, "
+                    f"threshold {verdict.threshold:.4g})")
+                return self.roll_back(now, why)
+        return None
+
+    def roll_back(self, now: int, why: str) -> End | Rewind:
+        """Back to the newest checkpoint a healthy record vouches for, past the data the spike
+        consumed; after ``train.spike.max_rollbacks`` (or with nothing to go back to) exit 3."""
+        ckpt, cfg, lead = self.setup.ckpt, self.cfg, jax.process_index() == 0
+        trusted = self.watch.trusted_through
+        target = [s for s in (ckpt.all_steps() if ckpt else []) if trusted is not None and s <= trusted]
+        cannot = ("no run dir" if ckpt is None else
+                  "A-EDiT's asynchronous phase does not roll back in-process" if self.asynchronous else
+                  f"train.spike.max_rollbacks={cfg.train.spike.max_rollbacks} reached"
+                  if self.rollbacks >= cfg.train.spike.max_rollbacks else
+                  "no checkpoint before the spike" if not target else None)
+        if ckpt is not None:
+            set_aside_untrusted(ckpt, trusted, self.say, lead, multihost.barrier)
+        if cannot is not None:
+            left = ckpt.latest_step() if ckpt is not None else None
+            return End(interrupted=True, diverged=f"{why}; not rolled back ({cannot}). A rerun resumes from "
+                                                  f"{f'checkpoint {left}' if left is not None else 'step 0'}")
+        state, data_state, step = restore_verified(ckpt, cfg, self.programs, self.say, None, lead=lead,
+                                                   barrier=multihost.barrier)
+        stream = self.setup.stream
+        skipped = [step + stream.offset, now + stream.offset]  # the stream's batches [a, b) the spike consumed
+        stream.skip(now - step)
+        self.state, self.k, self.rollbacks = state, step, self.rollbacks + 1
+        self.watch.rewound(data_state.get("spike_history", ()), step)
+        self.driver.mark(step)
+        self.sink.event({"step": step, "rollback": {"from_step": now, "to_step": step, "skipped_batches": skipped,
+                                                    "reason": why, "count": self.rollbacks}}, self.elapsed())
+        self.say(f"edit-jax: {why}: rolled back from step {now} to checkpoint {step} (rollback {self.rollbacks} of "
+                 f"{cfg.train.spike.max_rollbacks}), skipping data batches {skipped[0]}..{skipped[1] - 1}")
+        if self.bar is not None:
+            self.bar.n = step
+        return Rewind()
 
     # -- evaluation and checkpoints --------------------------------------------------------------
 
@@ -290,7 +351,8 @@ class Training:
             # A streamed corpus keeps each replica's position in the process that trains it: the
             # processes exchange them here (every process saves), so the checkpoint has them all.
             data = stream.get_state(gather=multihost.exchange_floats if self.multi else None)
-            ckpt.save(step, global_state, {**data, **self.driver.data_extra()}, self.cfg)
+            ckpt.save(step, global_state, {**data, **self.driver.data_extra(), "spike_history": self.watch.state()},
+                      self.cfg, healthy=self.watch.healthy)
         else:
             self.say(f"edit-jax: step {step}: some workers are non-finite (they are rolled back at their next sync); "
                      f"checkpoint skipped, the last one ({ckpt.latest_step()}) is kept")
@@ -309,7 +371,7 @@ class Training:
                            final_val_ppl=math.exp(min(val, 50.0)) if val is not None else None,
                            tokens=(self.k - self.start_step) * self.cfg.batch_size * self.cfg.data.seq_len,
                            seconds=self.elapsed(), run_dir=run_dir, interrupted=interrupted,
-                           resumed_from=self.setup.resumed_from, history=self.history)
+                           resumed_from=self.setup.resumed_from, history=self.history, rollbacks=self.rollbacks)
 
 
 def run(cfg: Config, run_dir: str | None, *, stop, say: Callable[[str], None], progress: bool,

@@ -67,6 +67,8 @@ def restore_verified(ckpt: Checkpointer, cfg: Config, programs: StepPrograms, sa
     if restore_step is not None and restore_step not in steps:
         raise CheckpointError(f"--restore-step {restore_step}: no checkpoint {restore_step} in {ckpt.directory} "
                               f"(have {sorted(steps) or 'none'})")
+    if restore_step is None:
+        steps = _skip_unhealthy(ckpt, steps, say, lead, barrier)
     candidates = [restore_step] if restore_step is not None else steps
     bad, errors = [], []
     for step in candidates:
@@ -101,6 +103,47 @@ def restore_verified(ckpt: Checkpointer, cfg: Config, programs: StepPrograms, sa
     return None, None, None
 
 
+def _healthy(ckpt: Checkpointer, step: int) -> bool:
+    """What checkpoint ``step``'s metadata says (a damaged one counts as healthy here: the restore
+    reports it)."""
+    try:
+        return ckpt.read_meta(step).get("healthy", True) is not False
+    except CheckpointError:
+        return True
+
+
+def _skip_unhealthy(ckpt: Checkpointer, steps: list[int], say, lead: bool, barrier) -> list[int]:
+    """``steps`` (newest first) without the checkpoints written during a loss spike that are newer
+    than the newest healthy one (a run stopped mid-spike); those are moved to
+    ``RUN_DIR/checkpoints.spike/``, never deleted. With no healthy one, nothing moves."""
+    newest_healthy = next((step for step in steps if _healthy(ckpt, step)), None)
+    if newest_healthy is None:
+        return steps
+    spiked = [step for step in steps if step > newest_healthy]
+    for step in spiked:
+        dest = ckpt.set_aside(step, "checkpoints.spike", move=lead)
+        say(f"edit-jax: checkpoint {step} was written during a loss spike; moved it to {dest} (not deleted), "
+            f"resuming from {newest_healthy}")
+    if spiked:
+        barrier()
+        ckpt.reload()
+    return [step for step in steps if step not in spiked]
+
+
+def set_aside_untrusted(ckpt: Checkpointer, trusted_through: int | None, say, lead: bool, barrier) -> list[int]:
+    """Moves the checkpoints newer than ``trusted_through`` (no healthy training record vouches for
+    them: written during a spike or just before one) to ``RUN_DIR/checkpoints.spike/``, never
+    deleted; returns their steps."""
+    moved = [step for step in ckpt.all_steps() if trusted_through is None or step > trusted_through]
+    dests = [ckpt.set_aside(step, "checkpoints.spike", move=lead) for step in moved]
+    if moved:
+        say(f"edit-jax: checkpoint(s) {', '.join(map(str, moved))} written after the last healthy training loss "
+            f"moved to {os.path.dirname(dests[0])} (not deleted)")
+        barrier()
+        ckpt.reload()
+    return moved
+
+
 def check_before_save(state: TrainState, step: int, uses_outer: bool, final: bool, last_good) -> bool:
     """True if ``state`` may be saved. A state with non-finite values is never saved: the run stops
     (``DivergedError``) unless only some workers are non-finite in a Local SGD method with a finite
@@ -118,4 +161,4 @@ def check_before_save(state: TrainState, step: int, uses_outer: bool, final: boo
                         f"Last good checkpoint: {last_good or 'none'} (kept). Lower optim.lr or check the data.")
 
 
-__all__ = ["DivergedError", "restore", "restore_verified", "check_before_save"]
+__all__ = ["DivergedError", "restore", "restore_verified", "set_aside_untrusted", "check_before_save"]

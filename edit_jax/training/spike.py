@@ -1,0 +1,147 @@
+"""Loss spikes: the rule that finds them (``SpikeWatch``) and the testing knob that makes one
+(``debug.lr_spike``). The loop (loop.py) rolls back when the watch says so.
+
+The rule, per training record (``train.spike.*``; why these defaults: BUILD_NOTES "Runs that
+keep going"):
+
+- the record's loss is the smallest of the workers' (``replica_loss``), ignoring non-finite
+  ones: a single worker's garbage is EDiT's penalty's job (its anomaly elimination and the
+  non-finite reset at its sync), a spike of the run raises every worker's loss;
+- it is a spike when it lies above the median of the last ``window`` healthy records by
+  ``mads`` median absolute deviations *and* by ``margin`` x the median; before ``window``
+  healthy records exist, only when it lies ``margin`` above ln(vocab_size), the loss of a uniform
+  guess (a model worse than guessing is broken, whatever its history);
+- a spike that lasts more than ``patience`` records (or a non-finite record of the run, which
+  cannot settle) asks for a rollback.
+
+Which checkpoints are trusted: a training record at step r is the loss of the params of step
+r - 1 (computed in that step's forward pass), so a healthy record at r vouches for checkpoint
+r - 1 and older. ``trusted_through`` is the newest step so vouched for (the resumed checkpoint
+at start); a rollback goes to the newest checkpoint at or before it and sets the newer ones
+aside. The loop asks for a record right after every checkpoint, so each one is vouched for by
+the next step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from edit_jax.config import Config, ConfigError, require
+
+
+@dataclass(frozen=True)
+class Verdict:
+    spike: bool  # this record is above the threshold (or non-finite)
+    roll_back: bool  # the spike did not settle: roll back now
+    settled: int | None = None  # a spike that began at this step just settled (no rollback)
+    threshold: float = math.inf  # what the loss was compared with
+    loss: float = math.nan  # the record's loss as the rule sees it
+
+
+def record_loss(record: dict) -> float:
+    """The loss the rule looks at: the smallest finite worker loss (nan if none is finite)."""
+    losses = np.atleast_1d(np.asarray(record.get("replica_loss", record["loss"]), np.float64))
+    finite = losses[np.isfinite(losses)]
+    return float(finite.min()) if finite.size else math.nan
+
+
+class SpikeWatch:
+    """Training records in, verdicts out; its state (recent healthy losses) travels in checkpoints."""
+
+    def __init__(self, cfg: Config, history=(), trusted_through: int | None = None):
+        s = cfg.train.spike
+        self.enabled, self.mads, self.margin, self.patience = s.enabled, s.mads, s.margin, s.patience
+        self.window = s.window
+        self.ceiling = math.log(cfg.model.vocab_size) * (1.0 + s.margin)
+        self.history: deque[float] = deque((float(x) for x in history), maxlen=s.window)
+        self.trusted_through = trusted_through  # newest step whose params a healthy record vouched for
+        self.spike_since: int | None = None  # step of the first record of the current spike
+        self.spike_records = 0
+
+    @property
+    def healthy(self) -> bool:
+        """No spike is under way (what a checkpoint written now records)."""
+        return self.spike_since is None
+
+    def threshold(self) -> float:
+        if len(self.history) < self.window:
+            return self.ceiling
+        h = np.asarray(self.history)
+        median = float(np.median(h))
+        mad = float(np.median(np.abs(h - median)))
+        return min(self.ceiling, median + max(self.mads * mad, self.margin * abs(median)))
+
+    def observe(self, step: int, record: dict, nonfinite: bool = False) -> Verdict:
+        """The verdict on the training record of ``step``; ``nonfinite``: the run's record is
+        non-finite (the drivers' rule: any worker after a synchronous step, all after a local one)."""
+        loss, limit = record_loss(record), self.threshold()
+        if not self.enabled:
+            return Verdict(spike=nonfinite, roll_back=False, threshold=limit, loss=loss)
+        spike = nonfinite or not math.isfinite(loss) or loss > limit
+        if not spike:
+            settled, self.spike_since, self.spike_records = self.spike_since, None, 0
+            self.history.append(loss)
+            self.trusted_through = step - 1
+            return Verdict(spike=False, roll_back=False, settled=settled, threshold=limit, loss=loss)
+        if self.spike_since is None:
+            self.spike_since = step
+        self.spike_records += 1
+        return Verdict(spike=True, roll_back=nonfinite or not math.isfinite(loss) or self.spike_records > self.patience,
+                       threshold=limit, loss=loss)
+
+    def rewound(self, history, trusted_through: int) -> None:
+        """After a rollback to checkpoint ``trusted_through``: its history, no spike under way."""
+        self.history = deque((float(x) for x in history), maxlen=self.window)
+        self.trusted_through, self.spike_since, self.spike_records = trusted_through, None, 0
+
+    def state(self) -> list[float]:
+        return [float(x) for x in self.history]
+
+
+# ----------------------------------------------------------------------------- debug.lr_spike
+
+
+@dataclass(frozen=True)
+class LrSpike:
+    """``debug.lr_spike="A-B:F"``: the updates of inner steps A..B (0-based, both included) are
+    multiplied by F, the first time the run takes them in this invocation (a transient fault: a
+    rollback past them does not bring it back)."""
+
+    first: int
+    last: int
+    factor: float
+
+    def active(self, step: int) -> bool:
+        return self.first <= step <= self.last
+
+
+def parse_lr_spike(text: str) -> LrSpike | None:
+    if not text:
+        return None
+    try:
+        steps, factor = text.split(":")
+        first, last = (int(x) for x in steps.split("-"))
+        spike = LrSpike(first, last, float(factor))
+    except ValueError:
+        raise ConfigError(f"config key 'debug.lr_spike': expected 'A-B:FACTOR' (steps A..B, e.g. '20-22:100'), "
+                          f"got {text!r}") from None
+    require(0 <= spike.first <= spike.last, "debug.lr_spike", f"steps must satisfy 0 <= A <= B, got {text!r}")
+    require(math.isfinite(spike.factor) and spike.factor > 0, "debug.lr_spike",
+            f"the factor must be a positive number, got {text!r}")
+    return spike
+
+
+def validate(cfg: Config) -> None:
+    s = cfg.train.spike
+    for key, val in [("window", s.window), ("mads", s.mads), ("margin", s.margin)]:
+        require(val > 0, f"train.spike.{key}", f"must be positive, got {val}")
+    for key, val in [("patience", s.patience), ("max_rollbacks", s.max_rollbacks)]:
+        require(val >= 0, f"train.spike.{key}", f"must be >= 0, got {val}")
+    parse_lr_spike(cfg.debug.lr_spike)
+
+
+__all__ = ["SpikeWatch", "Verdict", "record_loss", "LrSpike", "parse_lr_spike", "validate"]
