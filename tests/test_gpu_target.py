@@ -2,8 +2,10 @@
 
 Needs the CUDA plugin (the ``cuda`` extra; CI's Python 3.12 stage installs it); skipped where it
 is absent. One tiny EDiT config (2 x 2 mesh, bf16, remat, a real layer loop) is compiled once for
-the module: its sync step crosses ``replica`` once per unit, cuDNN's attention is in it, and
-plan's estimate is within its band of XLA:GPU's peak.
+the module: its sync step crosses ``replica`` once per unit and cuDNN's attention is in it. plan's
+estimate is checked against XLA:GPU's peak on the same config widened (d 256, ffn 768, vocab 4096,
+1024 tokens in loss chunks of 256), so that activations and logits, not XLA's fixed buffers, make
+the peak: its local and sync steps, compiled once more each.
 """
 
 import os
@@ -20,6 +22,8 @@ needs_cuda = pytest.mark.skipif(cuda_plugin_missing() is not None,
                                 reason="the CUDA plugin (pip install -e '.[cuda]') is not installed")
 GPU_CFG = dict(method="edit", sync={"warmup_steps": 1, "tau": 4}, seq_len=128,
                model={"remat": True, "scan_unroll": 1, "n_layers": 3, "compute_dtype": "bfloat16"})
+WIDE_CFG = {**GPU_CFG, "seq_len": 1024, "model": {**GPU_CFG["model"], "d_model": 256, "ffn_dim": 768,
+                                                  "vocab_size": 4096, "loss_chunk": 256}}
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +33,6 @@ def h100_sync_step():
     from edit_jax.runtime.mesh import make_mesh
     from edit_jax.tools import gpu_plan
     from edit_jax.tools.gpu_target import target_devices
-    from edit_jax.tools.plan import gpu_estimate, state_bytes
 
     cfg = tiny_config(2, 2, **GPU_CFG)
     programs = StepPrograms.for_config(cfg, make_mesh(cfg.mesh, target_devices(load_target("h100"), 4)))
@@ -37,9 +40,33 @@ def h100_sync_step():
     batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.data.seq_len + 1), jax.numpy.int32,
                                  sharding=named(programs.mesh, BATCH_SPEC))
     compiled = programs.lowered("sync_forward", abstract, batch).compile()
+    return programs, compiled.as_text(), gpu_plan.step_report(compiled, "sync_forward", programs, 0.0)
+
+
+def _memory_reports(gpu_cfg: dict, kinds: tuple[str, ...]) -> dict:
+    """XLA:GPU's memory figures (``gpu_plan.step_report``) of each step kind of ``gpu_cfg``'s tiny
+    config, with plan's estimate (state + ``gpu_estimate`` of that kind) beside them."""
+    from edit_jax.localsgd.programs import StepPrograms
+    from edit_jax.localsgd.sharding import BATCH_SPEC, named
+    from edit_jax.runtime.mesh import make_mesh
+    from edit_jax.tools import gpu_plan
+    from edit_jax.tools.gpu_target import target_devices
+    from edit_jax.tools.plan import gpu_estimate, state_bytes
+
+    cfg = tiny_config(2, 2, **gpu_cfg)
+    programs = StepPrograms.for_config(cfg, make_mesh(cfg.mesh, target_devices(load_target("h100"), 4)))
+    abstract = programs.abstract_state()
+    batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.data.seq_len + 1), jax.numpy.int32,
+                                 sharding=named(programs.mesh, BATCH_SPEC))
     state = state_bytes(abstract)
-    need = state["total_device_bytes"] + gpu_estimate(cfg, state["params"]["device_bytes"])["total_bytes"]
-    return programs, compiled.as_text(), gpu_plan.step_report(compiled, "sync_forward", programs, need)
+    out = {}
+    for kind in kinds:
+        compiled = programs.lowered(kind, abstract, batch).compile()
+        synced = gpu_plan.sync_units(programs, kind)[1] * 2 if kind.startswith("sync_forward") else None  # bf16
+        need = state["total_device_bytes"] + gpu_estimate(cfg, state["params"]["device_bytes"], kind,
+                                                          synced)["total_bytes"]
+        out[kind] = gpu_plan.step_report(compiled, kind, programs, need)["memory"]
+    return out
 
 
 @needs_cuda
@@ -68,11 +95,17 @@ def test_sync_all_reduce_overlaps_the_layer_compute(h100_sync_step):
 
 
 @needs_cuda
-def test_estimate_within_its_band_of_xla_gpu(h100_sync_step):
-    m = h100_sync_step[2]["memory"]
-    assert m["peak_bytes"] > 0 and m["argument_bytes"] > 0 and m["alias_bytes"] > 0
-    # a tiny model: XLA's fixed buffers weigh more than at the presets' sizes (BUILD_NOTES "GPU program")
-    assert 0.5 <= m["estimate_over_xla"] <= 1.5, m
+def test_estimate_within_its_band_of_xla_gpu():
+    reports = _memory_reports(WIDE_CFG, ("local", "sync_forward"))
+    local_step, sync_step = reports["local"], reports["sync_forward"]
+    for m in reports.values():
+        assert m["peak_bytes"] > 0 and m["argument_bytes"] > 0 and m["alias_bytes"] > 0
+    # the local step: within 5%, as at the paper presets (BUILD_NOTES section 14, "The estimate
+    # against XLA:GPU"); the sync step: XLA schedules it here as the local step (it keeps the first
+    # chunk's logit gradient and 8 activations of the recomputed layer), where at the 7B preset it
+    # keeps neither, so the estimate's sync terms, read from the presets, are 13% under at this size
+    assert 0.95 <= local_step["estimate_over_xla"] <= 1.05, local_step
+    assert 0.85 <= sync_step["estimate_over_xla"] <= 1.05, sync_step
 
 
 def _plan_cli(*args):

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import jax
 
@@ -28,6 +29,11 @@ def test_plan_of_a_small_edit_config():
     assert abs(window - p["steps"]["sync_forward"]["replica_ring_bytes"] / 4) < 1e-6 * window
     assert all(v["flops"] is None or v["flops"] > 0 for v in p["steps"].values())
     assert plan(cfg, device_memory_gb=1e-6)["fits"] is False
+    # one estimate per step kind; the verdict is the state plus the largest
+    state = p["state_per_device"]["total_device_bytes"]
+    needs = {k: v["gpu_estimate_bytes"] for k, v in p["steps"].items()}
+    assert needs == {k: state + e["total_bytes"] for k, e in p["gpu_estimate_by_kind"].items()}
+    assert p["gpu_estimate_total_gb"] * 2 ** 30 == max(needs.values()) and p["estimate_fits"] is True
 
 
 def test_step_kinds_follow_the_schedule():
@@ -51,3 +57,47 @@ def test_cli_writes_json_with_fits_and_exit_codes(tmp_path):
     assert proc.returncode == 1 and "does NOT fit" in proc.stdout and json.loads(out.read_text())["fits"] is False
     proc = subprocess.run(cmd + ["optim.grad_accum=3"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "optim.grad_accum" in proc.stderr, proc.stderr
+
+
+def test_gpu_estimate_terms_against_a_hand_computation():
+    from edit_jax.tools.memory_estimate import gpu_estimate
+
+    # tiny model on 2 x 2: b = 16 / 4 = 4 rows, T = 64, d = 64, f = 128, L = 2, h = 4 (2 kv heads,
+    # head dim 16), V = 320, bf16 (c = 2), one loss chunk (loss_chunk 1024 >= T), remat
+    cfg = tiny_config(2, 2, method="edit", seq_len=64, model={"compute_dtype": "bfloat16", "remat": True,
+                                                              "attention": "xla"})
+    b, t, d, f, n_layers, h, v, c = 4, 64, 64, 128, 2, 4, 320, 2
+    act, mlp, logits = b * t * d * c, b * t * f * c, b * t * v * 4
+    p = d * 16 * (2 * 4 + 2 * 2) + 3 * d * f + 2 * d  # q, o (4 heads), k, v (2 heads), MLP, norms
+    layer_params = 4 * n_layers * p / 2  # fp32, sharded over shard = 2
+    scores = b * h * t * t * (2 * 4 + 2 * c)  # fp32 scores + gradient, bf16 probabilities + gradient
+    common = n_layers * act + layer_params + act + 2 * v * d * c
+    local = gpu_estimate(cfg, 1000.0, "local")
+    assert local["phases"]["loss"] == common + 3 * logits + 8 * act
+    assert local["phases"]["layer"] == (common + layer_params + 4 * mlp + 8 * act + scores + 2 * p * c + logits)
+    assert local["total_bytes"] == local["phases"]["layer"] and local["fused_attention"] is False
+    sync = gpu_estimate(cfg, 1000.0, "sync_forward", synced_bytes=777.0)
+    assert sync["phases"]["layer"] == common + layer_params + 4 * mlp + 4 * act + scores + 2 * p * c + 777.0
+    assert sync["phases"]["loss"] == common + 3 * logits + 4 * act
+    # with cuDNN's fused attention (auto on a GPU, bf16) no scores: the loss backward is the peak
+    fused = gpu_estimate(replace(cfg, model=replace(cfg.model, attention="auto")), 1000.0, "local")
+    assert fused["fused_attention"] and fused["phases"]["layer"] == local["phases"]["layer"] - scores
+    assert fused["peak_phase"] == "loss" and fused["total_bytes"] == local["phases"]["loss"]
+    # gradient accumulation keeps a running sum of the whole fp32 gradient (params_device_bytes)
+    acc = gpu_estimate(replace(cfg, optim=replace(cfg.optim, grad_accum=2)), 1000.0, "local")
+    assert acc["rows_per_micro_batch"] == 2 and acc["parts"]["grad_accumulation"] == 1000.0
+
+
+def test_gpu_estimate_says_the_7b_preset_does_not_fit_80_gb_with_unfused_attention():
+    from edit_jax.presets import paper
+    from edit_jax.tools.memory_estimate import gpu_estimate
+
+    cfg = paper("7b", "edit")
+    n_params = count_params(jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0))))
+    params = n_params * 4 / cfg.mesh.shard  # fp32, FSDP over shard = 8
+    state = 5 * params  # params, AdamW's two moments, θ̄ and the outer momentum
+    fused = gpu_estimate(cfg, params, "local")["total_bytes"]
+    unfused = gpu_estimate(replace(cfg, model=replace(cfg.model, attention="xla")), params, "local")["total_bytes"]
+    # XLA:GPU for an H100 (79.1 GiB): 50.6 GiB with cuDNN attention, 145.4 GiB with XLA's
+    assert state + fused < 79 * 2 ** 30 < state + unfused
+    assert unfused - fused > 32 * 16 * 4096 * 4096 * 12 * 0.95  # [16, 32, 4096, 4096] scores, 12 B each

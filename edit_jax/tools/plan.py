@@ -10,9 +10,10 @@ array is allocated, so a 7B preset plans on a laptop. Per device it reports:
 - each step's compiled temporaries (``memory_analysis``) and FLOPs (``cost_analysis``);
 - bytes per collective and mesh axis per step, from the HLO (``edit_jax/tools/hlo.py``: ring bytes),
   and for the methods that sync the tau-window mean of the bytes crossing ``replica``;
-- an analytic estimate of a GPU's peak (``gpu_estimate``, the formula in its docstring) beside
-  the CPU backend's temporaries (which keep fp32 copies and have no fused attention), and the
-  verdict: the state plus the estimate within ``--device-memory`` GB (default 80).
+- an analytic estimate of a GPU's peak per step kind (``memory_estimate.gpu_estimate``, the
+  formula in its docstring) beside the CPU backend's temporaries (which keep fp32 copies and have
+  no fused attention), and the verdict: the state plus the largest step's estimate within
+  ``--device-memory`` GB (default 80; with ``--target``, XLA:GPU's own peak decides).
 
 The JSON has a top-level ``"fits"`` (true / false) and every number. Exit 0 when it fits, 1 when it
 does not, 2 on bad input.
@@ -34,6 +35,7 @@ from edit_jax.localsgd.sharding import BATCH_SPEC, named
 from edit_jax.runtime.mesh import make_mesh, set_cpu_device_count
 from edit_jax.tools import gpu_plan, hlo
 from edit_jax.tools.gpu_target import GpuTarget, TargetError, cuda_plugin_missing, load_target, target_devices
+from edit_jax.tools.memory_estimate import compute_bytes, gpu_estimate
 from edit_jax.validate import ConfigError, load_config
 
 GIB = 1024 ** 3
@@ -75,46 +77,6 @@ def state_bytes(abstract_state) -> dict:
     return out
 
 
-def gpu_estimate(cfg, params_device_bytes: float) -> dict:
-    """A GPU's peak memory per device for one step, beyond the state, in bytes. With b rows per
-    micro-batch and device (batch_size / (N S) / grad_accum), T = seq_len, d, f = ffn_dim, L
-    layers, h heads, V vocab, c bytes per compute value:
-
-    - gradients: fp32, the params' shard (one more copy with grad_accum > 1: the running sum);
-    - saved activations: with remat each layer's input, L b T d c; without, every layer's
-      intermediates, L b T (10 d + 3 f) c, plus the attention scores when not fused;
-    - one layer's working set (forward or its recomputation in the backward): b T (10 d + 3 f) c;
-      unless cuDNN's fused kernel runs, the attention's fp32 [b, h, T, T] scores, probabilities
-      and the gradients of both, 4 b h T T x 4;
-    - the loss: fp32 logits and their gradient of one chunk, 2 b C V x 4 (C = model.loss_chunk,
-      or T), and the fp32 gradient of the final hidden states b T d x 4;
-    - FSDP gathers: two layers' full params in the compute dtype (the next layer's gather runs
-      ahead), plus the root (embedding and head), c (L-independent).
-
-    What it leaves out: XLA's own buffers and fragmentation (keep ~10% free), the cuDNN workspace.
-    """
-    m = cfg.model
-    n_dev = cfg.mesh.replica * cfg.mesh.shard
-    b = cfg.batch_size // n_dev // cfg.optim.grad_accum
-    t, d, f, L, h, v = cfg.data.seq_len, m.d_model, m.ffn_dim, m.n_layers, m.n_heads, m.vocab_size
-    c = 2 if m.compute_dtype in ("bfloat16", "float16") else 4
-    fused = m.attention in ("auto", "cudnn") and c == 2 and m.head_dim <= 128  # auto picks cuDNN on GPU
-    scores = 0.0 if fused else 4 * b * h * t * t * 4
-    layer = b * t * (10 * d + 3 * f) * c
-    saved = L * b * t * d * c if m.remat else L * (layer + scores)
-    chunk = m.loss_chunk if 0 < m.loss_chunk < t else t
-    loss = 2 * b * chunk * v * 4 + b * t * d * 4
-    hd = m.head_dim
-    layer_params = d * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * d * f + 2 * d
-    root_params = v * d * (1 if m.tie_embeddings else 2) + d
-    gathers = (2 * layer_params + root_params) * c
-    grads = params_device_bytes * (2 if cfg.optim.grad_accum > 1 else 1)
-    parts = {"gradients": grads, "saved_activations": saved, "layer_working_set": layer + scores,
-             "loss": loss, "param_gathers": gathers}
-    return {"parts": parts, "total_bytes": sum(parts.values()), "rows_per_micro_batch": b,
-            "fused_attention": fused}
-
-
 def _flops(compiled) -> float | None:
     try:
         cost = compiled.cost_analysis()
@@ -139,10 +101,13 @@ def plan(cfg, device_memory_gb: float = 80.0, target: GpuTarget | None = None) -
     batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.data.seq_len + 1), jax.numpy.int32,
                                  sharding=named(mesh, BATCH_SPEC))
     state = state_bytes(abstract)
-    estimate = gpu_estimate(cfg, state["params"]["device_bytes"])
-    need = state["total_device_bytes"] + estimate["total_bytes"]
-    steps = {}
+    c = compute_bytes(cfg.model)
+    steps, estimates = {}, {}
     for kind in step_kinds(programs.schedule, cfg):
+        # a sync step keeps its synced units' shards in the compute dtype for the backward
+        synced = gpu_plan.sync_units(programs, kind)[1] * c if kind.startswith("sync_forward") else None
+        estimates[kind] = gpu_estimate(cfg, state["params"]["device_bytes"], kind, synced)
+        need = state["total_device_bytes"] + estimates[kind]["total_bytes"]
         compiled = programs.lowered(kind, abstract, batch).compile()
         mem = compiled.memory_analysis()
         parsed = hlo.hlo_collectives(compiled.as_text(), (n, s), default_trip=cfg.model.n_layers)
@@ -153,6 +118,7 @@ def plan(cfg, device_memory_gb: float = 80.0, target: GpuTarget | None = None) -
             "flops": _flops(compiled),
             "replica_ring_bytes": cross["ring_bytes"], "shard_ring_bytes": within["ring_bytes"],
             "replica_by_op": cross["by_op"], "shard_by_op": within["by_op"],
+            "gpu_estimate_bytes": need,
         }
         if target is not None:
             steps[kind]["xla_gpu"] = gpu_plan.step_report(compiled, kind, programs, need)
@@ -165,8 +131,11 @@ def plan(cfg, device_memory_gb: float = 80.0, target: GpuTarget | None = None) -
             * (cfg.sync.fragments if cfg.sync.fragments > 1 else 1)
         window = {"tau": tau, "mean_replica_ring_bytes_per_step": ((tau - 1) * local + sync_bytes) / tau}
     worst_cpu = max(v["temp_bytes"] for v in steps.values())
+    estimate = max(estimates.values(), key=lambda e: e["total_bytes"])  # the step kind that needs most
+    need = state["total_device_bytes"] + estimate["total_bytes"]
     out = {
         "fits": bool(need <= device_memory_gb * GIB),
+        "estimate_fits": bool(need <= device_memory_gb * GIB),
         "device_memory_gb": device_memory_gb,
         "gpu_estimate_total_gb": need / GIB,
         "config": {"method": cfg.sync.method, "mesh": [n, s], "batch_size": cfg.batch_size,
@@ -175,6 +144,7 @@ def plan(cfg, device_memory_gb: float = 80.0, target: GpuTarget | None = None) -
                    "loss_chunk": cfg.model.loss_chunk},
         "state_per_device": state,
         "gpu_estimate": estimate,
+        "gpu_estimate_by_kind": estimates,
         "cpu_compiled_max_temp_bytes": worst_cpu,
         "steps": steps,
         "tau_window": window,
@@ -209,9 +179,10 @@ def report(p: dict) -> str:
     if p["tau_window"]:
         lines.append(f"tau-window mean across replica: {p['tau_window']['mean_replica_ring_bytes_per_step']:,.0f} B "
                      f"per step (tau = {p['tau_window']['tau']})")
-    lines.append("GPU estimate GiB: " + ", ".join(f"{k} {_gb(v)}" for k, v in est["parts"].items())
+    lines.append(f"GPU estimate GiB ({est['kind']}, peak in the {est['peak_phase']} backward): "
+                 + ", ".join(f"{k} {_gb(v)}" for k, v in est["parts"].items() if v)
                  + f" (fused attention: {est['fused_attention']})")
-    lines.append(f"{'fits' if p['fits'] else 'does NOT fit'}: state {_gb(st['total_device_bytes'])} + estimate "
+    lines.append(f"{'fits' if p['estimate_fits'] else 'does NOT fit'}: state {_gb(st['total_device_bytes'])} + estimate "
                  f"{_gb(est['total_bytes'])} = {p['gpu_estimate_total_gb']:.2f} GiB of {p['device_memory_gb']:g} GiB "
                  f"(the {'XLA:GPU' if 'target' in p else 'CPU'} compile's largest temporaries: "
                  f"{_gb(p['cpu_compiled_max_temp_bytes'])} GiB)")
