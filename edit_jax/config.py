@@ -351,19 +351,21 @@ def check_fields(cfg: Config) -> None:
     """Checks what the fields say on their own: finiteness, ranges, and divisibility (heads, batch,
     FSDP shards). The rules that ask a part of the package are that part's ``validate``
     (``edit_jax.validate`` runs this first, then them)."""
-    m, mesh, d, o, s = cfg.model, cfg.mesh, cfg.data, cfg.optim, cfg.sync
+    m, mesh, d, o, s, sp = cfg.model, cfg.mesh, cfg.data, cfg.optim, cfg.sync, cfg.train.spike
     _require_finite(cfg)
     for key, val in [("steps", cfg.steps), ("batch_size", cfg.batch_size), ("model.d_model", m.d_model),
                      ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
                      ("model.ffn_dim", m.ffn_dim), ("model.vocab_size", m.vocab_size), ("mesh.replica", mesh.replica),
                      ("mesh.shard", mesh.shard), ("data.seq_len", d.seq_len), ("log_every", cfg.log_every),
                      ("eval_batches", cfg.eval_batches), ("sync.tau", s.tau), ("keep_checkpoints", cfg.keep_checkpoints),
-                     ("model.scan_unroll", m.scan_unroll), ("data.unit_bytes", d.unit_bytes)]:
+                     ("model.scan_unroll", m.scan_unroll), ("data.unit_bytes", d.unit_bytes),
+                     ("train.spike.window", sp.window), ("train.spike.mads", sp.mads), ("train.spike.margin", sp.margin)]:
         require(val > 0, key, f"must be positive, got {val}")
     for key, val in [("eval_every", cfg.eval_every), ("checkpoint_every", cfg.checkpoint_every),
                      ("optim.warmup_steps", o.warmup_steps), ("optim.decay_steps", o.decay_steps),
                      ("optim.weight_decay", o.weight_decay), ("optim.grad_clip", o.grad_clip),
-                     ("sync.warmup_steps", s.warmup_steps), ("log.peak_tflops", cfg.log.peak_tflops)]:
+                     ("sync.warmup_steps", s.warmup_steps), ("log.peak_tflops", cfg.log.peak_tflops),
+                     ("train.spike.patience", sp.patience), ("train.spike.max_rollbacks", sp.max_rollbacks)]:
         require(val >= 0, key, f"must be >= 0, got {val}")
     require(m.d_model % m.n_heads == 0, "model.n_heads", f"must divide model.d_model={m.d_model}, got {m.n_heads}")
     require(m.head_dim % 2 == 0, "model.n_heads", f"head dim d_model/n_heads={m.head_dim} must be even for rotary embeddings")

@@ -13,10 +13,9 @@ part as its ``validate(cfg)``, next to what it checks against:
   fields; an asynchronous method's processes and outer state: A-EDiT);
 - ``placement``: the ``mesh.placement`` file;
 - ``runtime.multihost``: ``mesh.processes`` and the multi-process rules, ``debug.slowdown``;
-- ``data.corrupt``: ``debug.corrupt``;
+- ``data.corrupt``: ``debug.corrupt``, ``debug.lr_spike``;
 - ``rundir.tensorboard``: ``log.tensorboard`` (tensorboardX installed);
-- ``rundir.wandb_log``: ``log.wandb`` (wandb installed), ``log.wandb_project``;
-- ``training.spike``: ``train.spike.*``, ``debug.lr_spike``.
+- ``rundir.wandb_log``: ``log.wandb`` (wandb installed), ``log.wandb_project``.
 
 ``validate`` runs ``check_fields`` first (so a part may assume ranges hold, e.g. ``mesh.replica
 > 0``), then each part in that order; the first broken rule raises ``ConfigError`` naming its key.
@@ -39,7 +38,6 @@ from edit_jax.models import family
 from edit_jax.placement import validate as placement_rules
 from edit_jax.rundir import tensorboard, wandb_log
 from edit_jax.runtime import multihost
-from edit_jax.training import spike
 
 
 def validate(cfg: Config) -> None:
@@ -54,7 +52,6 @@ def validate(cfg: Config) -> None:
     corrupt.validate(cfg)
     tensorboard.validate(cfg)
     wandb_log.validate(cfg)
-    spike.validate(cfg)
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:

@@ -15,7 +15,8 @@ from edit_jax.config import ConfigError, apply_overrides
 from edit_jax.data import load_corpus, make_train_stream
 from edit_jax.rundir.checkpoint import Checkpointer
 from edit_jax.training.resume import restore_verified
-from edit_jax.training.spike import SpikeWatch, parse_lr_spike
+from edit_jax.data.corrupt import parse_lr_spike
+from edit_jax.training.spike import SpikeWatch
 from edit_jax.validate import validate
 from tests.helpers import tiny_config
 from tests.test_failures import _clean, _cli, _steps

@@ -1,4 +1,6 @@
-"""Testing knob ``debug.corrupt``: one worker trains on garbage for a window of steps.
+"""Testing knobs that inject faults: ``debug.corrupt`` (one worker trains on garbage for a window
+of steps) and ``debug.lr_spike`` (the updates of a few steps blown up: a loss spike of the whole
+run, for training/spike.py's rollback; ``LrSpike`` at the end).
 
 ``debug.corrupt="worker=W,steps=A-B"`` replaces worker (replica) W's rows of the global batch by
 uniformly random token ids in ``[0, model.vocab_size)`` for every inner step k with
@@ -19,6 +21,8 @@ worker with corrupted data should produce anomalous pseudo gradients that EDiT's
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import math
 
 import numpy as np
 
@@ -68,7 +72,9 @@ def parse_corrupt(text: str) -> CorruptSpec | None:
 
 
 def validate(cfg: Config) -> None:
-    """``debug.corrupt`` parses (``parse_corrupt``) and names an existing worker."""
+    """``debug.corrupt`` parses (``parse_corrupt``) and names an existing worker; ``debug.lr_spike``
+    parses."""
+    parse_lr_spike(cfg.debug.lr_spike)
     try:
         spec = parse_corrupt(cfg.debug.corrupt)
     except ValueError as e:
@@ -111,4 +117,35 @@ def corrupt_batch(batch: np.ndarray, spec: CorruptSpec | None, step: int, num_re
     return out
 
 
-__all__ = ["CorruptSpec", "parse_corrupt", "validate", "garbage_rows", "corrupt_rows", "corrupt_batch"]
+@dataclass(frozen=True)
+class LrSpike:
+    """``debug.lr_spike="A-B:F"``: the updates of inner steps A..B (0-based, both included) are
+    multiplied by F, the first time the run takes them in this invocation (a transient fault: a
+    rollback past them does not bring it back)."""
+
+    first: int
+    last: int
+    factor: float
+
+    def active(self, step: int) -> bool:
+        return self.first <= step <= self.last
+
+
+def parse_lr_spike(text: str) -> LrSpike | None:
+    if not text:
+        return None
+    try:
+        steps, factor = text.split(":")
+        first, last = (int(x) for x in steps.split("-"))
+        spike = LrSpike(first, last, float(factor))
+    except ValueError:
+        raise ConfigError(f"config key 'debug.lr_spike': expected 'A-B:FACTOR' (steps A..B, e.g. '20-22:100'), "
+                          f"got {text!r}") from None
+    require(0 <= spike.first <= spike.last, "debug.lr_spike", f"steps must satisfy 0 <= A <= B, got {text!r}")
+    require(math.isfinite(spike.factor) and spike.factor > 0, "debug.lr_spike",
+            f"the factor must be a positive number, got {text!r}")
+    return spike
+
+
+__all__ = ["CorruptSpec", "parse_corrupt", "validate", "garbage_rows", "corrupt_rows", "corrupt_batch", "LrSpike",
+           "parse_lr_spike"]

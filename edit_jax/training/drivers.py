@@ -29,13 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from edit_jax.data.batches import ReplicaStreams
-from edit_jax.data.corrupt import CorruptSpec, corrupt_rows
+from edit_jax.data.corrupt import CorruptSpec, corrupt_rows, parse_lr_spike
 from edit_jax.localsgd.methods import LOCAL, StepKind, TimeSchedule
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import BATCH_SPEC, named
 from edit_jax.runtime import multihost
 from edit_jax.runtime.multihost import parse_slowdown
-from edit_jax.training.spike import parse_lr_spike
 from edit_jax.training.throughput import StepFigures
 
 MAX_IN_FLIGHT = 2  # steps the host may run ahead of the devices (see LockStep.advance)

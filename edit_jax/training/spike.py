@@ -1,5 +1,5 @@
-"""Loss spikes: the rule that finds them (``SpikeWatch``) and the testing knob that makes one
-(``debug.lr_spike``). The loop (loop.py) rolls back when the watch says so.
+"""Loss spikes: the rule that finds them (``SpikeWatch``); the loop (loop.py) rolls back when the
+watch says so. The testing knob that makes one, ``debug.lr_spike``, is ``data/corrupt.py``'s.
 
 The rule, per training record (``train.spike.*``; why these defaults: BUILD_NOTES "Runs that
 keep going"):
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edit_jax.config import Config, ConfigError, require
+from edit_jax.config import Config
 
 
 @dataclass(frozen=True)
@@ -102,46 +102,4 @@ class SpikeWatch:
         return [float(x) for x in self.history]
 
 
-# ----------------------------------------------------------------------------- debug.lr_spike
-
-
-@dataclass(frozen=True)
-class LrSpike:
-    """``debug.lr_spike="A-B:F"``: the updates of inner steps A..B (0-based, both included) are
-    multiplied by F, the first time the run takes them in this invocation (a transient fault: a
-    rollback past them does not bring it back)."""
-
-    first: int
-    last: int
-    factor: float
-
-    def active(self, step: int) -> bool:
-        return self.first <= step <= self.last
-
-
-def parse_lr_spike(text: str) -> LrSpike | None:
-    if not text:
-        return None
-    try:
-        steps, factor = text.split(":")
-        first, last = (int(x) for x in steps.split("-"))
-        spike = LrSpike(first, last, float(factor))
-    except ValueError:
-        raise ConfigError(f"config key 'debug.lr_spike': expected 'A-B:FACTOR' (steps A..B, e.g. '20-22:100'), "
-                          f"got {text!r}") from None
-    require(0 <= spike.first <= spike.last, "debug.lr_spike", f"steps must satisfy 0 <= A <= B, got {text!r}")
-    require(math.isfinite(spike.factor) and spike.factor > 0, "debug.lr_spike",
-            f"the factor must be a positive number, got {text!r}")
-    return spike
-
-
-def validate(cfg: Config) -> None:
-    s = cfg.train.spike
-    for key, val in [("window", s.window), ("mads", s.mads), ("margin", s.margin)]:
-        require(val > 0, f"train.spike.{key}", f"must be positive, got {val}")
-    for key, val in [("patience", s.patience), ("max_rollbacks", s.max_rollbacks)]:
-        require(val >= 0, f"train.spike.{key}", f"must be >= 0, got {val}")
-    parse_lr_spike(cfg.debug.lr_spike)
-
-
-__all__ = ["SpikeWatch", "Verdict", "record_loss", "LrSpike", "parse_lr_spike", "validate"]
+__all__ = ["SpikeWatch", "Verdict", "record_loss"]
