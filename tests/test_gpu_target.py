@@ -83,15 +83,18 @@ def test_sync_step_crosses_replica_once_per_unit(h100_sync_step):
     programs, _, report = h100_sync_step
     o = report["sync_overlap"]
     assert o["units"] == programs.cfg.model.n_layers + 1
-    assert o["replica_tensor_collectives_per_step"] == o["units"] and o["once_per_unit"], o
+    # each unit's elements once; XLA combines the root's all-reduce with layer 0's (both before the loop)
+    assert o["once_per_unit"] and o["units"] - 1 <= o["replica_tensor_collectives_per_step"] <= o["units"], o
     assert all(c["async"] for c in o["collectives"] if c["in_loop"]), o["collectives"]
 
 
 @needs_cuda
-@pytest.mark.xfail(strict=True, reason="issue 29 item 4: no flag set or code structure found yet that schedules "
-                                       "compute between the sync's all-reduce start and done")
 def test_sync_all_reduce_overlaps_the_layer_compute(h100_sync_step):
-    assert h100_sync_step[2]["sync_overlap"]["overlapped"]
+    """The layer loop issues layer l+1's sync in iteration l (llama ``_pipelined_layers``): its
+    all-reduce across ``replica`` is async with layer l's GEMMs / attention between start and done."""
+    o = h100_sync_step[2]["sync_overlap"]
+    assert o["overlapped"] and o["in_loop"] >= 1, o["collectives"]
+    assert all(c["compute_between"] > 0 for c in o["collectives"] if c["in_loop"]), o["collectives"]
 
 
 @needs_cuda
@@ -133,8 +136,9 @@ def test_missing_cuda_plugin_is_one_line_exit_2():
 
 
 def test_gpu_programs_get_the_scheduler_unless_xla_flags_set_it():
-    from edit_jax.localsgd.xla_options import compiler_options
+    from edit_jax.localsgd.xla_options import GPU_OVERLAP, compiler_options
 
-    assert compiler_options("gpu", "") == {"xla_gpu_enable_latency_hiding_scheduler": True}
-    assert compiler_options("gpu", "--xla_gpu_enable_latency_hiding_scheduler=false --x=1") == {}
+    assert compiler_options("gpu", "") == GPU_OVERLAP and GPU_OVERLAP["xla_gpu_enable_latency_hiding_scheduler"]
+    assert compiler_options("gpu", "--xla_gpu_enable_latency_hiding_scheduler=false --x=1") == \
+        {k: v for k, v in GPU_OVERLAP.items() if k != "xla_gpu_enable_latency_hiding_scheduler"}
     assert compiler_options("cpu", "") == {}

@@ -50,7 +50,7 @@ from edit_jax.localsgd.sharding import BATCH_SPEC, REPLICA, SHARD, gather_unit, 
 from edit_jax.localsgd.state import StateLayout, TrainState, init_outer_opt_state
 from edit_jax.localsgd.sync import SYNC_METRICS, SYNC_SCOPE
 from edit_jax.localsgd.xla_options import compiler_options
-from edit_jax.models.family import HOOK_SAVED, model_family
+from edit_jax.models.family import HOOK_SAVED, SplitHook, model_family
 
 
 class StepPrograms:
@@ -178,7 +178,7 @@ class StepPrograms:
         dtype = jnp.dtype(cfg.model.compute_dtype)
         fused = cfg.mesh.fused_gather
 
-        def hook(unit, xs, which):
+        def sync_part(unit, xs, which):
             res = None
             if xs is not None:  # xs None: no sync in this step, or a unit outside the due group
                 with jax.named_scope(SYNC_SCOPE):  # the profile files these ops under "sync"
@@ -187,7 +187,18 @@ class StepPrograms:
                 # model's remat saves HOOK_SAVED): recomputing it would run the sync's all-reduce
                 # across `replica` again. The gather within `shard` after it is still recomputed.
                 unit = checkpoint_name(jax.tree.map(lambda x: x.astype(dtype), unit), HOOK_SAVED)
-            return gather_unit(unit, lay.unit_dims[which], dtype, fused), res
+            return unit, res
+
+        def gather_part(unit, which):
+            return gather_unit(unit, lay.unit_dims[which], dtype, fused)
+
+        # On GPUs in two halves, so that the family issues a layer's sync one layer ahead of its
+        # gather and compute, where the all-reduce can overlap the previous layer (family.SplitHook;
+        # BUILD_NOTES section 14, "Overlap"). Not on XLA:CPU: its runtime runs independent
+        # collectives concurrently and their rendezvous collide (a check failure, or wrong sums).
+        hook = SplitHook(sync_part, gather_part)
+        if self.mesh.devices.flat[0].platform != "gpu":
+            hook = hook.__call__
 
         def loss_fn(params):
             local = jax.tree.map(lambda x: x[0], params)  # drop the (size 1) local replica dim

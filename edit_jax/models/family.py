@@ -12,6 +12,9 @@ the step code reaches the model only through it:
 - ``token_loss_sum(logits, targets) -> scalar``;
 - with remat, the family keeps the values the hook names ``HOOK_SAVED`` (its checkpoint policy
   saves them) and recomputes the rest;
+- the hook may be a ``SplitHook`` (its two halves, ``sync`` and ``gather``): the family may then
+  call the halves apart, to issue layer l+1's sync while layer l computes (the llama family does
+  for the layers that sync: their all-reduce across ``replica`` then overlaps a layer's compute);
 - ``flops_per_token(cfg: ModelConfig, seq_len) -> float``: training FLOPs per token (forward and
   backward, remat's recomputation not counted), for the MFU of every training record;
 - optionally ``loss_sum(cfg, params, tokens, targets, hook, hook_xs=None) -> (scalar, ys)``: the
@@ -27,7 +30,9 @@ JAX starts).
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from types import ModuleType
+from typing import Any, Callable
 
 from edit_jax.config import Config, require
 
@@ -39,6 +44,19 @@ FAMILIES = {"llama": "edit_jax.models.llama"}
 # layer's compute) is still recomputed.
 HOOK_SAVED = "hook_saved"
 CONTRACT = ("init_params", "forward", "token_loss_sum", "flops_per_token")  # loss_sum is optional
+
+
+@dataclass(frozen=True)
+class SplitHook:
+    """A hook in two halves. ``sync(unit, xs, which) -> (unit', ys)``: EDiT's sync of the unit's
+    shard (the unit unchanged and ys None when ``xs`` is None); ``gather(unit', which)``: the params
+    ready for compute (the FSDP gather). Called whole, it is the plain hook."""
+    sync: Callable[[Any, Any, str], tuple[Any, Any]]
+    gather: Callable[[Any, str], Any]
+
+    def __call__(self, unit, xs, which):
+        unit, ys = self.sync(unit, xs, which)
+        return self.gather(unit, which), ys
 
 
 def model_family(name: str) -> ModuleType:
@@ -58,4 +76,4 @@ def validate(cfg: Config) -> None:
             f"expected one of {', '.join(FAMILIES)}; got {cfg.model.family!r}")
 
 
-__all__ = ["FAMILIES", "CONTRACT", "HOOK_SAVED", "model_family", "validate"]
+__all__ = ["FAMILIES", "CONTRACT", "HOOK_SAVED", "SplitHook", "model_family", "validate"]

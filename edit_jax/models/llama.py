@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from edit_jax.config import ConfigError, ModelConfig
-from edit_jax.models.family import HOOK_SAVED
+from edit_jax.models.family import HOOK_SAVED, SplitHook
 
 Params = Any
 # hook(unit_params, unit_xs, which) -> (params ready for compute, unit_ys); which: "root" | "layer"
@@ -235,22 +235,64 @@ def forward_hidden(cfg: ModelConfig, params: Params, tokens: jax.Array, hook: Ho
     if cfg.remat:  # recompute the layer in the backward, but not what the hook named HOOK_SAVED (the sync)
         layer_step = jax.checkpoint(layer_step, prevent_cse=False,
                                     policy=jax.checkpoint_policies.save_only_these_names(HOOK_SAVED))
-    if layer_segments is None:
-        x, layer_ys = jax.lax.scan(layer_step, x, (params["layers"], xs["layers"]),
-                                   unroll=min(cfg.scan_unroll, cfg.n_layers))
-    else:
-        layer_ys, start = [], 0
-        for n, seg_xs in layer_segments:
-            if n == 0:  # an empty segment: no loop at all in the program
-                layer_ys.append(None)
-                continue
-            seg = jax.tree.map(lambda p: p[start:start + n], params["layers"])  # noqa: B023
+    pipelined = isinstance(hook, SplitHook)  # the layers that sync: each sync one layer ahead
+    segments = layer_segments if layer_segments is not None else [(cfg.n_layers, xs["layers"])]
+    layer_ys, start = [], 0
+    for n, seg_xs in segments:
+        if n == 0:  # an empty segment: no loop at all in the program
+            layer_ys.append(None)
+            continue
+        seg = params["layers"] if layer_segments is None else \
+            jax.tree.map(lambda p: p[start:start + n], params["layers"])  # noqa: B023
+        if pipelined and seg_xs is not None:
+            x, ys = _pipelined_layers(cfg, hook, x, seg, seg_xs)
+        else:
             x, ys = jax.lax.scan(layer_step, x, (seg, seg_xs), unroll=min(cfg.scan_unroll, n))
-            layer_ys.append(ys)
-            start += n
+        layer_ys.append(ys)
+        start += n
+    if layer_segments is None:
+        layer_ys = layer_ys[0]
     x = RMSNorm(cfg.norm_eps).apply({"params": root["final_norm"]}, x)
     head = root["embed"].T if cfg.tie_embeddings else root["lm_head"]
     return x, head.astype(dtype), {"root": root_ys, "layers": layer_ys}
+
+
+def _pipelined_layers(cfg: ModelConfig, hook: SplitHook, x: jax.Array, layers: Params, layer_xs: Any):
+    """``(x, ys)`` after the layers ``layers`` [n, ...] that all sync (``layer_xs`` their hook
+    inputs), each layer's sync issued one layer ahead (software pipelining): layer 0's before the
+    loop, then iteration l computes layer l from the synced shard carried in and syncs layer l+1.
+    That sync depends on nothing layer l computes, so XLA:GPU's scheduler can run its all-reduce
+    across ``replica`` under layer l's GEMMs and attention (one sync of a unit inside its own
+    iteration cannot: the layer's compute needs its result). The same values as ``hook`` per layer."""
+    n = jax.tree.leaves(layers)[0].shape[0]
+
+    def at(i):  # layer i's params and hook inputs, read in place (a slice [1:] would copy them)
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), (layers, layer_xs))
+
+    def compute(synced, x):
+        return DecoderLayer(cfg).apply({"params": hook.gather(synced, "layer")}, x)
+
+    in_loop = last = compute
+    if cfg.remat:  # the synced shard is an argument: remat keeps it and recomputes the gather and layer
+        in_loop = jax.checkpoint(compute, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
+        last = jax.checkpoint(compute, policy=jax.checkpoint_policies.nothing_saveable)  # outside a loop CSE
+        # would merge the recomputation with the forward and keep the layer's activations
+
+    synced, ys0 = hook.sync(*at(0), "layer")
+    # The sync outputs go into [n, ...] buffers carried through the loop and updated in place:
+    # stacked by the scan after layer 0's, they would be copied to join them.
+    ys = jax.tree.map(lambda a: jnp.zeros((n,) + a.shape, a.dtype).at[0].set(a), ys0)
+
+    def step(carry, i):
+        x, synced, ys = carry
+        x = in_loop(synced, x)
+        synced_next, y = hook.sync(*at(i), "layer")
+        ys = jax.tree.map(lambda b, v: jax.lax.dynamic_update_index_in_dim(b, v, i, 0), ys, y)
+        return (x, synced_next, ys), None
+
+    (x, synced, ys), _ = jax.lax.scan(step, (x, synced, ys), jnp.arange(1, n, dtype=jnp.int32),
+                                      unroll=max(1, min(cfg.scan_unroll, n - 1)))
+    return last(synced, x), ys
 
 
 def token_loss_sum(logits: jax.Array, targets: jax.Array) -> jax.Array:
