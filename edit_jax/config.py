@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,6 +181,19 @@ class LogConfig:
 
 
 @dataclass
+class TrainConfig:
+    """How a run survives restarts (absent from older configs: defaults apply)."""
+
+    # JAX's persistent compilation cache, so a restarted run loads its compiled programs instead of
+    # compiling them again: "auto" (RUN_DIR/compile_cache; none without a run dir), "off" or ""
+    # (none), or a directory of your own (e.g. one shared by several run dirs).
+    compile_cache: str = "auto"
+    # Checkpoints written in the background (orbax async): a save returns once the arrays are
+    # copied to host memory and the steps go on while they are written.
+    async_checkpoint: bool = True
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -188,6 +202,7 @@ class Config:
     sync: SyncConfig = field(default_factory=SyncConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     steps: int = 200
     max_seconds: float = 0.0  # > 0: also stop after this much training wall time (then evaluate and save as at the end)
     batch_size: int = 16  # global batch in sequences, split over replica x shard
@@ -388,9 +403,18 @@ def check_fields(cfg: Config) -> None:
     require(s.compress in COMPRESS, "sync.compress", f"expected one of {', '.join(COMPRESS)}; got {s.compress!r}")
     require(not s.error_feedback or s.compress != "none", "sync.error_feedback",
             "needs a lossy sync.compress (bf16 or int8); with compress=none there is no residual")
+    _check_compile_cache(cfg.train.compile_cache)
     require(s.compress == "none" or s.outer_sharding == "shard", "sync.compress",
             f"{s.compress!r} needs sync.outer_sharding='shard' (with 'replica_shard' the exchange moves θ_i, not "
             "the pseudo gradient)")
+
+
+def _check_compile_cache(value: str) -> None:
+    key = "train.compile_cache"
+    require("\x00" not in value and "\n" not in value and value == value.strip(), key,
+            f"expected auto, off or a directory path, got {value!r}")
+    if value not in ("", "auto", "off") and os.path.exists(value):
+        require(os.path.isdir(value), key, f"{value!r} exists and is not a directory (expected auto, off or a directory)")
 
 
 def dumps(cfg: Config) -> str:
@@ -401,6 +425,6 @@ def replace(cfg, **kw):
     return dataclasses.replace(cfg, **kw)
 
 
-__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "DebugConfig", "LogConfig", "ConfigError",
+__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "DebugConfig", "LogConfig", "TrainConfig", "ConfigError",
            "apply_overrides", "check_fields", "require", "to_dict", "from_dict", "dumps"]
 

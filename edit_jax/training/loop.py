@@ -115,7 +115,7 @@ def _set_up(cfg: Config, run_dir: str | None, say, devices: list | None, restore
                 f"{'read at start ' if corpus.streamed is not None else ''}holds no more")
         corrupt = parse_corrupt(cfg.debug.corrupt)  # None unless the testing knob is set
         if run_dir:
-            ckpt = Checkpointer(run_dir, cfg.keep_checkpoints)
+            ckpt = Checkpointer(run_dir, cfg.keep_checkpoints, asynchronous=cfg.train.async_checkpoint)
             state, data_state, resumed_from = restore_verified(ckpt, cfg, programs, say, restore_step, lead=lead,
                                                                barrier=multihost.barrier)
             if data_state is not None:
@@ -177,6 +177,8 @@ class Training:
         self.hooks.add("stop checks", self.check_stop)
         self.hooks.add("evaluate", self.evaluate_on_cadence, every=self.cfg.eval_every)
         self.hooks.add("checkpoint", self.checkpoint_on_cadence, every=self.cfg.checkpoint_every)
+        if setup.ckpt is not None and not self.multi:  # a background save that is written counts now
+            self.hooks.add("checkpoint written", lambda adv, before, now: setup.ckpt.poll())
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start
@@ -321,6 +323,8 @@ def run(cfg: Config, run_dir: str | None, *, stop, say: Callable[[str], None], p
         training = Training(setup, stop=stop, say=say, progress=progress, stop_after=stop_after)
         end = training.loop()
         diverged = training.finish(end)
+        if setup.ckpt is not None:
+            setup.ckpt.finish()  # the last save is written (or its failure raised) before the run returns
     finally:
         if setup.ckpt is not None:
             setup.ckpt.close()
