@@ -12,12 +12,12 @@ events, summed over every program of the run: tracing, lowering to MLIR and the 
 (which, on a cache hit, is the read of the executable from disk). Also the first step's time
 from metrics.jsonl (it includes that step's compile). Target: restart / cold <= 0.20.
 
-Part ``save``: the config trained with a checkpoint every ``--every`` steps, once with async
+Part ``save``: the config (with ``--method``, default baseline: one kind of step) trained with a checkpoint every ``--every`` steps, once with async
 saves and once with sync saves (one process, side by side; log_every=1). Per mode: the time the
 loop is blocked in a save (async: the checksums and the copy to host; sync: the whole write),
 and the step times. A step "during a save" is one that ends while the background write is in
 progress (found by polling orbax after every step); normal steps are those after the write is
-done and before the next save (the first steps, which compile, are left out). For sync saves the
+done and before the next save (steps that compiled a program are left out). For sync saves the
 step that contains the save is step + save. Target: async step during a save / normal <= 1.2.
 """
 
@@ -46,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="compile: steps of each run")
     p.add_argument("--save-steps", type=int, default=60, help="save: steps of each run")
     p.add_argument("--every", type=int, default=10, help="save: checkpoint_every")
+    p.add_argument("--method", default="baseline",
+                   help="save: sync.method (baseline: one kind of step, so step times compare like with like)")
     p.add_argument("--run-root", default=os.path.join(common.REPO, "runs", "bench_faults"))
     p.add_argument("--json", default=os.path.join(common.DEFAULT_JSON_DIR, "bench_faults.json"))
     p.add_argument("--child", nargs=4, metavar=("CONFIG", "RUN_DIR", "STEPS", "CACHE"), help=argparse.SUPPRESS)
@@ -143,7 +145,7 @@ def _timed_run(cfg, run_dir: str) -> dict:
             written.append(time.perf_counter())
 
     def write_records(self, adv, before, now):
-        step_ends.append((now, time.perf_counter()))
+        step_ends.append((now, time.perf_counter(), any(r.get("includes_compile") for r in adv.records)))
         real_records(self, adv, before, now)
 
     Checkpointer.save, Checkpointer.finish, loop.Training.write_records = save, finish, write_records
@@ -157,13 +159,14 @@ def _timed_run(cfg, run_dir: str) -> dict:
 
 def _classify(run: dict, every: int, asynchronous: bool) -> dict:
     """Step intervals (end of step k-1 to end of step k) split into normal and during a save."""
-    ends = dict(run["step_ends"])
+    ends = {k: t for k, t, _ in run["step_ends"]}
+    compiled = {k for k, _, c in run["step_ends"] if c}
     windows = []  # (save's start, write found done) per save
     for (step, t0, t1), done in zip(run["saves"], run["written"]):
         windows.append((t0, done if asynchronous else t1))
     normal, during = [], []
     for k in sorted(ends):
-        if k - 1 not in ends or k <= every:  # the first interval compiles the programs
+        if k - 1 not in ends or k in compiled:  # a step that compiled its program is no step time
             continue
         a, b = ends[k - 1], ends[k]
         if any(a < w1 and b > w0 for w0, w1 in windows):
@@ -181,7 +184,7 @@ def part_save(args) -> dict:
     root = os.path.join(args.run_root, "save")
     out = {}
     for mode in ("async", "sync"):
-        cfg = _load(args.config, [f"steps={args.save_steps}", f"checkpoint_every={args.every}", "log_every=1",
+        cfg = _load(args.config, [f"method={args.method}", f"steps={args.save_steps}", f"checkpoint_every={args.every}", "log_every=1",
                                   "eval_every=0", f"train.async_checkpoint={mode == 'async'}",
                                   f"keep_checkpoints={args.save_steps}"])
         run = _timed_run(cfg, os.path.join(root, mode))

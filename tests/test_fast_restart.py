@@ -56,11 +56,12 @@ def _run(run_dir, kw="{}") -> dict:
 
 
 def test_a_restart_reads_the_compiled_programs_from_the_cache(tmp_path):
-    """The first run compiles (no hit) and writes RUN_DIR/compile_cache; the restart, a new
+    """The first run compiles its step program and writes RUN_DIR/compile_cache; the restart, a new
     process, loads the step program from it (JAX's cache-hit events), and adds nothing new for it."""
     cold = _run(tmp_path)
     entries = sorted(os.listdir(tmp_path / DIR_NAME))
-    assert cold["hits"] == 0 and cold["resumed_from"] is None, cold
+    # (hits in the first run are programs it compiles twice, e.g. the same small op from two places)
+    assert "jit_step" not in cold["names"] and cold["resumed_from"] is None, cold
     assert any(e.startswith("jit_step-") for e in entries), entries
     warm = _run(tmp_path)
     assert warm["resumed_from"] == 2, warm

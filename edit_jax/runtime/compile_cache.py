@@ -25,10 +25,12 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache as _cc
 
 DIR_NAME = "compile_cache"
-# Programs that compile faster than this are not written: the tiny jitted helpers (a checksum,
-# a zeros) would be hundreds of files and cost as much to read as to compile. The step programs
-# take seconds (CPU) to minutes (GPU).
-MIN_COMPILE_SECONDS = 0.2
+# Every program is written, however fast it compiles (JAX's default leaves out those under 1 s):
+# besides the step programs (seconds on CPU, minutes on GPU), a restore compiles a small slice
+# program per array shape, 0.05-0.7 s each on the loaded 2-core CPU host; with a 0.2 s floor
+# those were 6.6 s of a cached restart's 10 s (scripts/bench_faults.py --part compile). Entries
+# are small (a few KB to a few MB); a run writes a few dozen.
+MIN_COMPILE_SECONDS = 0.0
 
 
 def cache_dir_for(setting: str, run_dir: str | None) -> str | None:
