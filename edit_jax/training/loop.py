@@ -115,7 +115,10 @@ def _set_up(cfg: Config, run_dir: str | None, say, devices: list | None, restore
                 f"{'read at start ' if corpus.streamed is not None else ''}holds no more")
         corrupt = parse_corrupt(cfg.debug.corrupt)  # None unless the testing knob is set
         if run_dir:
-            ckpt = Checkpointer(run_dir, cfg.keep_checkpoints, asynchronous=cfg.train.async_checkpoint)
+            # Several processes save synchronously: a background write failing on one process (a
+            # full disk) left the others in orbax's background barrier (BUILD_NOTES §9).
+            ckpt = Checkpointer(run_dir, cfg.keep_checkpoints,
+                                asynchronous=cfg.train.async_checkpoint and cfg.mesh.processes == 1)
             state, data_state, resumed_from = restore_verified(ckpt, cfg, programs, say, restore_step, lead=lead,
                                                                barrier=multihost.barrier)
             if data_state is not None:
