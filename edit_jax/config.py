@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,13 +184,6 @@ class SpikeConfig:
 
 
 @dataclass
-class TrainConfig:
-    """How the loop guards a run (absent from older configs: defaults apply)."""
-
-    spike: SpikeConfig = field(default_factory=SpikeConfig)
-
-
-@dataclass
 class LogConfig:
     """Where records go besides RUN_DIR/metrics.jsonl (absent from older configs: defaults apply)."""
 
@@ -199,6 +193,21 @@ class LogConfig:
     # One device's peak TFLOP/s for the records' ``mfu``; 0: known A100 / H100 / H200 from the
     # device's kind (dense bf16), none on other devices (edit_jax/throughput.py).
     peak_tflops: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    """How a run survives spikes and restarts (absent from older configs: defaults apply)."""
+
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+
+    # JAX's persistent compilation cache, so a restarted run loads its compiled programs instead of
+    # compiling them again: "auto" (RUN_DIR/compile_cache; none without a run dir), "off" or ""
+    # (none), or a directory of your own (e.g. one shared by several run dirs).
+    compile_cache: str = "auto"
+    # Checkpoints written in the background (orbax async, one process only): a save returns once
+    # the arrays are copied to host memory. Off by default: on CPU it was slower (BUILD_NOTES §9).
+    async_checkpoint: bool = False
 
 
 @dataclass
@@ -413,9 +422,18 @@ def check_fields(cfg: Config) -> None:
     require(s.compress in COMPRESS, "sync.compress", f"expected one of {', '.join(COMPRESS)}; got {s.compress!r}")
     require(not s.error_feedback or s.compress != "none", "sync.error_feedback",
             "needs a lossy sync.compress (bf16 or int8); with compress=none there is no residual")
+    _check_compile_cache(cfg.train.compile_cache)
     require(s.compress == "none" or s.outer_sharding == "shard", "sync.compress",
             f"{s.compress!r} needs sync.outer_sharding='shard' (with 'replica_shard' the exchange moves θ_i, not "
             "the pseudo gradient)")
+
+
+def _check_compile_cache(value: str) -> None:
+    key = "train.compile_cache"
+    require("\x00" not in value and "\n" not in value and value == value.strip(), key,
+            f"expected auto, off or a directory path, got {value!r}")
+    if value not in ("", "auto", "off") and os.path.exists(value):
+        require(os.path.isdir(value), key, f"{value!r} exists and is not a directory (expected auto, off or a directory)")
 
 
 def dumps(cfg: Config) -> str:

@@ -101,12 +101,16 @@ def _get(d: dict, dotted: str):
 
 
 class Checkpointer:
-    def __init__(self, run_dir: str, keep: int):
+    def __init__(self, run_dir: str, keep: int, asynchronous: bool = False):
         self.directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
-        self.keep = keep
+        self.keep, self.asynchronous = keep, asynchronous
         # max_to_keep=None: rotation is ours (``_rotate``), after the new checkpoint is verified.
-        options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True, enable_async_checkpointing=False)
+        options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
+                                               enable_async_checkpointing=asynchronous)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "meta"))
+        # A background save not finalised yet (``finish``): its step, checksums and whether its
+        # dir existed before it (then a failure leaves that dir alone).
+        self.pending: tuple[int, dict, bool] | None = None
 
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -115,28 +119,60 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, state: Any, data_state: dict, cfg: Config, healthy: bool = True) -> None:
-        """``healthy``: no loss spike was under way (training/spike.py); a rerun prefers healthy ones."""
+        """Writes checkpoint ``step`` (``healthy``: no loss spike was under way, training/spike.py;
+        a rerun prefers healthy ones). Asynchronous: returns once orbax has copied the arrays to
+        host memory; the write goes on in the background and ``finish`` (the next save, the next
+        ``poll`` that finds it written, ``close``) waits for it, then rotates. Until orbax renames
+        its finished temporary dir the checkpoint is not on disk as ``checkpoints/<step>``: a
+        crash before that leaves the previous checkpoints as the newest."""
+        self.finish()  # one save at a time; the previous one counts (and rotates) first
         if int(step) in self.manager.all_steps():  # e.g. a signal right after a periodic save
             return
         meta = {"config": to_dict(cfg), "step": int(step), "state_format": STATE_FORMAT,
                 "checksums": state_checksums(state), "data_checksum": data_checksum(data_state),
                 "healthy": bool(healthy)}
-        final_dir = os.path.join(self.directory, str(step))
-        existed = os.path.isdir(final_dir)
+        existed = os.path.isdir(os.path.join(self.directory, str(step)))
         try:
             self.manager.save(int(step), args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
-            self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - orbax / TensorStore wrap OS errors in many types
-            try:  # let orbax's background writes of this save end first: they could recreate its dir
-                self.manager.wait_until_finished()
-            except Exception:  # noqa: BLE001 - the same failure again: the first one is reported
-                pass
-            self._remove_partial(int(step), final=not existed)
-            raise CheckpointSaveError(f"could not save checkpoint {final_dir}: {_save_reason(e)}. Earlier checkpoints "
-                                      f"are intact ({', '.join(map(str, self.all_steps())) or 'none'}); fix that and "
-                                      "re-run the same command to resume") from e
-        self._rotate(int(step), meta["checksums"], bool(healthy))
+            self._failed(int(step), existed, e)
+        self.pending = (int(step), meta["checksums"], existed, bool(healthy))
+        if not self.asynchronous:
+            self.finish()
+
+    def finish(self) -> None:
+        """Waits for the background save (if any) and finalises it: a failed write is removed and
+        raised as ``CheckpointSaveError`` (earlier checkpoints intact), a good one rotates the
+        older ones out."""
+        if self.pending is None:
+            return
+        step, checksums, existed, healthy = self.pending
+        self.pending = None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            self._failed(step, existed, e)
+        self._rotate(step, checksums, healthy)
+
+    def poll(self) -> None:
+        """``finish`` if the background save is written already (never waits). One process only:
+        with several, whether it is done differs between them, and they finish together instead
+        (at the next save and at the end)."""
+        if self.pending is not None and not self.manager.is_saving_in_progress():
+            self.finish()
+
+    def _failed(self, step: int, existed: bool, e: BaseException):
+        """A save of ``step`` failed: its leftovers are removed, ``CheckpointSaveError`` raised."""
+        try:  # let orbax's background writes of this save end first: they could recreate its dir
+            self.manager.wait_until_finished()
+        except Exception:  # noqa: BLE001 - the same failure again: the first one is reported
+            pass
+        self._remove_partial(step, final=not existed)
+        raise CheckpointSaveError(f"could not save checkpoint {os.path.join(self.directory, str(step))}: "
+                                  f"{_save_reason(e)}. Earlier checkpoints are intact "
+                                  f"({', '.join(map(str, self.all_steps())) or 'none'}); fix that and "
+                                  "re-run the same command to resume") from e
 
     def _remove_partial(self, step: int, final: bool) -> None:
         """After a failed save: what this save left of ``step`` is removed, so that it takes no
@@ -280,4 +316,12 @@ class Checkpointer:
         return out["state"], out["data"]
 
     def close(self) -> None:
-        self.manager.close()
+        """Waits for a background save. Its failure is not raised here (``close`` runs while the
+        run already ends with its own error; the normal end calls ``finish`` first) but its
+        leftovers are removed all the same."""
+        try:
+            self.finish()
+        except CheckpointSaveError:
+            pass
+        finally:
+            self.manager.close()

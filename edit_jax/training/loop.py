@@ -117,7 +117,10 @@ def _set_up(cfg: Config, run_dir: str | None, say, devices: list | None, restore
                 f"{'read at start ' if corpus.streamed is not None else ''}holds no more")
         corrupt = parse_corrupt(cfg.debug.corrupt)  # None unless the testing knob is set
         if run_dir:
-            ckpt = Checkpointer(run_dir, cfg.keep_checkpoints)
+            # Several processes save synchronously: a background write failing on one process (a
+            # full disk) left the others in orbax's background barrier (BUILD_NOTES §9).
+            ckpt = Checkpointer(run_dir, cfg.keep_checkpoints,
+                                asynchronous=cfg.train.async_checkpoint and cfg.mesh.processes == 1)
             state, data_state, resumed_from = restore_verified(ckpt, cfg, programs, say, restore_step, lead=lead,
                                                                barrier=multihost.barrier)
             if data_state is not None:
@@ -182,6 +185,8 @@ class Training:
         self.hooks.add("stop checks", self.check_stop)
         self.hooks.add("evaluate", self.evaluate_on_cadence, every=self.cfg.eval_every)
         self.hooks.add("checkpoint", self.checkpoint_on_cadence, every=self.cfg.checkpoint_every)
+        if setup.ckpt is not None and not self.multi:  # a background save that is written counts now
+            self.hooks.add("checkpoint written", lambda adv, before, now: setup.ckpt.poll())
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start
@@ -303,6 +308,8 @@ class Training:
         """Back to the newest checkpoint a healthy record vouches for, past the data the spike
         consumed; after ``train.spike.max_rollbacks`` (or with nothing to go back to) exit 3."""
         ckpt, cfg, lead = self.setup.ckpt, self.cfg, jax.process_index() == 0
+        if ckpt is not None:
+            ckpt.finish()  # a background save counts (or fails) before the checkpoints are judged
         trusted = self.watch.trusted_through
         target = [s for s in (ckpt.all_steps() if ckpt else []) if trusted is not None and s <= trusted]
         cannot = ("no run dir" if ckpt is None else
@@ -383,6 +390,8 @@ def run(cfg: Config, run_dir: str | None, *, stop, say: Callable[[str], None], p
         training = Training(setup, stop=stop, say=say, progress=progress, stop_after=stop_after)
         end = training.loop()
         diverged = training.finish(end)
+        if setup.ckpt is not None:
+            setup.ckpt.finish()  # the last save is written (or its failure raised) before the run returns
     finally:
         if setup.ckpt is not None:
             setup.ckpt.close()

@@ -26,6 +26,7 @@ from edit_jax.localsgd.methods import normalise
 from edit_jax.rundir.checkpoint import CheckpointError, steps_on_disk
 from edit_jax.rundir.runlock import RunLock, RunLockError, check_writable, first_missing, remove_if_unused
 from edit_jax.runtime import multihost
+from edit_jax.runtime.compile_cache import cache_dir_for, compile_cache
 from edit_jax.training.loop import TrainResult, run
 from edit_jax.training.resume import DivergedError
 from edit_jax.validate import validate
@@ -95,7 +96,7 @@ def _config_changes(run_dir: str, cfg: Config) -> list[str]:
     new = _flat(json.loads(json.dumps(to_dict(normalise(cfg)[0]))))
     ignore = {"steps", "max_seconds", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"}
     return [f"{k}: {old.get(k, '(unset)')} -> {new.get(k, '(unset)')}" for k in sorted(set(old) | set(new))
-            if k not in ignore and not k.startswith("log.") and old.get(k) != new.get(k)]
+            if k not in ignore and not k.startswith(("log.", "train.")) and old.get(k) != new.get(k)]
 
 
 def _finished_result(run_dir: str, cfg: Config, say) -> TrainResult | None:
@@ -144,8 +145,10 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
                     done = _finished_result(run_dir, cfg, say)
                     if done is not None:
                         return done
-                return run(cfg, run_dir, stop=stop, say=say, progress=progress, devices=devices,
-                           stop_after=stop_after, restore_step=restore_step)
+                # Every worker runs this: each reads the cache (process 0 writes it, JAX's rule).
+                with compile_cache(cache_dir_for(cfg.train.compile_cache, run_dir)):
+                    return run(cfg, run_dir, stop=stop, say=say, progress=progress, devices=devices,
+                               stop_after=stop_after, restore_step=restore_step)
             finally:
                 if lock is not None:
                     lock.release()

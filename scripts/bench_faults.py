@@ -1,0 +1,226 @@
+"""What faults and restarts cost (issue 31), one part at a time.
+
+    python scripts/bench_faults.py --part compile        # a restart's compile time, cold vs cached
+    python scripts/bench_faults.py --part save           # steps during an async save vs normal steps
+    python scripts/bench_faults.py --part compile,save --json runs/bench/bench_faults.json
+
+Part ``compile``: three runs of ``--config`` (default the demo), each in a fresh process. ``cold``:
+a new run dir, empty compilation cache, stopped after ``--steps`` steps (checkpoint). ``restart,
+no cache``: a copy of that run dir resumed with ``train.compile_cache=off``. ``restart``: the run
+dir itself resumed, reading RUN_DIR/compile_cache. Compile time is what JAX reports in its own
+events, summed over every program of the run: tracing, lowering to MLIR and the backend compile
+(which, on a cache hit, is the read of the executable from disk). Also the first step's time
+from metrics.jsonl (it includes that step's compile). Target: restart / cold <= 0.20.
+
+Part ``save``: the config (with ``--method``, default baseline: one kind of step) trained with a checkpoint every ``--every`` steps, once with async
+saves and once with sync saves (one process, side by side; log_every=1). Per mode: the time the
+loop is blocked in a save (async: the checksums and the copy to host; sync: the whole write),
+and the step times: the interval of the step that holds a save (step + blocked time), and, for
+async saves, the steps that overlap the background write (until orbax, polled after every step,
+says it is done), with the blocked time taken out. Normal steps: all others (steps that compiled
+a program are left out). Target: async step during the write / normal step <= 1.2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import _bench_common as common
+
+PARTS = ("compile", "save")
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", default="compile,save", help=f"comma-separated, of {', '.join(PARTS)}")
+    p.add_argument("--config", default="configs/demo.py")
+    p.add_argument("--steps", type=int, default=10, help="compile: steps of each run")
+    p.add_argument("--save-steps", type=int, default=60, help="save: steps of each run")
+    p.add_argument("--every", type=int, default=10, help="save: checkpoint_every")
+    p.add_argument("--method", default="baseline",
+                   help="save: sync.method (baseline: one kind of step, so step times compare like with like)")
+    p.add_argument("--run-root", default=os.path.join(common.REPO, "runs", "bench_faults"))
+    p.add_argument("--json", default=os.path.join(common.DEFAULT_JSON_DIR, "bench_faults.json"))
+    p.add_argument("--child", nargs=4, metavar=("CONFIG", "RUN_DIR", "STEPS", "CACHE"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    bad = set(args.part.split(",")) - set(PARTS)
+    if bad:
+        p.error(f"--part: unknown {', '.join(sorted(bad))} (expected {', '.join(PARTS)})")
+    return args
+
+
+def _load(config: str, overrides: list[str]):
+    sys.path.insert(0, common.REPO)
+    from edit_jax.config import apply_overrides
+    from edit_jax.validate import load_config, validate
+
+    cfg = apply_overrides(load_config(config), overrides)
+    validate(cfg)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- part compile
+
+
+def child_compile(config: str, run_dir: str, steps: int, cache: str) -> None:
+    """One run in this process: train ``steps`` more steps on ``run_dir``; prints JAX's compile
+    durations (summed per event) and cache hits as JSON."""
+    common.ensure_cpu_devices(8)
+    from jax import monitoring
+
+    durations, hits = {e: 0.0 for e in COMPILE_EVENTS}, [0]
+    monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: durations.__setitem__(event, durations[event] + secs) if event in durations else None)
+    monitoring.register_event_listener(lambda event, **kw: hits.__setitem__(0, hits[0] + (event.endswith("/cache_hits"))))
+    from edit_jax.training.train import train
+
+    cfg = _load(config, [f"train.compile_cache={cache}", "log_every=1", "eval_every=0", "checkpoint_every=0"])
+    t0 = time.perf_counter()
+    result = train(cfg, run_dir, progress=False, verbose=False, stop_after=steps)
+    wall = time.perf_counter() - t0
+    first = result.history[0] if result.history else {}
+    print(json.dumps({"compile_s": sum(durations.values()), "by_event": durations, "cache_hits": hits[0],
+                      "first_step_s": first.get("step_time"), "wall_s": wall, "resumed_from": result.resumed_from,
+                      "steps": result.steps}))
+
+
+def _child(args, run_dir: str, cache: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", args.config, run_dir, str(args.steps), cache]
+    proc = subprocess.run(cmd, cwd=common.REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_faults: the run on {run_dir} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def part_compile(args) -> dict:
+    root = os.path.join(args.run_root, "compile")
+    shutil.rmtree(root, ignore_errors=True)
+    cached, uncached = os.path.join(root, "run"), os.path.join(root, "run_nocache")
+    cold = _child(args, cached, "auto")
+    shutil.copytree(cached, uncached, ignore=shutil.ignore_patterns("compile_cache"))
+    nocache = _child(args, uncached, "off")
+    warm = _child(args, cached, "auto")
+    runs = {"cold": cold, "restart, no cache": nocache, "restart": warm}
+    rows = [[name, r["compile_s"], *(r["by_event"][e] for e in COMPILE_EVENTS), r["cache_hits"], r["first_step_s"],
+             r["wall_s"]] for name, r in runs.items()]
+    common.print_table("compile: JAX's compile time per run (s)",
+                       ["run", "compile", "trace", "lower", "backend/cache read", "cache hits", "first step", "wall"],
+                       rows, note=f"restart / cold = {warm['compile_s'] / cold['compile_s']:.3f} (target <= 0.20); "
+                                  f"restart / restart without cache = {warm['compile_s'] / nocache['compile_s']:.3f}")
+    return {"runs": runs, "ratio_restart_to_cold": warm["compile_s"] / cold["compile_s"],
+            "ratio_restart_to_uncached_restart": warm["compile_s"] / nocache["compile_s"], "target": 0.20}
+
+
+# ----------------------------------------------------------------------------- part save
+
+
+def _timed_run(cfg, run_dir: str) -> dict:
+    """Trains ``cfg`` on a new ``run_dir`` with the loop's checkpoint calls timed: when each save
+    blocks, when its background write is found finished, when each step ends."""
+    from edit_jax.rundir.checkpoint import Checkpointer
+    from edit_jax.training import loop
+    from edit_jax.training.train import train
+
+    saves, written, step_ends = [], [], []
+    real_save, real_finish, real_records = Checkpointer.save, Checkpointer.finish, loop.Training.write_records
+
+    def save(self, step, *a, **kw):
+        t0 = time.perf_counter()
+        real_save(self, step, *a, **kw)
+        saves.append((step, t0, time.perf_counter()))
+
+    def finish(self):
+        was = self.pending
+        real_finish(self)
+        if was is not None:
+            written.append(time.perf_counter())
+
+    def write_records(self, adv, before, now):
+        step_ends.append((now, time.perf_counter(), any(r.get("includes_compile") for r in adv.records)))
+        real_records(self, adv, before, now)
+
+    Checkpointer.save, Checkpointer.finish, loop.Training.write_records = save, finish, write_records
+    try:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        train(cfg, run_dir, progress=False, verbose=False)
+    finally:
+        Checkpointer.save, Checkpointer.finish, loop.Training.write_records = real_save, real_finish, real_records
+    return {"saves": saves, "written": written, "step_ends": step_ends}
+
+
+def _classify(run: dict, asynchronous: bool) -> dict:
+    """Step intervals (end of step k-1 to end of step k): normal ones, those that hold a save
+    (step + the time blocked in the save), and, for async saves, the step time of those that
+    overlap the background write (the time blocked in the save taken out)."""
+    ends = {k: t for k, t, _ in run["step_ends"]}
+    compiled = {k for k, _, c in run["step_ends"] if c}
+    blocks = [(t0, t1) for _, t0, t1 in run["saves"]]
+    # (save's start, write found done) per save; finish() runs once per save, in order
+    windows = [(t0, done if asynchronous else t1) for (_, t0, t1), done in zip(run["saves"], run["written"])]
+    normal, during, with_save = [], [], []
+    for k in sorted(ends):
+        if k - 1 not in ends or k in compiled:  # a step that compiled its program is no step time
+            continue
+        a, b = ends[k - 1], ends[k]
+        blocked = sum(max(0.0, min(b, t1) - max(a, t0)) for t0, t1 in blocks)
+        if blocked:
+            with_save.append(b - a)
+        if any(a < w1 and b > w0 for w0, w1 in windows):
+            during.append(b - a - blocked)
+        else:
+            normal.append(b - a)
+    mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
+    return {"normal_median_s": statistics.median(normal), "during_mean_s": mean(during), "steps_during": len(during),
+            "step_with_save_mean_s": mean(with_save), "save_blocking_mean_s": mean([t1 - t0 for t0, t1 in blocks]),
+            "saves": len(blocks)}
+
+
+def part_save(args) -> dict:
+    common.ensure_cpu_devices(8)
+    root = os.path.join(args.run_root, "save")
+    out = {}
+    for mode in ("async", "sync"):
+        cfg = _load(args.config, [f"method={args.method}", f"steps={args.save_steps}", f"checkpoint_every={args.every}", "log_every=1",
+                                  "eval_every=0", f"train.async_checkpoint={mode == 'async'}",
+                                  f"keep_checkpoints={args.save_steps}"])
+        run = _timed_run(cfg, os.path.join(root, mode))
+        out[mode] = _classify(run, mode == "async")
+    ckpt_dir = os.path.join(root, "async", "checkpoints", str(args.save_steps))
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ckpt_dir) for f in fs)
+    rows = [[mode, r["save_blocking_mean_s"], r["normal_median_s"], r["step_with_save_mean_s"],
+             r["step_with_save_mean_s"] / r["normal_median_s"], r["during_mean_s"], r["steps_during"],
+             r["during_mean_s"] / r["normal_median_s"]] for mode, r in out.items()]
+    ratio = rows[0][-1]
+    common.print_table(f"save: step time around checkpoints ({common.human_bytes(size)} each)",
+                       ["saves", "blocked in save", "normal step", "step + save", "(step + save) / normal",
+                        "step during the write", "steps", "during / normal"], rows,
+                       note=f"async: a step while the checkpoint is written / a normal step = {ratio:.3f} "
+                            "(target <= 1.2); times in s, means over the saves (normal: median)")
+    return {**out, "checkpoint_bytes": size, "ratio_async": ratio, "target": 1.2}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.child:
+        config, run_dir, steps, cache = args.child
+        child_compile(config, run_dir, int(steps), cache)
+        return
+    common.ensure_cpu_devices(8)
+    result = {"env": common.env_info(), "args": {k: v for k, v in vars(args).items() if k != "child"}}
+    for part in args.part.split(","):
+        result[part] = {"compile": part_compile, "save": part_save}[part](args)
+    common.write_json(args.json, result)
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
