@@ -6,21 +6,22 @@ with ``mesh.shard`` CPU devices of its own and the coordinator address in its en
 sync and evaluation records; every worker appends its own training records.
 
 Watching: a Ctrl-C or SIGTERM here is passed on to every worker (they stop together at their next
-meeting and checkpoint), as a line on the worker's stdin, not as a signal (``follow_launcher``):
-a Ctrl-C in a terminal reaches the workers directly too (one process group), and a second
-arrival of the same Ctrl-C must not count as the second Ctrl-C that stops a worker at once
-without a checkpoint. In a launched worker the launcher alone counts: a signal sent to the
-worker directly only asks it to stop, the launcher's second forwarded one ends it at once.
-A worker that dies ends the run at once: the others are killed (a
-collective with a lost peer could only hang or abort), the message names the lost worker, how it
-ended and the newest checkpoint on disk, and the launcher exits with ``EXIT_WORKER_LOST``. Every
-exit 5 has that message, whichever worker's end the launcher sees first: the one killed from
-outside is named, not the survivor that failed because of it. A worker that hangs (stopped, e.g. by SIGSTOP) makes the
-others' coordination service give up after ``mesh.heartbeat_seconds``; the message then names the
-hung worker, not the healthy one that aborted. A worker that ends with a message of its own (bad
-input 2, diverged 3, run dir locked 4) passes its code on, and its message is the only one.
-Nothing checkpointed is lost: orbax commits a checkpoint only once it is whole, and re-running the
-same command resumes from the last one.
+meeting and checkpoint) as a line on the worker's stdin, not as a signal (``follow_launcher``): a
+Ctrl-C in a terminal reaches the workers directly too (one process group), and that second
+arrival of the same Ctrl-C must not count as the second Ctrl-C that ends a worker at once without
+a checkpoint. In a launched worker the launcher alone counts: a signal sent to the worker
+directly only asks it to stop; the launcher's second forwarded one ends it at once.
+
+A worker that dies ends the run at once: the others are killed (a collective with a lost peer
+could only hang or abort), the message names the lost worker, how it ended and the newest
+checkpoint on disk, and the launcher exits with ``EXIT_WORKER_LOST``. Every exit 5 has that
+message, whichever worker's end the launcher sees first: the one killed from outside is named,
+not a survivor that failed because of it (``lost_worker``). A worker that hangs (stopped, e.g. by
+SIGSTOP) makes the others' coordination service give up after ``mesh.heartbeat_seconds``; the
+message then names the hung worker, not the healthy one that aborted. A worker that ends with a
+message of its own (bad input 2, diverged 3, run dir locked 4) passes its code on, and its message
+is the only one. Nothing checkpointed is lost: orbax commits a checkpoint only once it is whole,
+and re-running the same command resumes from the last one.
 
 The workers' output passes through here (``relay``): a message every worker prints (they all
 reach the same verdict) is shown once, and the runtime's own chatter (gloo's connection lines,
@@ -266,9 +267,9 @@ def launch(train_argv: list[str], n: int, shard: int, pin_cores: bool = False,
         received[0] += 1
         for p in procs:
             if p.poll() is None:
-                try:
-                    p.stdin.write(f"{signum} {received[0]}\n".encode())
-                    p.stdin.flush()
+                try:  # (os.write: one small write to a pipe is atomic, and not a buffered
+                    # writer that a second signal arriving during the first one's write would re-enter)
+                    os.write(p.stdin.fileno(), f"{signum} {received[0]}\n".encode())
                 except OSError:  # it ended meanwhile (a broken pipe): the watch below sees it
                     pass
 
