@@ -88,6 +88,10 @@ def _stopped_before_start(signum, frame):
 def _train(argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _stopped_before_start)
+    if os.environ.get("EDIT_JAX_SIGNALS_ON_STDIN") == "1":  # launch.ENV_FORWARDS: a launched worker
+        from edit_jax.runtime.launch import follow_launcher  # the launcher's Ctrl-Cs, counted once
+
+        follow_launcher()
     parser = argparse.ArgumentParser(prog="edit-jax train", description="Train a Llama model with EDiT / baselines.")
     parser.add_argument("--config", default="configs/demo.py",
                         help="a Python file with get_config(), or a preset name in configs/ (default: configs/demo.py)")
@@ -129,7 +133,8 @@ def _train(argv: list[str]) -> int:
     if cfg.mesh.processes > 1 and multihost.launched_worker() is None and not args.distributed:
         from edit_jax.runtime.launch import launch  # one process per worker on this machine, watched from here
 
-        return launch(argv, cfg.mesh.processes, cfg.mesh.shard, pin_cores=cfg.debug.pin_cores)
+        return launch(argv, cfg.mesh.processes, cfg.mesh.shard, pin_cores=cfg.debug.pin_cores,
+                      run_dir=args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0]))
     stdout_filter = None
     if cfg.mesh.processes > 1:  # a worker: its own devices, then meet the others
         if args.distributed:

@@ -227,6 +227,47 @@ def test_export_to_an_unwritable_out_leaves_nothing(tmp_path_factory, tmp_path, 
     assert not out.exists()
 
 
+def _export_under_a_file_size_limit(run_dir, out, *extra, limit=4096):
+    """``edit-jax export`` in a child process whose files cannot grow past ``limit`` bytes
+    (RLIMIT_FSIZE: a write past it fails with EFBIG, as one on a full disk fails with ENOSPC;
+    SIGXFSZ ignored, so the write returns the error instead of killing the process): (code, stderr)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    child = ("import resource, signal, sys\n"
+             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+             f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n"
+             "from edit_jax.cli import main\n"
+             "sys.exit(main(sys.argv[1:]))\n")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONDONTWRITEBYTECODE="1")
+    done = subprocess.run([sys.executable, "-c", child, "export", "--run-dir", run_dir, "--out", str(out), *extra],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    return done.returncode, done.stderr
+
+
+def test_export_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path_factory, tmp_path):
+    """Issue 31, item 5: a disk that fills during the export (here: a file size limit, EFBIG)
+    gave a 23-line safetensors traceback, exit 1, and left an empty --out. Now one line naming
+    --out and the error, exit 2; a new --out (and the parents it would have made) does not
+    remain, and an existing export written over with --force is left exactly as it was."""
+    import errno
+
+    _, run_dir = edit_run(tmp_path_factory)
+    out = tmp_path / "new" / "deeper" / "hf"
+    code, err = _export_under_a_file_size_limit(run_dir, out)
+    assert code == 2, err
+    assert err.count("\n") == 1 and str(out) in err and os.strerror(errno.EFBIG) in err, err
+    assert os.listdir(tmp_path) == []  # neither new/ nor a staging dir
+    old = tmp_path / "old"
+    assert export_main(["--run-dir", run_dir, "--out", str(old), "--step", "4"]) == 0
+    before = {name: (old / name).read_bytes() for name in os.listdir(old)}
+    code, err = _export_under_a_file_size_limit(run_dir, old, "--force")
+    assert code == 2 and err.count("\n") == 1 and os.strerror(errno.EFBIG) in err, err
+    assert {name: (old / name).read_bytes() for name in os.listdir(old)} == before
+
+
 def test_byte_tokenizer_export_has_our_ids():
     """The exported byte tokenizer, read by the `tokenizers` library itself: every byte of a text
     with multi-byte characters, tabs, newlines and runs of spaces is its own id (= edit-jax's byte

@@ -131,48 +131,90 @@ def _nearest_existing(path: str) -> str:
 def write_export(out: str, cfg: Config, params: Any, *, dtype: str = "float32", eos_id: int | None = None,
                  tokenizer_path: str | None = None, provenance: dict | None = None, force: bool = False) -> list[str]:
     """Writes the export into ``out``; returns the paths written. Refuses a non-empty ``out``
-    unless ``force`` (then the files it writes are replaced; other files are left alone). If a
-    write fails, what it wrote is removed (the whole ``out`` if it made it)."""
+    unless ``force`` (then the files it writes are replaced; other files are left alone).
+
+    Every file is first written into a staging dir (beside a new ``out``, which it then becomes by
+    one rename; inside an existing one, whose files it then replaces one rename each), so a write
+    that fails (a full disk, a file size limit, a quota, a read-only file system) leaves nothing:
+    no new ``out`` (nor the parents this export would have made) and an existing one unchanged."""
     if dtype not in DTYPES:
         raise ExportError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     check_out(out, force)
     if tokenizer_path is not None and not os.path.isfile(tokenizer_path):
         raise ExportError(f"tokenizer file {tokenizer_path!r} not found (expected the run's tokenizer.json; "
                           "pass its path with --tokenizer)")
-    created = not os.path.exists(out)
-    written = []
+    existed = os.path.isdir(out)
+    made = None if existed else _first_missing(os.path.abspath(out))  # the top dir this export makes
+    beside = out if existed else os.path.dirname(os.path.abspath(out))
+    staging = os.path.join(beside, f".{os.path.basename(os.path.abspath(out))}.export-partial-{os.getpid()}")
+    names: list[str] = []
     try:
-        os.makedirs(out, exist_ok=True)
-        _write_files(out, cfg, params, dtype, eos_id, tokenizer_path, provenance, force, written)
-    except OSError as e:  # a full disk, a vanished dir: no half export that looks whole
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)  # a stale one of a killed export with this pid
+        os.makedirs(staging)
+        _write_files(staging, cfg, params, dtype, eos_id, tokenizer_path, provenance, names)
+        if existed:
+            for name in names:
+                os.replace(os.path.join(staging, name), os.path.join(out, name))
+            os.rmdir(staging)
         else:
-            for p in written:
-                if os.path.exists(p):
-                    os.remove(p)
-        left = "removed" if created else "the files written so far removed"
+            os.chmod(staging, 0o755)  # an export is meant to be shared (as its files)
+            os.rename(staging, out)
+    except OSError as e:  # ENOSPC, EFBIG, EDQUOT, EROFS, a vanished dir: no half export that looks whole
+        shutil.rmtree(staging, ignore_errors=True)
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        left = "nothing left behind" if made is not None else f"{out!r} left as it was"
         raise ExportError(f"--out {out!r}: writing failed ({e.strerror or e}); {left}") from e
-    return written
+    return [os.path.join(out, name) for name in names]
+
+
+def _first_missing(path: str) -> str:
+    """The topmost missing dir of the missing ``path`` (what ``os.makedirs(path)`` would create first)."""
+    while not os.path.exists(os.path.dirname(path)) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """``tensors`` as a safetensors file: an 8-byte little-endian header size, a JSON header (name
+    -> dtype, shape, [begin, end) byte offsets into the data; ``__metadata__``) padded with spaces
+    to a multiple of 8 bytes, then each tensor's bytes (C order, little-endian) in header order.
+    Written here with Python's own file writes (safetensors' writer reports a full disk as its
+    own exception type, errno in the text), one tensor at a time (no whole-file copy in memory)."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name in sorted(tensors):
+        x = tensors[name]
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[x.dtype.name], "shape": list(x.shape),
+                        "data_offsets": [offset, offset + x.nbytes]}
+        offset += x.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name in sorted(tensors):  # (the host's byte order: little-endian on x86-64 and ARM64)
+            f.write(np.ascontiguousarray(tensors[name]).reshape(-1).view(np.uint8))
 
 
 def _write_files(out: str, cfg: Config, params: Any, dtype: str, eos_id: int | None, tokenizer_path: str | None,
-                 provenance: dict | None, force: bool, written: list[str]) -> None:
-    """Writes the export's files into the existing dir ``out``, appending each path to ``written``
-    before it is opened (so that a failure can remove it)."""
-    from safetensors.numpy import save_file
-
+                 provenance: dict | None, names: list[str]) -> None:
+    """Writes the export's files into the existing (staging) dir ``out``, appending each file's
+    name to ``names``."""
 
     def path(name):
-        written.append(os.path.join(out, name))
-        return written[-1]
+        names.append(name)
+        return os.path.join(out, name)
 
     def write_json(name, obj):
         with open(path(name), "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2, ensure_ascii=False)
             f.write("\n")
 
-    save_file(hf_tensors(cfg.model, params, dtype), path("model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(path("model.safetensors"), hf_tensors(cfg.model, params, dtype), {"format": "pt"})
     eos = BYTE_EOS if eos_id is None else int(eos_id)
     write_json("config.json", hf_config(cfg, dtype, eos))
     if tokenizer_path is None:  # the byte tokenizer, as a file Hugging Face loads
@@ -189,8 +231,8 @@ def _write_files(out: str, cfg: Config, params: Any, dtype: str, eos_id: int | N
     write_json("tokenizer_config.json", tokenizer_config(eos_token, cfg.data.seq_len))
     write_json("generation_config.json", generation_config(eos, cfg.data.seq_len))
     write_json("edit_jax_export.json", provenance or {})
-    for p in written:
-        os.chmod(p, 0o644)
+    for name in names:
+        os.chmod(os.path.join(out, name), 0o644)
 
 
 def export_run(run_dir: str, out: str, *, step: int | None = None, dtype: str = "float32",
@@ -234,4 +276,4 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-__all__ = ["hf_tensors", "hf_config", "write_export", "export_run", "ExportError", "main"]
+__all__ = ["hf_tensors", "hf_config", "write_export", "write_safetensors", "export_run", "ExportError", "main"]

@@ -6,14 +6,22 @@ with ``mesh.shard`` CPU devices of its own and the coordinator address in its en
 sync and evaluation records; every worker appends its own training records.
 
 Watching: a Ctrl-C or SIGTERM here is passed on to every worker (they stop together at their next
-meeting and checkpoint). A worker that dies ends the run at once: the others are killed (a
-collective with a lost peer could only hang or abort), the message names the lost worker, and the
-launcher exits with ``EXIT_WORKER_LOST``. A worker that hangs (stopped, e.g. by SIGSTOP) makes the
-others' coordination service give up after ``mesh.heartbeat_seconds``; the message then names the
-hung worker, not the healthy one that aborted. A worker that ends with a message of its own (bad
-input 2, diverged 3, run dir locked 4) passes its code on, and its message is the only one.
-Nothing checkpointed is lost: orbax commits a checkpoint only once it is whole, and re-running the
-same command resumes from the last one.
+meeting and checkpoint) as a line on the worker's stdin, not as a signal (``follow_launcher``): a
+Ctrl-C in a terminal reaches the workers directly too (one process group), and that second
+arrival of the same Ctrl-C must not count as the second Ctrl-C that ends a worker at once without
+a checkpoint. In a launched worker the launcher alone counts: a signal sent to the worker
+directly only asks it to stop; the launcher's second forwarded one ends it at once.
+
+A worker that dies ends the run at once: the others are killed (a collective with a lost peer
+could only hang or abort), the message names the lost worker, how it ended and the newest
+checkpoint on disk, and the launcher exits with ``EXIT_WORKER_LOST``. Every exit 5 has that
+message, whichever worker's end the launcher sees first: the one killed from outside is named,
+not a survivor that failed because of it (``lost_worker``). A worker that hangs (stopped, e.g. by
+SIGSTOP) makes the others' coordination service give up after ``mesh.heartbeat_seconds``; the
+message then names the hung worker, not the healthy one that aborted. A worker that ends with a
+message of its own (bad input 2, diverged 3, run dir locked 4) passes its code on, and its message
+is the only one. Nothing checkpointed is lost: orbax commits a checkpoint only once it is whole,
+and re-running the same command resumes from the last one.
 
 The workers' output passes through here (``relay``): a message every worker prints (they all
 reach the same verdict) is shown once, and the runtime's own chatter (gloo's connection lines,
@@ -32,7 +40,7 @@ import sys
 import threading
 import time
 
-from edit_jax.runtime.multihost import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from edit_jax.runtime.cluster import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 EXIT_WORKER_LOST = 5
 NORMAL_EXITS = (0, 130)  # done; stopped by a signal with a checkpoint
@@ -40,6 +48,11 @@ PASSED_ON_EXITS = (2, 3, 4)  # cli.py: bad input, diverged, run dir locked
 FINISH_GRACE_S = 60.0
 PASS_ON_GRACE_S = 10.0  # the others usually end with the same message within moments
 ENV_DEBUG = "EDIT_JAX_DEBUG"  # as cli.ENV_DEBUG (--debug sets it)
+ENV_FORWARDS = "EDIT_JAX_SIGNALS_ON_STDIN"  # "1": this worker's stdin carries the launcher's signals
+# A worker's end and the others' reaction to it (a collective with a lost peer fails) come within
+# moments: the launcher waits this long after seeing one end before it names the cause, so that
+# it sees the whole picture (the survivor's failure can show first).
+SETTLE_S = 1.0
 
 # Output of the runtime, not of edit-jax: gloo's connection lines and absl log lines (I/W/E/F +
 # date). A fatal line or a native crash report starts a dump whose rest is dropped too.
@@ -95,6 +108,48 @@ class Relay:
             self.segment(worker, pending, out)
 
 
+_forwarded: dict[int, int] = {}  # signal number -> the launcher's count of it, until a handler takes it
+
+
+def take_forwarded(signum: int) -> int | None:
+    """For a signal handler in a launched worker: the launcher's count of signals (1: the first
+    Ctrl-C, 2: the second) if this call is for a signal it forwarded, else None (sent directly)."""
+    return _forwarded.pop(signum, None)
+
+
+def follow_launcher(fd: int = 0) -> threading.Thread:
+    """In a launched worker: a daemon thread that reads the launcher's forwarded signals from file
+    descriptor ``fd`` (stdin; one line ``SIGNUM NTH`` each) and raises each in the main thread, its
+    count left for the handler (``take_forwarded``). Delivered as a signal to the main thread, a
+    forwarded signal is handled where and when a direct one is (between two Python steps of the
+    main thread). The descriptor is read with ``os.read``, not through ``sys.stdin``: a daemon
+    thread blocked inside a buffered reader stops the interpreter's shutdown with a fatal error.
+    End of the stream (no launcher) ends the thread."""
+    main = threading.main_thread().ident
+
+    def read():
+        pending = b""
+        while True:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                return
+            if not chunk:
+                return
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                try:
+                    signum, nth = (int(x) for x in line.split())
+                except ValueError:
+                    continue
+                _forwarded[signum] = nth
+                signal.pthread_kill(main, signum)
+
+    thread = threading.Thread(target=read, name="edit-jax-launcher-signals", daemon=True)
+    thread.start()
+    return thread
+
+
 def process_state(pid: int) -> str:
     """The kernel's one-letter state of ``pid`` (R, S, D, T stopped, t traced, Z zombie), or ""."""
     try:
@@ -112,6 +167,7 @@ def free_port() -> int:
 
 def worker_env(base: dict, coordinator: str, n: int, i: int, shard: int) -> dict:
     env = dict(base)
+    env[ENV_FORWARDS] = "1"
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={shard}".strip()
     env.setdefault("JAX_PLATFORMS", "cpu")
@@ -132,10 +188,64 @@ def _in_child(core: int | None) -> None:
         os.sched_setaffinity(0, {core})
 
 
+def _ended_how(code: int | None) -> str:
+    if code is None:
+        return "did not finish with the others"
+    if code < 0:
+        try:
+            return f"was ended by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"was ended by signal {-code}"
+    return f"ended with exit code {code}"
+
+
+def lost_worker(codes: list[int | None], states: list[str]) -> tuple[int, str]:
+    """The worker that ended the run, and how, from every worker's exit code (None: running) and
+    process state (``process_state``). The cause, not the workers that failed because of it: one
+    killed by a signal from outside (SIGKILL, SIGTERM, a crash) first, then one that is stopped
+    (hung: the others' heartbeats time out and they abort), then one that exited with an error,
+    then one that aborted (SIGABRT: the coordination service ends a worker that lost a peer), and
+    last one still running after the others ended normally."""
+    def rank(i: int) -> int:
+        c = codes[i]
+        if c is not None and c < 0 and c != -signal.SIGABRT:
+            return 0
+        if c is None and states[i] in ("T", "t"):
+            return 1
+        if c is not None and c not in NORMAL_EXITS and c > 0:
+            return 2
+        if c is not None and c < 0:
+            return 3
+        return 4 if c is None else 5  # ended normally: not a cause
+
+    i = min(range(len(codes)), key=lambda j: (rank(j), j))
+    if rank(i) == 1:
+        return i, "stopped responding (its process is stopped)"
+    return i, _ended_how(codes[i])
+
+
+def survivors_note(run_dir: str | None) -> str:
+    """What a lost worker leaves: the newest finalised checkpoint of ``run_dir`` (unfinished saves
+    are orbax temporary dirs, never taken for one)."""
+    if run_dir is None:
+        return "The last checkpoint is intact: re-run the same command to resume"
+    # As rundir.checkpoint.steps_on_disk (runtime/ does not import rundir/): a finalised
+    # checkpoint is a dir named by its step; an unfinished save is "<step>.orbax-checkpoint-tmp...".
+    where = os.path.join(run_dir, "checkpoints")
+    steps = sorted(int(d) for d in (os.listdir(where) if os.path.isdir(where) else [])
+                   if d.isdigit() and os.path.isdir(os.path.join(where, d)))
+    if not steps:
+        return f"No checkpoint in {run_dir} yet: re-running the same command starts from step 0"
+    where = os.path.join(run_dir, "checkpoints", str(steps[-1]))
+    return (f"The newest checkpoint, step {steps[-1]} ({where}), is intact (an unfinished save is never taken "
+            f"for one): re-run the same command to resume from it")
+
+
 def launch(train_argv: list[str], n: int, shard: int, pin_cores: bool = False,
-           say=lambda m: print(m, file=sys.stderr, flush=True)) -> int:
+           say=lambda m: print(m, file=sys.stderr, flush=True), run_dir: str | None = None) -> int:
     """Runs ``python -m edit_jax train <train_argv>`` as N workers; returns the exit code. With
-    ``pin_cores`` worker i (and every thread it starts) runs on core i mod (cores available)."""
+    ``pin_cores`` worker i (and every thread it starts) runs on core i mod (cores available).
+    ``run_dir``: where the workers checkpoint (named in the message when a worker is lost)."""
     coordinator = f"127.0.0.1:{free_port()}"
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     relay = Relay(keep_everything=os.environ.get(ENV_DEBUG, "") not in ("", "0"))
@@ -144,18 +254,24 @@ def launch(train_argv: list[str], n: int, shard: int, pin_cores: bool = False,
         env = worker_env(os.environ, coordinator, n, i, shard)
         core = cores[i % len(cores)] if pin_cores and cores else None
         procs.append(subprocess.Popen([sys.executable, "-m", "edit_jax", "train", *train_argv], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       preexec_fn=lambda core=core: _in_child(core)))
         for stream, out in ((procs[i].stdout, sys.stdout), (procs[i].stderr, sys.stderr)):
             pumps.append(threading.Thread(target=relay.pump, args=(i, stream, out), daemon=True))
             pumps[-1].start()
     say(f"edit-jax: started {n} worker processes (pids {', '.join(str(p.pid) for p in procs)}), "
         f"{shard} CPU devices each, coordinator {coordinator}")
+    received = [0]  # signals this launcher got: the workers' count of Ctrl-Cs (module docstring)
 
     def forward(signum, frame):
+        received[0] += 1
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signum)
+                try:  # (os.write: one small write to a pipe is atomic, and not a buffered
+                    # writer that a second signal arriving during the first one's write would re-enter)
+                    os.write(p.stdin.fileno(), f"{signum} {received[0]}\n".encode())
+                except OSError:  # it ended meanwhile (a broken pipe): the watch below sees it
+                    pass
 
     def stop_all():
         for p in procs:
@@ -171,36 +287,31 @@ def launch(train_argv: list[str], n: int, shard: int, pin_cores: bool = False,
         finished_at = None  # when the first worker ended normally (done, or stopped by a signal)
         while True:
             codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes):
+            if any(c is not None and c not in NORMAL_EXITS for c in codes):
+                time.sleep(SETTLE_S)  # the cause may show after its consequence (lost_worker)
+                codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes) and all(c in NORMAL_EXITS for c in codes):
                 for t in pumps:
                     t.join(timeout=5)
-                return EXIT_WORKER_LOST if any(c < 0 for c in codes) else next((c for c in codes if c), 0)
-            ended = [(i, c) for i, c in enumerate(codes) if c is not None]
-            passed_on = [(i, c) for i, c in ended if c in PASSED_ON_EXITS]
-            if passed_on:  # its own message said what happened: give the others a moment to agree
+                return next((c for c in codes if c), 0)
+            killed = any(c is not None and c < 0 and c != -signal.SIGABRT for c in codes)
+            passed_on = [c for c in codes if c in PASSED_ON_EXITS]
+            if passed_on and not killed:  # its own message said what happened: the others agree soon
                 deadline = time.monotonic() + PASS_ON_GRACE_S
                 while time.monotonic() < deadline and any(p.poll() is None for p in procs):
                     time.sleep(0.1)
                 stop_all()
-                return passed_on[0][1]
-            lost = [(i, c) for i, c in ended if c not in NORMAL_EXITS]
+                return passed_on[0]
+            ended = [c for c in codes if c is not None]
             if ended and finished_at is None:
                 finished_at = time.monotonic()
             # Workers that end normally end within moments of each other (they meet to finish).
-            if not lost and ended and time.monotonic() - finished_at > FINISH_GRACE_S:
-                lost = [(i, None) for i, c in enumerate(codes) if c is None]
-            if lost:
-                i, code = lost[0]
-                how = ("did not finish with the others" if code is None else
-                       f"signal {-code}" if code < 0 else f"exit code {code}")
-                # A stopped (hung) worker makes the healthy ones abort when their heartbeats go
-                # unanswered: the stopped one is the cause.
-                hung = [j for j, p in enumerate(procs) if p.poll() is None and process_state(p.pid) in ("T", "t")]
-                if hung and (code is None or code < 0):
-                    i, how = hung[0], "stopped responding (its process is stopped)"
+            late = ended and time.monotonic() - finished_at > FINISH_GRACE_S
+            if any(c not in NORMAL_EXITS for c in ended) or late:
+                i, how = lost_worker(codes, [process_state(p.pid) if c is None else "" for p, c in zip(procs, codes)])
                 stop_all()
                 say(f"edit-jax: worker {i} (pid {procs[i].pid}) {how}; stopped the other workers. "
-                    f"The last checkpoint is intact: re-run the same command to resume"
+                    f"{survivors_note(run_dir)}"
                     + (f" ({relay.suppressed} lines of native diagnostics left out; {ENV_DEBUG}=1 shows them)"
                        if relay.suppressed else ""))
                 return EXIT_WORKER_LOST
@@ -214,4 +325,5 @@ def launch(train_argv: list[str], n: int, shard: int, pin_cores: bool = False,
                 p.wait()
 
 
-__all__ = ["launch", "free_port", "worker_env", "Relay", "process_state", "EXIT_WORKER_LOST"]
+__all__ = ["launch", "free_port", "worker_env", "Relay", "process_state", "EXIT_WORKER_LOST", "take_forwarded",
+           "follow_launcher", "lost_worker", "survivors_note", "ENV_FORWARDS"]

@@ -27,6 +27,7 @@ from edit_jax.rundir.checkpoint import CheckpointError, steps_on_disk
 from edit_jax.rundir.runlock import RunLock, RunLockError, check_writable, first_missing, remove_if_unused
 from edit_jax.runtime import multihost
 from edit_jax.runtime.compile_cache import cache_dir_for, compile_cache
+from edit_jax.runtime.launch import ENV_FORWARDS, take_forwarded
 from edit_jax.training.loop import TrainResult, run
 from edit_jax.training.resume import DivergedError
 from edit_jax.validate import validate
@@ -52,7 +53,15 @@ class _StopFlag:
         return self
 
     def _handle(self, signum, frame):
-        if self.signal is not None:  # a second signal: stop now, without a checkpoint
+        # A worker started by launch.py gets the launcher's signals with its count of them
+        # (take_forwarded): a terminal's Ctrl-C reaches the worker directly too, so the launcher
+        # alone says which is the second; a signal sent to the worker directly only asks it to stop.
+        nth = take_forwarded(signum)
+        if nth is not None:
+            second = nth > 1  # (also when the first forward's call merged with this one)
+        else:
+            second = self.signal is not None and os.environ.get(ENV_FORWARDS) != "1"
+        if second:  # stop now, without a checkpoint
             # Not KeyboardInterrupt: raised inside JAX / XLA calls it gave a traceback and then a
             # segfault at interpreter exit. Checkpoints are written atomically (orbax renames a
             # finished temporary dir), so leaving now loses only the steps since the last one;
@@ -61,7 +70,8 @@ class _StopFlag:
                   "checkpoint is kept; re-run the same command to resume)", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(130)
-        self.signal = signum
+        if self.signal is None:
+            self.signal = signum
 
     def __exit__(self, *exc):
         self._depth -= 1
