@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 
@@ -146,6 +147,8 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
     say = _sayer(progress, verbose) if lead else (lambda msg: None)
     with _StopFlag() as stop:  # for the whole call: a Ctrl-C while compiling or evaluating is a clean stop
         created = first_missing(run_dir) if run_dir and lead else None  # what check_writable will create
+        cache = cache_dir_for(cfg.train.compile_cache, run_dir)
+        new_cache = lead and cache is not None and not os.path.exists(cache)
         try:
             if run_dir:
                 check_writable(run_dir, deepest=lead)
@@ -156,13 +159,15 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
                     if done is not None:
                         return done
                 # Every worker runs this: each reads the cache (process 0 writes it, JAX's rule).
-                with compile_cache(cache_dir_for(cfg.train.compile_cache, run_dir)):
+                with compile_cache(cache):
                     return run(cfg, run_dir, stop=stop, say=say, progress=progress, devices=devices,
                                stop_after=stop_after, restore_step=restore_step)
             finally:
                 if lock is not None:
                     lock.release()
         except BaseException:
+            if new_cache and not steps_on_disk(run_dir):  # an input error: the programs it cached serve no resume
+                shutil.rmtree(cache, ignore_errors=True)
             if created:  # an input error found after the run dir was made: leave no empty run dir behind
                 remove_if_unused(run_dir, created)
             raise
