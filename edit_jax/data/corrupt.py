@@ -20,9 +20,8 @@ worker with corrupted data should produce anomalous pseudo gradients that EDiT's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import numpy as np
 

@@ -108,9 +108,9 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
                                                enable_async_checkpointing=asynchronous)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "meta"))
-        # A background save not finalised yet (``finish``): its step, checksums and whether its
-        # dir existed before it (then a failure leaves that dir alone).
-        self.pending: tuple[int, dict, bool] | None = None
+        # A background save not finalised yet (``finish``): its step, checksums, whether its dir
+        # existed before it (then a failure leaves that dir alone) and whether it is healthy.
+        self.pending: tuple[int, dict, bool, bool] | None = None
 
     def all_steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -212,16 +212,18 @@ class Checkpointer:
             return
         old = self.all_steps()[:-self.keep]
         if not healthy:
-            newest_healthy = next((s for s in reversed(self.all_steps()) if self._healthy(s)), None)
+            newest_healthy = next((s for s in reversed(self.all_steps()) if self.healthy(s)), None)
             old = [s for s in old if s != newest_healthy]
         for step in old:
             self.manager.delete(step)
 
-    def _healthy(self, step: int) -> bool:
+    def healthy(self, step: int) -> bool | None:
+        """What checkpoint ``step``'s metadata says of the loss when it was written (no flag:
+        written before spikes were watched, healthy); None when the metadata cannot be read."""
         try:
             return self.read_meta(step).get("healthy", True) is not False
         except CheckpointError:
-            return False
+            return None
 
     def verify(self, step: int, state: Any, meta: dict | None = None) -> None:
         """Raises ``UnreadableCheckpointError`` if the arrays of ``state`` (restored from ``step``)

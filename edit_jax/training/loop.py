@@ -286,11 +286,11 @@ class Training:
     def watch_loss(self, adv: Advance, before: int, now: int) -> End | Rewind | None:
         """Each training record through the spike rule; a spike that does not settle (or a
         non-finite record, or one still under way at the last step) rolls back."""
+        if not self.cfg.train.spike.enabled:  # the old rule: a non-finite record ends the run
+            return End(interrupted=True, diverged=adv.diverged) if adv.diverged is not None else None
         for i, rec in enumerate(adv.records):
             last = i == len(adv.records) - 1
             verdict = self.watch.observe(rec["step"], rec, nonfinite=last and adv.diverged is not None)
-            if not self.cfg.train.spike.enabled:
-                return End(interrupted=True, diverged=adv.diverged) if adv.diverged is not None else None
             if verdict.settled is not None:
                 self.sink.event({"step": rec["step"], "spike_settled": verdict.settled}, self.elapsed())
                 self.say(f"edit-jax: step {rec['step']}: the loss spike from step {verdict.settled} settled")

@@ -103,20 +103,12 @@ def restore_verified(ckpt: Checkpointer, cfg: Config, programs: StepPrograms, sa
     return None, None, None
 
 
-def _healthy(ckpt: Checkpointer, step: int) -> bool:
-    """What checkpoint ``step``'s metadata says (a damaged one counts as healthy here: the restore
-    reports it)."""
-    try:
-        return ckpt.read_meta(step).get("healthy", True) is not False
-    except CheckpointError:
-        return True
-
-
 def _skip_unhealthy(ckpt: Checkpointer, steps: list[int], say, lead: bool, barrier) -> list[int]:
     """``steps`` (newest first) without the checkpoints written during a loss spike that are newer
     than the newest healthy one (a run stopped mid-spike); those are moved to
     ``RUN_DIR/checkpoints.spike/``, never deleted. With no healthy one, nothing moves."""
-    newest_healthy = next((step for step in steps if _healthy(ckpt, step)), None)
+    # An unreadable checkpoint (None) counts as healthy here: the restore reports it and falls back.
+    newest_healthy = next((step for step in steps if ckpt.healthy(step) is not False), None)
     if newest_healthy is None:
         return steps
     spiked = [step for step in steps if step > newest_healthy]
