@@ -22,8 +22,8 @@ def _env(port, i, **extra):
     env = {k: v for k, v in os.environ.items()
            if k != "XLA_FLAGS" and not k.startswith(("SLURM_", "EDIT_JAX_", "OMPI_", "JAX_COORDINATOR"))}
     env.update(PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu",
-               EDIT_JAX_COORDINATOR=f"127.0.0.1:{port}", EDIT_JAX_NUM_PROCESSES="2", EDIT_JAX_PROCESS_ID=str(i),
-               **extra)
+               EDIT_JAX_COORDINATOR=f"127.0.0.1:{port}", EDIT_JAX_NUM_PROCESSES="2", EDIT_JAX_PROCESS_ID=str(i))
+    env.update(extra)
     return env
 
 
@@ -59,7 +59,7 @@ def test_the_survivor_of_a_killed_peer_says_retry(tmp_path):
     finally:
         outs = _finish(procs, timeout=180)
     assert procs[1].returncode == -signal.SIGKILL
-    assert process_state(child) == "", "the killed process's training child outlived it"
+    assert process_state(child) in ("", "Z"), "the killed process's training child outlived it"  # (Z: dead)
     assert procs[0].returncode == EXIT_RETRY, outs[0][-3000:]
     assert f"exit {EXIT_RETRY} (retry: run the same job again" in outs[0], outs[0][-3000:]
 
