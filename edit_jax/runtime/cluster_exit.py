@@ -26,6 +26,8 @@ import signal
 import subprocess
 import sys
 
+from edit_jax.runtime.launch import ENV_FORWARDS, _ended_how, _in_child
+
 EXIT_RETRY = 75  # as sysexits.h EX_TEMPFAIL: try again
 EXIT_SHRINK = 76
 ENV_CHILD = "EDIT_JAX_DISTRIBUTED_CHILD"  # "1": this process is the watched child
@@ -39,8 +41,6 @@ def exit_code_for(code: int) -> int:
 
 def watch(train_argv: list[str]) -> int:
     """Runs ``python -m edit_jax train <train_argv>`` as the watched child; returns the wrapper's code."""
-    from edit_jax.runtime.launch import ENV_FORWARDS, _ended_how, _in_child
-
     env = dict(os.environ, **{ENV_CHILD: "1", ENV_FORWARDS: "1"})
     child = subprocess.Popen([sys.executable, "-m", "edit_jax", "train", *train_argv], env=env, stdin=subprocess.PIPE,
                              preexec_fn=lambda: _in_child(None))
