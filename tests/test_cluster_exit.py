@@ -54,7 +54,8 @@ def test_the_survivor_of_a_killed_peer_says_retry(tmp_path):
         while not (run / "checkpoints" / "2").is_dir():
             assert time.time() < deadline and all(p.poll() is None for p in procs), "no checkpoint appeared"
             time.sleep(0.2)
-        child = int(subprocess.run(["pgrep", "-P", str(procs[1].pid)], capture_output=True, text=True).stdout.split()[0])
+        child = int(subprocess.run(["pgrep", "-P", str(procs[1].pid)], capture_output=True,
+                                   text=True).stdout.split()[0])
         os.kill(procs[1].pid, signal.SIGKILL)
     finally:
         outs = _finish(procs, timeout=180)

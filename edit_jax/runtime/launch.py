@@ -12,7 +12,7 @@ arrival of the same Ctrl-C must not count as the second Ctrl-C that ends a worke
 a checkpoint. In a launched worker the launcher alone counts: a signal sent to the worker
 directly only asks it to stop; the launcher's second forwarded one ends it at once.
 
-A worker that dies ends the run at once: the others are killed (a collective with a lost peer
+A worker that dies ends the worker set at once: the others are killed (a collective with a lost peer
 could only hang or abort), the message names the lost worker, how it ended and the newest
 checkpoint on disk, and the launcher restarts the worker set (up to ``--max-restarts`` times,
 ``restarts.py``) or exits with ``EXIT_WORKER_LOST``. Every lost worker has that
@@ -333,5 +333,5 @@ def launch(train_argv: list[str], n: int, shard: int, pin_cores: bool = False,
                 p.wait()
 
 
-__all__ = ["launch", "run_workers", "Attempt", "free_port", "worker_env", "Relay", "process_state", "EXIT_WORKER_LOST", "take_forwarded",
-           "follow_launcher", "lost_worker", "survivors_note", "ENV_FORWARDS"]
+__all__ = ["launch", "run_workers", "Attempt", "free_port", "worker_env", "Relay", "process_state", "EXIT_WORKER_LOST",
+           "take_forwarded", "follow_launcher", "lost_worker", "survivors_note", "ENV_FORWARDS"]
