@@ -9,7 +9,8 @@ On CPU the number of emulated devices is set from the mesh unless XLA_FLAGS alre
 Exit codes (README, "Exit codes and what survives what"): 0 done (or already finished), 2 bad
 input (config, data, mesh, placement, checkpoint, run dir not writable; for plot, a run dir it
 cannot read), 3 diverged (non-finite state; nothing non-finite saved), 4 run dir in use by another
-run, 5 a worker process was lost (mesh.processes > 1; launch.py), 130 stopped by a signal.
+run, 5 a worker process was lost (mesh.processes > 1, restarts used up; launch.py, restarts.py), 130
+stopped by a signal; with --distributed also 75 retry and 76 shrink (runtime/cluster_exit.py).
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--restore-step", type=int, default=None,
                         help="resume from this checkpoint instead of the newest (newer ones are moved to "
                         "RUN_DIR/checkpoints.aside/, not deleted)")
+    parser.add_argument("--max-restarts", type=int, default=3, metavar="K",
+                        help="mesh.processes > 1 on this machine: start the workers again (resuming from the newest "
+                             "checkpoint) after a lost or hung worker, at most K times; 0: exit 5 at once (default 3)")
     parser.add_argument("--debug", action="store_true",
                         help=f"show what the libraries report themselves (orbax's thread errors, the runtime's logs "
                              f"and native dumps of worker processes; also {ENV_DEBUG}=1) besides edit-jax's one-line "
@@ -127,14 +131,30 @@ def _train(argv: list[str]) -> int:
         print("edit-jax: bad config: --distributed runs one process per worker: set mesh.processes = mesh.replica "
               f"(the number of processes the cluster starts), got mesh.processes={cfg.mesh.processes}", file=sys.stderr)
         return 2
+    if args.distributed and os.environ.get("EDIT_JAX_DISTRIBUTED_CHILD") != "1":  # cluster_exit.ENV_CHILD
+        from edit_jax.runtime.cluster_exit import watch  # the training runs in a child: its end -> retry/shrink/stop
+
+        return watch(argv)
     from edit_jax.runtime import multihost
     from edit_jax.runtime.mesh import set_cpu_device_count
 
     if cfg.mesh.processes > 1 and multihost.launched_worker() is None and not args.distributed:
         from edit_jax.runtime.launch import launch  # one process per worker on this machine, watched from here
 
+        if args.max_restarts < 0:
+            print(f"edit-jax: bad option: --max-restarts {args.max_restarts}: expected 0 or more", file=sys.stderr)
+            return 2
+
+        def shrink_check(n: int) -> str | None:  # mesh.elastic: may the run go on with n workers?
+            try:
+                load_config(args.config, [*args.overrides, f"mesh.replica={n}", f"mesh.processes={n}"])
+            except ConfigError as e:
+                return str(e)
+            return None
+
         return launch(argv, cfg.mesh.processes, cfg.mesh.shard, pin_cores=cfg.debug.pin_cores,
-                      run_dir=args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0]))
+                      run_dir=args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0]),
+                      max_restarts=args.max_restarts, shrink_check=shrink_check if cfg.mesh.elastic else None)
     stdout_filter = None
     if cfg.mesh.processes > 1:  # a worker: its own devices, then meet the others
         if args.distributed:
@@ -148,10 +168,15 @@ def _train(argv: list[str]) -> int:
                 set_cpu_device_count(cfg.mesh.shard)
                 multihost.initialize(cfg.mesh.heartbeat_seconds, cluster)
             except ClusterError as e:
-                print(f"edit-jax: cluster error: {e}", file=sys.stderr)
+                from edit_jax.runtime.cluster_exit import EXIT_RETRY
+                from edit_jax.runtime.cluster import JoinError
+
+                retry = isinstance(e, JoinError)  # the others (or the coordinator) may be what failed
+                print(f"edit-jax: cluster error: {e}" + (f" (exit {EXIT_RETRY}: retry)" if retry else ""),
+                      file=sys.stderr)
                 if stdout_filter is not None:
                     stdout_filter.close()
-                return 2
+                return EXIT_RETRY if retry else 2
             if os.environ.get(ENV_DEBUG, "") not in ("", "0"):
                 print(f"edit-jax: {cluster.describe()}", file=sys.stderr)
         else:
@@ -193,8 +218,15 @@ def _train_and_report(cfg, run_dir: str, args) -> int:
         jax.devices()  # the backend starts here: a missing one is a message, not JAX's traceback
     except Exception as e:  # noqa: BLE001 - JAX raises RuntimeError or (0.10, no plugin) a bare AssertionError
         platforms = os.environ.get("JAX_PLATFORMS", "")
-        print(f"edit-jax: JAX could not start a backend (JAX_PLATFORMS={platforms!r}): "
-              f"{(str(e).splitlines() or [type(e).__name__])[0][:300] or type(e).__name__}. Install the jax plugin "
+        why = f"{(str(e).splitlines() or [type(e).__name__])[0][:300] or type(e).__name__}"
+        if args.distributed:  # this node's own accelerators: the job can go on without it
+            from edit_jax.runtime.cluster_exit import EXIT_SHRINK, note_shrink_host
+
+            print(f"edit-jax: JAX could not start a backend on host {note_shrink_host(run_dir)} (JAX_PLATFORMS="
+                  f"{platforms!r}): {why}; exit {EXIT_SHRINK} (shrink: run again without this host, listed in "
+                  f"{os.path.join(run_dir, 'shrink_hosts')})", file=sys.stderr)
+            return EXIT_SHRINK
+        print(f"edit-jax: JAX could not start a backend (JAX_PLATFORMS={platforms!r}): {why}. Install the jax plugin "
               "for it (e.g. pip install edit-jax[cuda]) or unset JAX_PLATFORMS", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
@@ -206,6 +238,14 @@ def _train_and_report(cfg, run_dir: str, args) -> int:
     except DivergedError as e:
         print(f"edit-jax: diverged: {e}", file=sys.stderr)
         return EXIT_DIVERGED
+    except jax.errors.JaxRuntimeError as e:
+        if not args.distributed or "RESOURCE_EXHAUSTED" in str(e):
+            raise
+        from edit_jax.runtime.cluster_exit import EXIT_RETRY  # a collective with a lost peer
+
+        print(f"edit-jax: the runtime failed ({' '.join(str(e).split())[:200]}), most likely a lost peer: exit "
+              f"{EXIT_RETRY} (retry: run the same job again, it resumes from the newest checkpoint)", file=sys.stderr)
+        return EXIT_RETRY
     except (ConfigError, DataError, MeshError, CheckpointError, PlacementError, RunDirError) as e:
         kind = {ConfigError: "bad config", DataError: "data", MeshError: "mesh", CheckpointError: "checkpoint",
                 PlacementError: "placement", RunDirError: "run dir"}

@@ -72,9 +72,9 @@ class MeshConfig:
     # per worker (multi-controller JAX), each owning its replica's `shard` devices (multihost.py).
     processes: int = 1
     heartbeat_seconds: int = 10  # a lost process ends the others after about this long
-    # One all-gather (and, in the backward, one reduce-scatter) per unit instead of one per
-    # parameter: sharding.gather_unit. Pays on XLA:CPU, which runs every collective as a
-    # rendezvous of threads; the GPU presets leave it to XLA's collective combiner.
+    elastic: bool = False  # launcher restarts may drop a worker that fails again at once (README)
+    # One all-gather (and in the backward one reduce-scatter) per unit, not per parameter (gather_unit):
+    # pays on XLA:CPU (every collective a rendezvous of threads); GPU presets leave it to XLA's combiner.
     fused_gather: bool = True
 
 

@@ -3,6 +3,7 @@
     python scripts/bench_faults.py --part compile        # a restart's compile time, cold vs cached
     python scripts/bench_faults.py --part save           # steps during an async save vs normal steps
     python scripts/bench_faults.py --part compile,save --json runs/bench/bench_faults.json
+    python scripts/bench_faults.py --part kill --workers 2 --mtbf 60 --duration 600   # kill loop
 
 Part ``compile``: three runs of ``--config`` (default the demo), each in a fresh process. ``cold``:
 a new run dir, empty compilation cache, stopped after ``--steps`` steps (checkpoint). ``restart,
@@ -19,6 +20,11 @@ and the step times: the interval of the step that holds a save (step + blocked t
 async saves, the steps that overlap the background write (until orbax, polled after every step,
 says it is done), with the blocked time taken out. Normal steps: all others (steps that compiled
 a program are left out). Target: async step during the write / normal step <= 1.2.
+
+Part ``kill`` (``bench_kill.py``): a kill loop. ``--config`` (default tiny) with ``--workers``
+processes; a fault-free run, then the same steps under the launcher with SIGKILLs of a random
+worker every ``--mtbf`` seconds for ``--duration`` seconds. Goodput, kill-to-next-step, steps lost
+per fault, final losses side by side. Targets: goodput >= 0.8, kill-to-next-step <= 15 s.
 """
 
 from __future__ import annotations
@@ -33,8 +39,9 @@ import sys
 import time
 
 import _bench_common as common
+import bench_kill
 
-PARTS = ("compile", "save")
+PARTS = ("compile", "save", "kill")
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")
 
@@ -42,13 +49,15 @@ COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/j
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", default="compile,save", help=f"comma-separated, of {', '.join(PARTS)}")
-    p.add_argument("--config", default="configs/demo.py")
+    p.add_argument("--config", default=None, help="default configs/demo.py (kill: configs/tiny.py)")
     p.add_argument("--steps", type=int, default=10, help="compile: steps of each run")
     p.add_argument("--save-steps", type=int, default=60, help="save: steps of each run")
     p.add_argument("--every", type=int, default=10, help="save: checkpoint_every")
-    p.add_argument("--method", default="baseline",
-                   help="save: sync.method (baseline: one kind of step, so step times compare like with like)")
+    p.add_argument("--method", default=None,
+                   help="save: sync.method, default baseline (one kind of step, so step times compare like with "
+                        "like); kill: default edit (lockstep: its losses must equal the fault-free run's)")
     p.add_argument("--run-root", default=os.path.join(common.REPO, "runs", "bench_faults"))
+    bench_kill.add_args(p)
     p.add_argument("--json", default=os.path.join(common.DEFAULT_JSON_DIR, "bench_faults.json"))
     p.add_argument("--child", nargs=4, metavar=("CONFIG", "RUN_DIR", "STEPS", "CACHE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -214,10 +223,13 @@ def main(argv=None):
         config, run_dir, steps, cache = args.child
         child_compile(config, run_dir, int(steps), cache)
         return
-    common.ensure_cpu_devices(8)
+    if args.part != "kill":
+        common.ensure_cpu_devices(8)  # (part kill runs everything in launched processes)
+    args.kill_config, args.kill_method = args.config or "configs/tiny.py", args.method or "edit"
+    args.config, args.method = args.config or "configs/demo.py", args.method or "baseline"
     result = {"env": common.env_info(), "args": {k: v for k, v in vars(args).items() if k != "child"}}
     for part in args.part.split(","):
-        result[part] = {"compile": part_compile, "save": part_save}[part](args)
+        result[part] = {"compile": part_compile, "save": part_save, "kill": bench_kill.part_kill}[part](args)
     common.write_json(args.json, result)
     print(f"\nwrote {args.json}")
 

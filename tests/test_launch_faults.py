@@ -121,7 +121,7 @@ def test_worker_killed_while_saving_is_named_even_when_both_ends_show_at_once(tm
     checkpoint, 4; the unfinished 8 is not taken for a checkpoint, and the rerun resumes from 4."""
     run = tmp_path / "run"
     env = _env(tmp_path, EDIT_JAX_TEST_HANG_SAVE="8")
-    proc = _start(run, env, "steps=400", "checkpoint_every=4", "mesh.heartbeat_seconds=5")
+    proc = _start(run, env, "steps=400", "checkpoint_every=4", "mesh.heartbeat_seconds=5", "--max-restarts", "0")
     try:
         log = tmp_path / "hooks.log"
         _wait(proc, lambda: log.exists() and "hanging" in log.read_text(), "worker 0 inside save 8")

@@ -319,7 +319,8 @@ def _fault_after_first_checkpoint(tmp_path, sig, timeout):
     """Starts a long 2-process EDiT run, sends ``sig`` to worker 1 once checkpoint 4 exists, and
     waits for the launcher: (exit code, output, seconds from the signal to the end, worker pids)."""
     over = ["method=edit", "steps=400", "sync.tau=2", "checkpoint_every=4", "eval_every=0", "mesh.heartbeat_seconds=5"]
-    cmd = [sys.executable, "-m", "edit_jax", "train", *FLAGS, "--run-dir", str(tmp_path), *TINY, *over]
+    cmd = [sys.executable, "-m", "edit_jax", "train", *FLAGS, "--run-dir", str(tmp_path), *TINY, *over,
+           "--max-restarts", "0"]  # (the launcher's restarts: tests/test_restarts.py)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

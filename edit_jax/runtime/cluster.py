@@ -41,6 +41,10 @@ class ClusterError(MeshError):
     """The environment does not say how this process joins the others (CLI exit 2)."""
 
 
+class JoinError(ClusterError):
+    """The environment says how, but joining the others failed (``--distributed``: exit 75, retry)."""
+
+
 @dataclass(frozen=True)
 class ClusterParams:
     coordinator: str | None  # None: JAX derives it from the cluster's environment

@@ -12,9 +12,10 @@ arrival of the same Ctrl-C must not count as the second Ctrl-C that ends a worke
 a checkpoint. In a launched worker the launcher alone counts: a signal sent to the worker
 directly only asks it to stop; the launcher's second forwarded one ends it at once.
 
-A worker that dies ends the run at once: the others are killed (a collective with a lost peer
+A worker that dies ends the worker set at once: the others are killed (a collective with a lost peer
 could only hang or abort), the message names the lost worker, how it ended and the newest
-checkpoint on disk, and the launcher exits with ``EXIT_WORKER_LOST``. Every exit 5 has that
+checkpoint on disk, and the launcher restarts the worker set (up to ``--max-restarts`` times,
+``restarts.py``) or exits with ``EXIT_WORKER_LOST``. Every lost worker has that
 message, whichever worker's end the launcher sees first: the one killed from outside is named,
 not a survivor that failed because of it (``lost_worker``). A worker that hangs (stopped, e.g. by
 SIGSTOP) makes the others' coordination service give up after ``mesh.heartbeat_seconds``; the
@@ -41,13 +42,12 @@ import threading
 import time
 
 from edit_jax.runtime.cluster import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from edit_jax.runtime.restarts import ENV_DEBUG, EXIT_WORKER_LOST, supervise, survivors_note
 
-EXIT_WORKER_LOST = 5
 NORMAL_EXITS = (0, 130)  # done; stopped by a signal with a checkpoint
 PASSED_ON_EXITS = (2, 3, 4)  # cli.py: bad input, diverged, run dir locked
 FINISH_GRACE_S = 60.0
 PASS_ON_GRACE_S = 10.0  # the others usually end with the same message within moments
-ENV_DEBUG = "EDIT_JAX_DEBUG"  # as cli.ENV_DEBUG (--debug sets it)
 ENV_FORWARDS = "EDIT_JAX_SIGNALS_ON_STDIN"  # "1": this worker's stdin carries the launcher's signals
 # A worker's end and the others' reaction to it (a collective with a lost peer fails) come within
 # moments: the launcher waits this long after seeing one end before it names the cause, so that
@@ -224,32 +224,24 @@ def lost_worker(codes: list[int | None], states: list[str]) -> tuple[int, str]:
     return i, _ended_how(codes[i])
 
 
-def survivors_note(run_dir: str | None) -> str:
-    """What a lost worker leaves: the newest finalised checkpoint of ``run_dir`` (unfinished saves
-    are orbax temporary dirs, never taken for one)."""
-    if run_dir is None:
-        return "The last checkpoint is intact: re-run the same command to resume"
-    # As rundir.checkpoint.steps_on_disk (runtime/ does not import rundir/): a finalised
-    # checkpoint is a dir named by its step; an unfinished save is "<step>.orbax-checkpoint-tmp...".
-    where = os.path.join(run_dir, "checkpoints")
-    steps = sorted(int(d) for d in (os.listdir(where) if os.path.isdir(where) else [])
-                   if d.isdigit() and os.path.isdir(os.path.join(where, d)))
-    if not steps:
-        return f"No checkpoint in {run_dir} yet: re-running the same command starts from step 0"
-    where = os.path.join(run_dir, "checkpoints", str(steps[-1]))
-    return (f"The newest checkpoint, step {steps[-1]} ({where}), is intact (an unfinished save is never taken "
-            f"for one): re-run the same command to resume from it")
+class Attempt:
+    """One start of the worker set: its processes (the signal handler forwards to them) and, once
+    ended, its exit code and the lost worker (index, pid, how it ended) on an exit 5."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+        self.lost: tuple[int, int, str, int] | None = None  # + lines of native diagnostics left out
 
 
-def launch(train_argv: list[str], n: int, shard: int, pin_cores: bool = False,
-           say=lambda m: print(m, file=sys.stderr, flush=True), run_dir: str | None = None) -> int:
-    """Runs ``python -m edit_jax train <train_argv>`` as N workers; returns the exit code. With
-    ``pin_cores`` worker i (and every thread it starts) runs on core i mod (cores available).
-    ``run_dir``: where the workers checkpoint (named in the message when a worker is lost)."""
-    coordinator = f"127.0.0.1:{free_port()}"
+def run_workers(attempt: Attempt, train_argv: list[str], n: int, shard: int, pin_cores: bool, say,
+                run_dir: str | None) -> int:
+    """Starts N workers running ``python -m edit_jax train <train_argv>`` and watches them until they
+    end (module docstring); returns the exit code. On an exit 5 ``attempt.lost`` says which worker
+    was lost and how (the caller says it: ``restarts.supervise``)."""
+    coordinator = f"127.0.0.1:{free_port()}"  # a fresh port each start: the old one may linger
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     relay = Relay(keep_everything=os.environ.get(ENV_DEBUG, "") not in ("", "0"))
-    procs, pumps = [], []
+    procs, pumps = attempt.procs, []
     for i in range(n):
         env = worker_env(os.environ, coordinator, n, i, shard)
         core = cores[i % len(cores)] if pin_cores and cores else None
@@ -261,17 +253,6 @@ def launch(train_argv: list[str], n: int, shard: int, pin_cores: bool = False,
             pumps[-1].start()
     say(f"edit-jax: started {n} worker processes (pids {', '.join(str(p.pid) for p in procs)}), "
         f"{shard} CPU devices each, coordinator {coordinator}")
-    received = [0]  # signals this launcher got: the workers' count of Ctrl-Cs (module docstring)
-
-    def forward(signum, frame):
-        received[0] += 1
-        for p in procs:
-            if p.poll() is None:
-                try:  # (os.write: one small write to a pipe is atomic, and not a buffered
-                    # writer that a second signal arriving during the first one's write would re-enter)
-                    os.write(p.stdin.fileno(), f"{signum} {received[0]}\n".encode())
-                except OSError:  # it ended meanwhile (a broken pipe): the watch below sees it
-                    pass
 
     def stop_all():
         for p in procs:
@@ -282,48 +263,75 @@ def launch(train_argv: list[str], n: int, shard: int, pin_cores: bool = False,
         for t in pumps:  # the rest of their output (the pipes close with the processes)
             t.join(timeout=5)
 
+    finished_at = None  # when the first worker ended normally (done, or stopped by a signal)
+    while True:
+        codes = [p.poll() for p in procs]
+        if any(c is not None and c not in NORMAL_EXITS for c in codes):
+            time.sleep(SETTLE_S)  # the cause may show after its consequence (lost_worker)
+            codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes) and all(c in NORMAL_EXITS for c in codes):
+            for t in pumps:
+                t.join(timeout=5)
+            return next((c for c in codes if c), 0)
+        killed = any(c is not None and c < 0 and c != -signal.SIGABRT for c in codes)
+        passed_on = [c for c in codes if c in PASSED_ON_EXITS]
+        if passed_on and not killed:  # its own message said what happened: the others agree soon
+            deadline = time.monotonic() + PASS_ON_GRACE_S
+            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                time.sleep(0.1)
+            stop_all()
+            return passed_on[0]
+        ended = [c for c in codes if c is not None]
+        if ended and finished_at is None:
+            finished_at = time.monotonic()
+        # Workers that end normally end within moments of each other (they meet to finish).
+        late = ended and time.monotonic() - finished_at > FINISH_GRACE_S
+        if any(c not in NORMAL_EXITS for c in ended) or late:
+            i, how = lost_worker(codes, [process_state(p.pid) if c is None else "" for p, c in zip(procs, codes)])
+            stop_all()
+            attempt.lost = (i, procs[i].pid, how, relay.suppressed)
+            return EXIT_WORKER_LOST
+        time.sleep(0.1)
+
+
+def launch(train_argv: list[str], n: int, shard: int, pin_cores: bool = False,
+           say=lambda m: print(m, file=sys.stderr, flush=True), run_dir: str | None = None,
+           max_restarts: int = 0, shrink_check=None) -> int:
+    """Runs ``python -m edit_jax train <train_argv>`` as N workers; returns the exit code. With
+    ``pin_cores`` worker i (and every thread it starts) runs on core i mod (cores available).
+    ``run_dir``: where the workers checkpoint (named in the message when a worker is lost).
+    ``max_restarts``: how often a lost or hung worker set is started again (``restarts.py``);
+    ``shrink_check(n)``: None if the run may go on with n workers (``mesh.elastic``), else why not."""
+    received = [0]  # signals this launcher got: the workers' count of Ctrl-Cs (module docstring)
+    current = [Attempt()]
+
+    def forward(signum, frame):
+        received[0] += 1
+        for p in list(current[0].procs):
+            if p.poll() is None:
+                try:  # (os.write: one small write to a pipe is atomic, and not a buffered
+                    # writer that a second signal arriving during the first one's write would re-enter)
+                    os.write(p.stdin.fileno(), f"{signum} {received[0]}\n".encode())
+                except OSError:  # it ended meanwhile (a broken pipe): the watch below sees it
+                    pass
+
+    def start(argv: list[str], workers: int) -> tuple[int, tuple | None]:
+        current[0] = Attempt()
+        code = run_workers(current[0], argv, workers, shard, pin_cores, say, run_dir)
+        return code, current[0].lost
+
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        finished_at = None  # when the first worker ended normally (done, or stopped by a signal)
-        while True:
-            codes = [p.poll() for p in procs]
-            if any(c is not None and c not in NORMAL_EXITS for c in codes):
-                time.sleep(SETTLE_S)  # the cause may show after its consequence (lost_worker)
-                codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes) and all(c in NORMAL_EXITS for c in codes):
-                for t in pumps:
-                    t.join(timeout=5)
-                return next((c for c in codes if c), 0)
-            killed = any(c is not None and c < 0 and c != -signal.SIGABRT for c in codes)
-            passed_on = [c for c in codes if c in PASSED_ON_EXITS]
-            if passed_on and not killed:  # its own message said what happened: the others agree soon
-                deadline = time.monotonic() + PASS_ON_GRACE_S
-                while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-                    time.sleep(0.1)
-                stop_all()
-                return passed_on[0]
-            ended = [c for c in codes if c is not None]
-            if ended and finished_at is None:
-                finished_at = time.monotonic()
-            # Workers that end normally end within moments of each other (they meet to finish).
-            late = ended and time.monotonic() - finished_at > FINISH_GRACE_S
-            if any(c not in NORMAL_EXITS for c in ended) or late:
-                i, how = lost_worker(codes, [process_state(p.pid) if c is None else "" for p, c in zip(procs, codes)])
-                stop_all()
-                say(f"edit-jax: worker {i} (pid {procs[i].pid}) {how}; stopped the other workers. "
-                    f"{survivors_note(run_dir)}"
-                    + (f" ({relay.suppressed} lines of native diagnostics left out; {ENV_DEBUG}=1 shows them)"
-                       if relay.suppressed else ""))
-                return EXIT_WORKER_LOST
-            time.sleep(0.1)
+        return supervise(start, train_argv, n, max_restarts, run_dir, say, interrupted=lambda: received[0] > 0,
+                         shrink_check=shrink_check)
     finally:
         for sig, h in old.items():
             signal.signal(sig, h)
-        for p in procs:  # never leave a worker behind
+        for p in current[0].procs:  # never leave a worker behind
             if p.poll() is None:
                 p.kill()
                 p.wait()
 
 
-__all__ = ["launch", "free_port", "worker_env", "Relay", "process_state", "EXIT_WORKER_LOST", "take_forwarded",
-           "follow_launcher", "lost_worker", "survivors_note", "ENV_FORWARDS"]
+__all__ = ["launch", "run_workers", "Attempt", "free_port", "worker_env", "Relay", "process_state", "EXIT_WORKER_LOST",
+           "take_forwarded", "follow_launcher", "lost_worker", "survivors_note", "ENV_FORWARDS"]

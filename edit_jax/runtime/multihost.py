@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 
 from edit_jax.config import Config, ConfigError, require
 from edit_jax.localsgd.sharding import BATCH_SPEC, REPLICA, SHARD, MeshError, named
-from edit_jax.runtime.cluster import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ClusterError, ClusterParams
+from edit_jax.runtime.cluster import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ClusterParams, JoinError
 
 
 def launched_worker() -> int | None:
@@ -62,7 +62,7 @@ def initialize(heartbeat_seconds: int, cluster: ClusterParams | None = None) -> 
                                    local_device_ids=ids, **timeouts)
     except Exception as e:  # noqa: BLE001 - JAX raises ValueError, RuntimeError, XlaRuntimeError here
         text = " ".join(str(e).split())
-        raise ClusterError(f"--distributed: could not join the other processes as {cluster.describe()}: "
+        raise JoinError(f"--distributed: could not join the other processes as {cluster.describe()}: "
                            f"{type(e).__name__}: {text[:300]}") from e
 
 
