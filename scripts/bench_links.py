@@ -1,6 +1,6 @@
 """Tokens per second against the bandwidth between workers (issue 32): the figure of Local SGD.
 
-    sudo python scripts/bench_links.py                          # every method, rates none..10 Mbit/s
+    sudo python scripts/bench_links.py                          # every method, rates none..10 Mbit/s (~20 min)
     sudo python scripts/bench_links.py --methods hsdp,edit_t32 --rates none,100,10 --processes 2
 
 Each method runs once as ``edit-jax train --config configs/demo.py mesh.processes=N`` (one worker
@@ -485,7 +485,7 @@ def parse_args(argv=None):
     p.add_argument("--processes", type=int, default=2, help="worker processes (= mesh.replica)")
     p.add_argument("--shard", type=int, default=4, help="CPU devices per worker process (mesh.shard)")
     p.add_argument("--config", default="configs/demo.py")
-    p.add_argument("--steps", type=int, default=300, help="steps of every run (equal tokens for the loss)")
+    p.add_argument("--steps", type=int, default=360, help="steps of every run (equal tokens for the loss)")
     p.add_argument("--settle", type=int, default=2, help="steps after a rate change before the window")
     p.add_argument("--settle-syncs", type=int, default=1, help="A-EDiT: syncs after a rate change before the window")
     p.add_argument("--aedit-syncs", type=int, default=3, help="A-EDiT: syncs per window")
@@ -531,6 +531,7 @@ def main(argv=None) -> int:
         print(e.code, file=sys.stderr)
         return 2
     results = []
+    env = common.env_info()
     try:
         from edit_jax.validate import load_config
 
@@ -542,6 +543,9 @@ def main(argv=None) -> int:
                                                                         f"mesh.shard={args.shard}"])
             say(f"{name}: plan counts {', '.join(f'{k} {v:,.0f} B' for k, v in b.items())} across replica per device")
             results.append(run_method(name, args, link, b, say))
+            # (after every method: a later failure or Ctrl-C keeps what was measured)
+            common.write_json(args.json, {"env": env, "args": vars(args), "results": results,
+                                          "complete": len(results) == len(args.methods)})
     except KeyboardInterrupt:
         say("bench_links: interrupted; the qdisc on lo is removed")
         return 130
@@ -549,9 +553,7 @@ def main(argv=None) -> int:
         link.__exit__(None, None, None)
     text = table(results)
     print(text)
-    env = common.env_info()
-    common.write_json(args.json, {"env": env, "args": {k: v for k, v in vars(args).items()}, "results": results,
-                                  "table": text})
+    common.write_json(args.json, {"env": env, "args": vars(args), "results": results, "complete": True, "table": text})
     say(f"JSON: {args.json}\nplot: {plot(results, args.png, unthrottled_x=3000.0)}")
     return 0
 
