@@ -4,6 +4,7 @@
     python scripts/bench_faults.py --part save           # steps during an async save vs normal steps
     python scripts/bench_faults.py --part compile,save --json runs/bench/bench_faults.json
     python scripts/bench_faults.py --part kill --workers 2 --mtbf 60 --duration 600   # kill loop
+    python scripts/bench_faults.py --part spike          # an injected loss spike beside the clean run, both modes
 
 Part ``compile``: three runs of ``--config`` (default the demo), each in a fresh process. ``cold``:
 a new run dir, empty compilation cache, stopped after ``--steps`` steps (checkpoint). ``restart,
@@ -40,8 +41,9 @@ import time
 
 import _bench_common as common
 import bench_kill
+import bench_spike
 
-PARTS = ("compile", "save", "kill")
+PARTS = ("compile", "save", "kill", "spike")
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")
 
@@ -223,13 +225,14 @@ def main(argv=None):
         config, run_dir, steps, cache = args.child
         child_compile(config, run_dir, int(steps), cache)
         return
-    if args.part != "kill":
-        common.ensure_cpu_devices(8)  # (part kill runs everything in launched processes)
+    if args.part not in ("kill", "spike"):
+        common.ensure_cpu_devices(8)  # (parts kill and spike run everything in processes of their own)
     args.kill_config, args.kill_method = args.config or "configs/tiny.py", args.method or "edit"
     args.config, args.method = args.config or "configs/demo.py", args.method or "baseline"
     result = {"env": common.env_info(), "args": {k: v for k, v in vars(args).items() if k != "child"}}
     for part in args.part.split(","):
-        result[part] = {"compile": part_compile, "save": part_save, "kill": bench_kill.part_kill}[part](args)
+        result[part] = {"compile": part_compile, "save": part_save, "kill": bench_kill.part_kill,
+                        "spike": bench_spike.part_spike}[part](args)
     common.write_json(args.json, result)
     print(f"\nwrote {args.json}")
 
