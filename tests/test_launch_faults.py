@@ -159,3 +159,28 @@ def test_lost_worker_names_the_cause_not_its_consequence():
     assert lost_worker([abort, 1], ["", ""]) == (1, "ended with exit code 1")
     assert lost_worker([130, None], ["", "S"]) == (1, "did not finish with the others")
     assert lost_worker([None, abort], ["S", ""]) == (1, "was ended by signal 6 (SIGABRT)")
+
+
+def test_relay_leaves_out_worker_tracebacks_chained_ones_included():
+    """A survivor's traceback (gloo's "Connection reset by peer" once its peer is killed; the full
+    disk of its peer) is not a user's message: the launcher's one line names the cause. The
+    relay drops the whole traceback, chained ones included, counts the lines, and passes the next
+    line on; with EDIT_JAX_DEBUG it keeps everything."""
+    import io
+
+    from edit_jax.runtime.launch import Relay
+
+    lines = ["step 1\n", "Traceback (most recent call last):\n", '  File "loop.py", line 1, in run\n', "    f()\n",
+             "    ^^^\n", "jax.errors.JaxRuntimeError: UNKNOWN: Gloo AllGather failed: Connection reset by peer\n",
+             "\n", "The above exception was the direct cause of the following exception:\n", "\n",
+             "Traceback (most recent call last):\n", '  File "cli.py", line 9, in main\n', "RuntimeError: boom\n",
+             "edit-jax: the run dir's message\n", "  indented, after the traceback\n"]
+    quiet, out = Relay(), io.StringIO()
+    for line in lines:
+        quiet.segment(1, line, out)
+    assert out.getvalue() == "step 1\nedit-jax: the run dir's message\n  indented, after the traceback\n"
+    assert quiet.suppressed == 11
+    debug, everything = Relay(keep_everything=True), io.StringIO()
+    for line in lines:
+        debug.segment(1, line, everything)
+    assert everything.getvalue() == "".join(lines)

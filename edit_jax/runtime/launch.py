@@ -26,8 +26,9 @@ and re-running the same command resumes from the last one.
 
 The workers' output passes through here (``relay``): a message every worker prints (they all
 reach the same verdict) is shown once, and the runtime's own chatter (gloo's connection lines,
-absl log lines, the native stack dump of an aborting coordination client) is left out unless
-``EDIT_JAX_DEBUG=1``.
+absl log lines, the native stack dump of an aborting coordination client) and a worker's Python
+traceback (a survivor's gloo error once its peer is gone; a crash) are left out unless
+``EDIT_JAX_DEBUG=1``: the launcher's own line names the cause, and counts what it left out.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class Relay:
         self.shown: set[str] = set()
         self.dumping: set[int] = set()  # workers whose output is a native dump from here on
         self.in_log: set[int] = set()  # workers inside a multi-line runtime log message
+        self.in_traceback: dict[int, str] = {}  # worker -> "frames" / "tail" of a Python traceback
         self.suppressed = 0
         self.lock = threading.Lock()
 
@@ -84,6 +86,9 @@ class Relay:
                     return
                 if line.startswith("[Gloo]"):
                     return
+                if self._traceback_line(worker, line):
+                    self.suppressed += 1
+                    return
                 if _CHATTER.match(line) or (worker in self.in_log and not line.startswith("edit-jax:")):
                     self.in_log.add(worker)  # an absl message's continuation lines carry no prefix
                     self.suppressed += 1
@@ -95,6 +100,28 @@ class Relay:
                     self.shown.add(line)
             out.write(text)
             out.flush()
+
+    def _traceback_line(self, worker: int, line: str) -> bool:
+        """Whether ``line`` belongs to a Python traceback of ``worker``: from "Traceback (most recent
+        call last):" through its indented frames to the exception's own line, chained ones included.
+        A worker's traceback is what a survivor prints when its peer is gone (gloo's "Connection
+        reset by peer" inside a collective) or what a crash prints; the launcher's one line names
+        the cause either way, and ``--debug`` shows the rest."""
+        if line.startswith("Traceback (most recent call last):"):
+            self.in_traceback[worker] = "frames"
+            return True
+        state = self.in_traceback.get(worker)
+        if state is None:
+            return False
+        if not line.strip() or line.startswith(("The above exception", "During handling")):
+            return True  # between the exception's line and a chained traceback
+        if state == "frames" and line[0].isspace():
+            return True
+        if state == "frames" and not line.startswith("edit-jax:"):
+            self.in_traceback[worker] = "tail"  # the exception's own line; a chained one may follow
+            return True
+        del self.in_traceback[worker]
+        return False
 
     def pump(self, worker: int, stream, out) -> None:
         pending = ""
@@ -230,7 +257,7 @@ class Attempt:
 
     def __init__(self):
         self.procs: list[subprocess.Popen] = []
-        self.lost: tuple[int, int, str, int] | None = None  # + lines of native diagnostics left out
+        self.lost: tuple[int, int, str, int] | None = None  # + lines of diagnostics left out
 
 
 def run_workers(attempt: Attempt, train_argv: list[str], n: int, shard: int, pin_cores: bool, say,

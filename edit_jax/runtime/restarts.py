@@ -97,7 +97,7 @@ def supervise(start: Callable[[list[str], int], tuple[int, tuple | None]], argv:
         i, pid, how, suppressed = lost
         reached, ckpt = newest_logged_step(run_dir), newest_checkpoint(run_dir)
         progressed = _mtime(run_dir) != mtime_before and reached is not None and reached > (resumed or 0)
-        dumps = (f" ({suppressed} lines of native diagnostics left out; {ENV_DEBUG}=1 shows them)"
+        dumps = (f" ({suppressed} lines of diagnostics (native dumps, tracebacks) left out; {ENV_DEBUG}=1 shows them)"
                  if suppressed else "")
         what = f"edit-jax: worker {i} (pid {pid}) {how}"
         if interrupted():
