@@ -59,6 +59,20 @@ def env_info() -> dict:
             "loadavg_at_start": loadavg()}
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc), sorted: a launcher's worker processes."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass  # ended meanwhile
+    return sorted(out)
+
+
 def loadavg() -> list[float] | None:
     """1/5/15-minute load averages: other processes on the host skew CPU timings."""
     try:

@@ -107,16 +107,7 @@ class Run:
         return time.monotonic() - self.t0
 
     def workers(self) -> list[int]:
-        pids = []
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    with open(f"/proc/{d}/stat") as f:
-                        if int(f.read().rsplit(")", 1)[1].split()[1]) == self.proc.pid:
-                            pids.append(int(d))
-                except (OSError, ValueError, IndexError):
-                    pass
-        return sorted(pids)
+        return common.child_pids(self.proc.pid)
 
 
 def _calibrate(args) -> int:

@@ -89,7 +89,7 @@ class Link:
             raise Refused("bench_links: needs root (it shapes lo with tc); run it with sudo, or as root")
         if subprocess.run(["which", "tc"], capture_output=True).returncode != 0:
             raise Refused("bench_links: needs tc (iproute2)")
-        root = tc("qdisc", "show", "dev", "lo").splitlines()[0] if tc("qdisc", "show", "dev", "lo").strip() else ""
+        root = (tc("qdisc", "show", "dev", "lo").splitlines() or [""])[0]
         if f"qdisc htb {HANDLE} root" in root:
             self.say(f"bench_links: removing a qdisc left on lo by an earlier bench_links run ({root.strip()})")
             tc("qdisc", "del", "dev", "lo", "root")
@@ -214,7 +214,7 @@ def census(args, say) -> dict:
             recs.poll()
             for k in (40, 72):  # after warmup and compiles; whole periods of τ = 8 and 32 apart
                 if recs.last_step() >= k and k not in marks:
-                    marks[k] = connection_bytes(children(proc.pid))
+                    marks[k] = connection_bytes(common.child_pids(proc.pid))
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -236,19 +236,6 @@ def census(args, say) -> dict:
     say(f"census, {label}, steps 41..72 unthrottled, bytes sent per step: " +
         ", ".join(f"{k.replace('_', ' ')} {v / 1e6:.2f} MB" for k, v in per_step.items()))
     return {"method": args.census, "steps": [41, 72], "bytes_per_step": per_step}
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
 
 
 # ----------------------------------------------------------------------------- one method's run
@@ -326,7 +313,7 @@ def run_method(name: str, args, link: Link, bytes_per_kind: dict[str, float], sa
                     coordinator_ports = {int(m.group(1))} if m else set()
                 except OSError:
                     pass
-            workers = children(proc.pid)
+            workers = common.child_pids(proc.pid)
             if workers and coordinator_ports:
                 link.steer(workers, coordinator_ports)
             recs.poll()

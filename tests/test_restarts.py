@@ -12,7 +12,7 @@ import sys
 import time
 
 from edit_jax.rundir.checkpoint import steps_on_disk
-from tests.helpers import REPO, kill_group
+from tests.helpers import REPO, kill_group, run_session
 
 HOOKS = os.path.join(REPO, "tests", "worker_hooks")
 TINY = ["--config", "configs/tiny.py", "--no-progress", "mesh.replica=2", "mesh.shard=2", "mesh.processes=2",
@@ -29,14 +29,7 @@ def _env(tmp_path, run, **extra):
 
 
 def _train(run, env, *over, timeout=600):
-    cmd = [sys.executable, "-m", "edit_jax", "train", "--run-dir", str(run), *TINY, *over]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        kill_group(proc)
-    return proc.returncode, out
+    return run_session([sys.executable, "-m", "edit_jax", "train", "--run-dir", str(run), *TINY, *over], timeout, env)
 
 
 def _losses(run) -> dict[int, float]:
