@@ -241,12 +241,13 @@ def _train_and_report(cfg, run_dir: str, args) -> int:
     except jax.errors.JaxRuntimeError as e:
         if not args.distributed or "RESOURCE_EXHAUSTED" in str(e):
             raise
-        from edit_jax.runtime.cluster_exit import EXIT_RETRY  # a collective with a lost peer
-
-        print(f"edit-jax: the runtime failed ({' '.join(str(e).split())[:200]}), most likely a lost peer: exit "
-              f"{EXIT_RETRY} (retry: run the same job again, it resumes from the newest checkpoint)", file=sys.stderr)
-        return EXIT_RETRY
+        return _retry_after(e)
     except (ConfigError, DataError, MeshError, CheckpointError, PlacementError, RunDirError) as e:
+        # A save whose collective lost its peer (orbax all-gathers across processes) is the lost
+        # peer's fault, not this checkpoint's: on a cluster, retry, as for any other collective.
+        runtime = _runtime_cause(e, jax.errors.JaxRuntimeError)
+        if args.distributed and isinstance(e, CheckpointError) and runtime is not None:
+            return _retry_after(runtime)
         kind = {ConfigError: "bad config", DataError: "data", MeshError: "mesh", CheckpointError: "checkpoint",
                 PlacementError: "placement", RunDirError: "run dir"}
         kind = next((v for t, v in kind.items() if isinstance(e, t)), type(e).__name__)
@@ -260,6 +261,26 @@ def _train_and_report(cfg, run_dir: str, args) -> int:
         return EXIT_OK
     print(summary_line(result, run_dir))
     return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
+
+
+def _runtime_cause(e: BaseException, kind: type) -> BaseException | None:
+    """The first exception of type ``kind`` (not an out-of-memory one) that ``e`` was raised from."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, kind) and "RESOURCE_EXHAUSTED" not in str(e):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _retry_after(e: BaseException) -> int:
+    """``--distributed``: a runtime error, most likely a collective with a lost peer: one line, exit 75."""
+    from edit_jax.runtime.cluster_exit import EXIT_RETRY
+
+    print(f"edit-jax: the runtime failed ({' '.join(str(e).split())[:200]}), most likely a lost peer: exit "
+          f"{EXIT_RETRY} (retry: run the same job again, it resumes from the newest checkpoint)", file=sys.stderr)
+    return EXIT_RETRY
 
 
 def summary_line(result, run_dir: str) -> str:

@@ -7,3 +7,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=64").strip()
+
+# One JAX compilation cache for the whole session (edit_jax/runtime/compile_cache.py: "auto" means
+# $EDIT_JAX_COMPILE_CACHE when set): the tests train the same tiny programs again and again, in
+# this process and in the CLI processes they start, which inherit the variable. A warm cache takes
+# about a third off a tiny 2-process run (BUILD_NOTES §17). Tests of the run dir's own cache unset it.
+if "EDIT_JAX_COMPILE_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="edit_jax_test_compile_cache_")
+    os.environ["EDIT_JAX_COMPILE_CACHE"] = _cache
+    atexit.register(shutil.rmtree, _cache, True)

@@ -80,3 +80,30 @@ def test_a_host_whose_backend_does_not_start_says_shrink(tmp_path):
 def test_exit_code_mapping():
     assert [exit_code_for(c) for c in (0, 2, 3, 4, 130, 75, 76)] == [0, 2, 3, 4, 130, 75, 76]
     assert [exit_code_for(c) for c in (1, -signal.SIGABRT, -signal.SIGKILL, 5)] == [EXIT_RETRY] * 4
+
+
+def test_a_save_that_lost_its_peer_is_a_runtime_failure_a_full_disk_is_not():
+    """The killed peer can end a checkpoint save on the survivor (orbax all-gathers across
+    processes): the CheckpointSaveError raised from the collective's error is a lost peer (75 on
+    a cluster), while one from a full disk (an OSError, or XLA's RESOURCE_EXHAUSTED) stays bad input."""
+    import errno
+
+    import jax
+
+    from edit_jax.cli import _runtime_cause
+    from edit_jax.rundir.checkpoint import CheckpointSaveError
+
+    def save_failing_with(cause):
+        try:
+            try:
+                raise cause
+            except Exception as e:
+                raise CheckpointSaveError("could not save checkpoint run/checkpoints/4") from e
+        except CheckpointSaveError as e:
+            return e
+
+    gloo = jax.errors.JaxRuntimeError("UNKNOWN: Gloo AllGather failed: Connection closed by peer")
+    assert _runtime_cause(save_failing_with(gloo), jax.errors.JaxRuntimeError) is gloo
+    for disk in (OSError(errno.ENOSPC, "No space left on device"),
+                 jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: no space left")):
+        assert _runtime_cause(save_failing_with(disk), jax.errors.JaxRuntimeError) is None

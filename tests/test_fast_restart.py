@@ -18,7 +18,7 @@ from edit_jax.config import ConfigError, apply_overrides
 from edit_jax.localsgd.methods import plan_for
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.rundir.checkpoint import Checkpointer, steps_on_disk
-from edit_jax.runtime.compile_cache import DIR_NAME, cache_dir_for
+from edit_jax.runtime.compile_cache import DIR_NAME, ENV_DIR, cache_dir_for
 from edit_jax.runtime.mesh import make_mesh
 from edit_jax.training.train import train
 from edit_jax.validate import validate
@@ -49,8 +49,9 @@ print(json.dumps({{"hits": len(hits), "names": names, "resumed_from": result.res
 
 
 def _run(run_dir, kw="{}") -> dict:
+    env = {k: v for k, v in os.environ.items() if k != ENV_DIR}  # "auto": the run dir's own cache
     proc = subprocess.run([sys.executable, "-c", _RUN.format(repo=REPO, run_dir=str(run_dir), kw=kw)], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -70,7 +71,11 @@ def test_a_restart_reads_the_compiled_programs_from_the_cache(tmp_path):
     assert not any(e.startswith("jit_step-") for e in new), new  # read, not compiled and written again
 
 
-def test_compile_cache_setting(tmp_path):
+def test_compile_cache_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_DIR, str(tmp_path / "shared"))  # "auto" is the user's shared cache when set
+    assert cache_dir_for("auto", str(tmp_path)) == str(tmp_path / "shared")
+    assert cache_dir_for("off", str(tmp_path)) is None
+    monkeypatch.delenv(ENV_DIR)
     assert cache_dir_for("auto", str(tmp_path)) == os.path.join(str(tmp_path), DIR_NAME)
     assert cache_dir_for("auto", None) is None and cache_dir_for("off", str(tmp_path)) is None
     assert cache_dir_for("", str(tmp_path)) is None

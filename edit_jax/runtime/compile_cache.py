@@ -4,7 +4,9 @@ compiled step programs from disk instead of compiling them again.
     with compile_cache(cache_dir_for(cfg.train.compile_cache, run_dir)):
         ...  # every compile reads the cache first; a miss compiles and writes an entry
 
-Where (``cache_dir_for``): "auto" is ``RUN_DIR/compile_cache``. The run dir, not a per-user dir,
+Where (``cache_dir_for``): "auto" is ``$EDIT_JAX_COMPILE_CACHE`` when that is set (one cache for
+all of a user's runs; the test suite shares one across its tests this way), else
+``RUN_DIR/compile_cache``. The run dir, not a per-user dir,
 because a restart is what the cache is for and the run dir is what a restart shares: on a
 cluster it is on storage every host sees, and JAX writes entries from process 0 only
 (``compiler._cache_write``), so a per-user dir would stay empty on every other host. It also goes
@@ -25,6 +27,7 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache as _cc
 
 DIR_NAME = "compile_cache"
+ENV_DIR = "EDIT_JAX_COMPILE_CACHE"  # "auto" means this directory when set (and not empty)
 # Every program is written, however fast it compiles (JAX's default leaves out those under 1 s):
 # besides the step programs (seconds on CPU, minutes on GPU), a restore compiles a small slice
 # program per array shape, 0.05-0.7 s each on the loaded 2-core CPU host; with a 0.2 s floor
@@ -38,6 +41,9 @@ def cache_dir_for(setting: str, run_dir: str | None) -> str | None:
     if setting in ("", "off"):
         return None
     if setting == "auto":
+        shared = os.environ.get(ENV_DIR, "").strip()
+        if shared:
+            return os.path.abspath(os.path.expanduser(shared))
         return os.path.join(os.path.abspath(run_dir), DIR_NAME) if run_dir else None
     return os.path.abspath(os.path.expanduser(setting))
 
@@ -66,4 +72,4 @@ def compile_cache(directory: str | None):
         _cc.reset_cache()
 
 
-__all__ = ["DIR_NAME", "MIN_COMPILE_SECONDS", "cache_dir_for", "compile_cache"]
+__all__ = ["DIR_NAME", "ENV_DIR", "MIN_COMPILE_SECONDS", "cache_dir_for", "compile_cache"]
