@@ -78,7 +78,8 @@ def test_two_processes_join_under_an_emulated_slurm_job(tmp_path):
     port = _free_port()
     procs = []
     for i in range(2):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "EDIT_JAX_", "OMPI_"))}
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("SLURM_", "EDIT_JAX_", "OMPI_")) or k == "EDIT_JAX_COMPILE_CACHE"}
         env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                    PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""), JAX_COORDINATOR_PORT=str(port),
                    SLURM_JOB_ID="4242", SLURM_NTASKS="2", SLURM_PROCID=str(i), SLURM_LOCALID="0",
@@ -97,7 +98,8 @@ def test_two_processes_join_under_an_emulated_slurm_job(tmp_path):
 
 def _cli_env(**extra):
     env = {k: v for k, v in os.environ.items()
-           if k != "XLA_FLAGS" and not k.startswith(("SLURM_", "EDIT_JAX_", "OMPI_", "JAX_COORDINATOR"))}
+           if k != "XLA_FLAGS" and (not k.startswith(("SLURM_", "EDIT_JAX_", "OMPI_", "JAX_COORDINATOR"))
+                                    or k == "EDIT_JAX_COMPILE_CACHE")}  # (the suite's shared compile cache)
     env.update(PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu", **extra)
     return env
 

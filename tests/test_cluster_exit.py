@@ -20,7 +20,8 @@ TRAIN = [sys.executable, "-m", "edit_jax", "train", "--distributed", "--config",
 
 def _env(port, i, **extra):
     env = {k: v for k, v in os.environ.items()
-           if k != "XLA_FLAGS" and not k.startswith(("SLURM_", "EDIT_JAX_", "OMPI_", "JAX_COORDINATOR"))}
+           if k != "XLA_FLAGS" and (not k.startswith(("SLURM_", "EDIT_JAX_", "OMPI_", "JAX_COORDINATOR"))
+                                    or k == "EDIT_JAX_COMPILE_CACHE")}  # (the suite's shared compile cache)
     env.update(PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu",
                EDIT_JAX_COORDINATOR=f"127.0.0.1:{port}", EDIT_JAX_NUM_PROCESSES="2", EDIT_JAX_PROCESS_ID=str(i))
     env.update(extra)
