@@ -71,9 +71,16 @@ def test_input_error_leaves_no_empty_run_dir(tmp_path):
     """A data error is found after the run dir was checked (and so created): before, an empty run
     dir (and its parents) stayed behind although the README says nothing is written."""
     run_dir = tmp_path / "runs" / "new"
-    code, out = _train(run_dir, "data.source=text", f"data.paths={tmp_path / 'missing.txt'}")
+    code, out = _train(run_dir, "data.source=text", f"data.paths={tmp_path / 'missing.txt'}",
+                       env=_env(EDIT_JAX_COMPILE_CACHE=""))  # the run dir's own cache, made before the data check
     assert code == 2 and "data error" in out, out[-2000:]
     assert not (tmp_path / "runs").exists()
+    # A cache dir of the user's (here a new one) may be shared with other runs: it stays.
+    shared = tmp_path / "shared_cache"
+    code, out = _train(run_dir, "data.source=text", f"data.paths={tmp_path / 'missing.txt'}",
+                       env=_env(EDIT_JAX_COMPILE_CACHE=str(shared)))
+    assert code == 2 and not (tmp_path / "runs").exists(), out[-2000:]
+    assert shared.is_dir()
 
 
 def test_summary_of_a_run_stopped_before_its_first_record():
