@@ -202,8 +202,7 @@ class TrainConfig:
     spike: SpikeConfig = field(default_factory=SpikeConfig)
 
     # JAX's persistent compilation cache, so a restarted run loads its compiled programs instead of
-    # compiling them again: "auto" ($EDIT_JAX_COMPILE_CACHE if set, else RUN_DIR/compile_cache; none
-    # without a run dir), "off" or ""
+    # compiling them again: "auto" ($EDIT_JAX_COMPILE_CACHE, else RUN_DIR/compile_cache), "off" or ""
     # (none), or a directory of your own (e.g. one shared by several run dirs).
     compile_cache: str = "auto"
     # Checkpoints written in the background (orbax async, one process only): a save returns once
