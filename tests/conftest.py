@@ -6,7 +6,15 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=64").strip()
+    _flags = (_flags + " --xla_force_host_platform_device_count=64").strip()
+# XLA:CPU's LLVM backend at -O0: the tests' programs are tiny, so LLVM's optimisation passes were
+# most of each compile and the programs run about as fast without them (BUILD_NOTES §3, "Test
+# suite": the suite about 40% shorter). The HLO, the sharding and the collectives are XLA's own
+# passes and do not change. The CLI processes the tests start keep it (helpers.child_xla_flags);
+# the demo, the benches and users get XLA's default.
+if "xla_backend_optimization_level" not in _flags:
+    _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = _flags
 
 # One JAX compilation cache for the whole session (edit_jax/runtime/compile_cache.py: "auto" means
 # $EDIT_JAX_COMPILE_CACHE when set): the tests train the same tiny programs again and again, in

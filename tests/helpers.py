@@ -1,6 +1,7 @@
 """Shared test helpers: tiny configs and meshes on the CPU-emulated devices of conftest.py."""
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -14,6 +15,12 @@ from edit_jax.runtime.mesh import make_mesh
 from edit_jax.validate import validate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_xla_flags() -> str:
+    """The suite's XLA_FLAGS (conftest.py) for a CLI process a test starts, less the device count:
+    the CLI and the launcher set their own from the mesh."""
+    return re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
 
 
 def tiny_config(replica=2, shard=4, method="baseline", **kw) -> Config:

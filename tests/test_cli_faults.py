@@ -18,14 +18,14 @@ from edit_jax import cli
 from edit_jax.cli import summary_line
 from edit_jax.rundir.runlock import RunDirError, check_writable
 from edit_jax.training.loop import TrainResult
-from tests.helpers import REPO, interrupt_when, run_session
+from tests.helpers import REPO, child_xla_flags, interrupt_when, run_session
 
 FAST = ["--config", "configs/tiny.py", "--no-progress", "mesh.replica=2", "mesh.shard=2", "batch_size=8",
         "data.seq_len=32", "steps=2"]
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets its own device count
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags())  # the CLI sets its own device count
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env

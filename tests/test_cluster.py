@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from edit_jax.runtime.cluster import ClusterError, cluster_params, local_device_ids
-from tests.helpers import REPO
+from tests.helpers import REPO, child_xla_flags
 
 SLURM_ONE_TASK_PER_NODE = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "8", "SLURM_PROCID": "3", "SLURM_LOCALID": "0",
                            "SLURM_STEP_NODELIST": "node[001-008]", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
@@ -80,7 +80,7 @@ def test_two_processes_join_under_an_emulated_slurm_job(tmp_path):
     for i in range(2):
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("SLURM_", "EDIT_JAX_", "OMPI_")) or k == "EDIT_JAX_COMPILE_CACHE"}
-        env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+        env.update(XLA_FLAGS=f"{child_xla_flags()} --xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                    PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""), JAX_COORDINATOR_PORT=str(port),
                    SLURM_JOB_ID="4242", SLURM_NTASKS="2", SLURM_PROCID=str(i), SLURM_LOCALID="0",
                    SLURM_STEP_NODELIST="localhost")
@@ -98,9 +98,10 @@ def test_two_processes_join_under_an_emulated_slurm_job(tmp_path):
 
 def _cli_env(**extra):
     env = {k: v for k, v in os.environ.items()
-           if k != "XLA_FLAGS" and (not k.startswith(("SLURM_", "EDIT_JAX_", "OMPI_", "JAX_COORDINATOR"))
-                                    or k == "EDIT_JAX_COMPILE_CACHE")}  # (the suite's shared compile cache)
-    env.update(PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu", **extra)
+           if not k.startswith(("SLURM_", "EDIT_JAX_", "OMPI_", "JAX_COORDINATOR"))
+           or k == "EDIT_JAX_COMPILE_CACHE"}  # (the suite's shared compile cache)
+    env.update(PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu",
+               XLA_FLAGS=child_xla_flags(), **extra)
     return env
 
 

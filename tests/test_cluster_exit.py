@@ -11,7 +11,7 @@ import time
 
 from edit_jax.runtime.cluster_exit import EXIT_RETRY, EXIT_SHRINK, exit_code_for
 from edit_jax.runtime.launch import free_port, process_state
-from tests.helpers import REPO
+from tests.helpers import REPO, child_xla_flags
 
 TRAIN = [sys.executable, "-m", "edit_jax", "train", "--distributed", "--config", "configs/tiny.py", "--no-progress",
          "mesh.replica=2", "mesh.shard=2", "mesh.processes=2", "batch_size=8", "data.seq_len=32", "log_every=1",
@@ -20,9 +20,9 @@ TRAIN = [sys.executable, "-m", "edit_jax", "train", "--distributed", "--config",
 
 def _env(port, i, **extra):
     env = {k: v for k, v in os.environ.items()
-           if k != "XLA_FLAGS" and (not k.startswith(("SLURM_", "EDIT_JAX_", "OMPI_", "JAX_COORDINATOR"))
-                                    or k == "EDIT_JAX_COMPILE_CACHE")}  # (the suite's shared compile cache)
-    env.update(PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu",
+           if not k.startswith(("SLURM_", "EDIT_JAX_", "OMPI_", "JAX_COORDINATOR"))
+           or k == "EDIT_JAX_COMPILE_CACHE"}  # (the suite's shared compile cache)
+    env.update(PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu", XLA_FLAGS=child_xla_flags(),
                EDIT_JAX_COORDINATOR=f"127.0.0.1:{port}", EDIT_JAX_NUM_PROCESSES="2", EDIT_JAX_PROCESS_ID=str(i))
     env.update(extra)
     return env

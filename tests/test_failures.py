@@ -25,7 +25,7 @@ from edit_jax.rundir.integrity import checksum_mismatches, finite_report, nonfin
 from edit_jax.rundir.runlock import LOCK_NAME, RunDirError, RunLock, RunLockError
 from edit_jax.training.train import train
 from edit_jax.validate import load_config
-from tests.helpers import REPO, interrupt_when, run_session, tiny_config
+from tests.helpers import REPO, child_xla_flags, interrupt_when, run_session, tiny_config
 
 TINY = os.path.join(REPO, "configs", "tiny.py")
 
@@ -35,7 +35,7 @@ def devs(cfg):
 
 
 def _cli_env():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets its own device count
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags())  # the CLI sets its own device count
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

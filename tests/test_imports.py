@@ -11,7 +11,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from tests.helpers import REPO
+from tests.helpers import REPO, child_xla_flags
 
 PACKAGE = "edit_jax"
 
@@ -283,7 +283,7 @@ def test_graph_reads_every_form_of_import():
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags())
     env["JAX_PLATFORMS"] = "cpu"
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)

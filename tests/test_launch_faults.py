@@ -19,7 +19,7 @@ import pytest
 
 from edit_jax.rundir.checkpoint import steps_on_disk
 from edit_jax.runtime.launch import lost_worker, process_state
-from tests.helpers import REPO, kill_group, run_session
+from tests.helpers import REPO, child_xla_flags, kill_group, run_session
 
 HOOKS = os.path.join(REPO, "tests", "worker_hooks")
 TINY = ["--config", "configs/tiny.py", "--no-progress", "mesh.replica=2", "mesh.shard=2", "mesh.processes=2",
@@ -27,7 +27,7 @@ TINY = ["--config", "configs/tiny.py", "--no-progress", "mesh.replica=2", "mesh.
 
 
 def _env(tmp_path, **extra):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the launcher sets its workers' own
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags())  # the launcher sets its workers' own
     env["PYTHONPATH"] = os.pathsep.join([HOOKS, REPO, env.get("PYTHONPATH", "")])
     env.update(EDIT_JAX_TEST_LOG=str(tmp_path / "hooks.log"), EDIT_JAX_TEST_GO=str(tmp_path / "go"), **extra)
     return env

@@ -11,7 +11,7 @@ import jax
 from edit_jax.localsgd.methods import plan_for
 from edit_jax.models.llama import count_params, init_params
 from edit_jax.tools.plan import plan, step_kinds
-from tests.helpers import REPO, tiny_config
+from tests.helpers import REPO, child_xla_flags, tiny_config
 
 
 def test_plan_of_a_small_edit_config():
@@ -43,7 +43,7 @@ def test_step_kinds_follow_the_schedule():
 
 
 def test_cli_writes_json_with_fits_and_exit_codes(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags())
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     out = tmp_path / "plan.json"
     cmd = [sys.executable, "-m", "edit_jax", "plan", "--config", "configs/tiny.py", "mesh.replica=2", "mesh.shard=2",

@@ -12,7 +12,7 @@ import sys
 import time
 
 from edit_jax.rundir.checkpoint import steps_on_disk
-from tests.helpers import REPO, kill_group, run_session
+from tests.helpers import REPO, child_xla_flags, kill_group, run_session
 
 HOOKS = os.path.join(REPO, "tests", "worker_hooks")
 TINY = ["--config", "configs/tiny.py", "--no-progress", "mesh.replica=2", "mesh.shard=2", "mesh.processes=2",
@@ -21,7 +21,7 @@ TINY = ["--config", "configs/tiny.py", "--no-progress", "mesh.replica=2", "mesh.
 
 
 def _env(tmp_path, run, **extra):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the launcher sets its workers' own
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags())  # the launcher sets its workers' own
     env["PYTHONPATH"] = os.pathsep.join([HOOKS, REPO, env.get("PYTHONPATH", "")])
     env.update(EDIT_JAX_TEST_LOG=str(tmp_path / "hooks.log"), EDIT_JAX_TEST_GO=str(tmp_path / "go"),
                EDIT_JAX_TEST_RUN_DIR=str(run), **extra)

@@ -17,7 +17,7 @@ from edit_jax.config import ConfigError
 from edit_jax.rundir.checkpoint import CheckpointError
 from edit_jax.training.train import train
 from edit_jax.validate import load_config
-from tests.helpers import REPO, tiny_config
+from tests.helpers import REPO, child_xla_flags, tiny_config
 
 
 def devs(cfg):
@@ -112,7 +112,7 @@ def _cli(run_dir, *overrides):
     cmd = [sys.executable, "-m", "edit_jax", "train", "--config", "configs/tiny.py", "--run-dir", str(run_dir),
            "--no-progress", "method=edit", "steps=24", "log_every=1", "checkpoint_every=5", "sync.warmup_steps=3",
            "sync.tau=4", "data.seq_len=32", *overrides]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets its own device count
+    env = dict(os.environ, XLA_FLAGS=child_xla_flags())  # the CLI sets its own device count
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -272,6 +272,7 @@ def test_long_unlogged_run_does_not_deadlock(tmp_path):
     """With nothing fetched for many steps the loop used to queue every step, and XLA:CPU's
     collective rendezvous deadlocked on the 8-device mesh (abort after 40 s). The loop now caps the
     steps in flight. Reproduces in a fresh 8-device process (the CLI), not in this 64-device one."""
+    # XLA's default -O2, not the suite's -O0: the demo model's 100 steps ran 2x slower without it.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run([sys.executable, "-m", "edit_jax", "train", "--config", "configs/demo.py", "--run-dir",
                            str(tmp_path), "--no-progress", "method=baseline", "steps=100", "log_every=1000",

@@ -20,7 +20,7 @@ from edit_jax.config import ConfigError, LogConfig, apply_overrides, Config  # n
 from edit_jax.rundir.wandb_log import ID_FILE  # noqa: E402
 from edit_jax.training.train import train  # noqa: E402
 from edit_jax.validate import validate  # noqa: E402
-from tests.helpers import REPO, tiny_config  # noqa: E402
+from tests.helpers import REPO, child_xla_flags, tiny_config  # noqa: E402
 
 BLOCK = 32768
 
@@ -128,7 +128,8 @@ def test_wandb_needs_its_package_and_a_way_to_start(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="log.wandb_project"):
         validate(apply_overrides(Config(), ["log.wandb=true", "log.wandb_project= "]))
     # Online, with no API key anywhere: one line naming log.wandb, exit 2, before any step.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env["XLA_FLAGS"] = child_xla_flags()
     env.update(HOME=str(tmp_path), WANDB_MODE="online", WANDB_CONFIG_DIR=str(tmp_path / "wandb_config"),
                PYTHONPATH=REPO)
     run_dir = str(tmp_path / "run")
