@@ -239,14 +239,13 @@ def _train_and_report(cfg, run_dir: str, args) -> int:
         print(f"edit-jax: diverged: {e}", file=sys.stderr)
         return EXIT_DIVERGED
     except jax.errors.JaxRuntimeError as e:
-        if not args.distributed or "RESOURCE_EXHAUSTED" in str(e):
+        if not args.distributed or _runtime_cause(e) is None:
             raise
         return _retry_after(e)
     except (ConfigError, DataError, MeshError, CheckpointError, PlacementError, RunDirError) as e:
         # A save whose collective lost its peer (orbax all-gathers across processes) is the lost
         # peer's fault, not this checkpoint's: on a cluster, retry, as for any other collective.
-        runtime = _runtime_cause(e, jax.errors.JaxRuntimeError)
-        if args.distributed and isinstance(e, CheckpointError) and runtime is not None:
+        if args.distributed and isinstance(e, CheckpointError) and (runtime := _runtime_cause(e)) is not None:
             return _retry_after(runtime)
         kind = {ConfigError: "bad config", DataError: "data", MeshError: "mesh", CheckpointError: "checkpoint",
                 PlacementError: "placement", RunDirError: "run dir"}
@@ -263,12 +262,15 @@ def _train_and_report(cfg, run_dir: str, args) -> int:
     return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
 
 
-def _runtime_cause(e: BaseException, kind: type) -> BaseException | None:
-    """The first exception of type ``kind`` (not an out-of-memory one) that ``e`` was raised from."""
+def _runtime_cause(e: BaseException) -> BaseException | None:
+    """The first JAX runtime error, ``e`` itself or one it was raised from, that is not running
+    out of memory or disk (RESOURCE_EXHAUSTED): on a cluster, most likely a lost peer."""
+    import jax
+
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, kind) and "RESOURCE_EXHAUSTED" not in str(e):
+        if isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" not in str(e):
             return e
         e = e.__cause__ or e.__context__
     return None

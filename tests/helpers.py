@@ -1,7 +1,6 @@
 """Shared test helpers: tiny configs and meshes on the CPU-emulated devices of conftest.py."""
 
 import os
-import re
 import signal
 import subprocess
 import time
@@ -11,6 +10,7 @@ import numpy as np
 
 from edit_jax.config import Config, DataConfig, MeshConfig, OptimConfig, SyncConfig
 from edit_jax.models.llama import preset
+from edit_jax.runtime.launch import without_cpu_device_count
 from edit_jax.runtime.mesh import make_mesh
 from edit_jax.validate import validate
 
@@ -20,7 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def child_xla_flags() -> str:
     """The suite's XLA_FLAGS (conftest.py) for a CLI process a test starts, less the device count:
     the CLI and the launcher set their own from the mesh."""
-    return re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
+    return without_cpu_device_count(os.environ.get("XLA_FLAGS", ""))
 
 
 def tiny_config(replica=2, shard=4, method="baseline", **kw) -> Config:

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from edit_jax.runtime.cluster import ClusterError, cluster_params, local_device_ids
+from edit_jax.runtime.compile_cache import ENV_DIR
 from tests.helpers import REPO, child_xla_flags
 
 SLURM_ONE_TASK_PER_NODE = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "8", "SLURM_PROCID": "3", "SLURM_LOCALID": "0",
@@ -79,7 +80,7 @@ def test_two_processes_join_under_an_emulated_slurm_job(tmp_path):
     procs = []
     for i in range(2):
         env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("SLURM_", "EDIT_JAX_", "OMPI_")) or k == "EDIT_JAX_COMPILE_CACHE"}
+               if not k.startswith(("SLURM_", "EDIT_JAX_", "OMPI_")) or k == ENV_DIR}
         env.update(XLA_FLAGS=f"{child_xla_flags()} --xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                    PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""), JAX_COORDINATOR_PORT=str(port),
                    SLURM_JOB_ID="4242", SLURM_NTASKS="2", SLURM_PROCID=str(i), SLURM_LOCALID="0",
@@ -97,11 +98,13 @@ def test_two_processes_join_under_an_emulated_slurm_job(tmp_path):
 
 
 def _cli_env(**extra):
+    """The environment of a CLI process started as a cluster would: no cluster variables of this
+    shell's (the suite's shared compile cache kept), the suite's XLA flags, then ``extra``."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "EDIT_JAX_", "OMPI_", "JAX_COORDINATOR"))
-           or k == "EDIT_JAX_COMPILE_CACHE"}  # (the suite's shared compile cache)
+           if not k.startswith(("SLURM_", "EDIT_JAX_", "OMPI_", "JAX_COORDINATOR")) or k == ENV_DIR}
     env.update(PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu",
-               XLA_FLAGS=child_xla_flags(), **extra)
+               XLA_FLAGS=child_xla_flags())
+    env.update(extra)
     return env
 
 

@@ -44,8 +44,13 @@ def cache_dir_for(setting: str, run_dir: str | None) -> str | None:
         shared = os.environ.get(ENV_DIR, "").strip()
         if shared:
             return os.path.abspath(os.path.expanduser(shared))
-        return os.path.join(os.path.abspath(run_dir), DIR_NAME) if run_dir else None
+        return run_dir_cache(run_dir) if run_dir else None
     return os.path.abspath(os.path.expanduser(setting))
+
+
+def run_dir_cache(run_dir: str) -> str:
+    """The run dir's own cache directory (what "auto" is without ``$EDIT_JAX_COMPILE_CACHE``)."""
+    return os.path.join(os.path.abspath(run_dir), DIR_NAME)
 
 
 _SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
@@ -72,4 +77,4 @@ def compile_cache(directory: str | None):
         _cc.reset_cache()
 
 
-__all__ = ["DIR_NAME", "ENV_DIR", "MIN_COMPILE_SECONDS", "cache_dir_for", "compile_cache"]
+__all__ = ["DIR_NAME", "ENV_DIR", "MIN_COMPILE_SECONDS", "cache_dir_for", "compile_cache", "run_dir_cache"]

@@ -192,10 +192,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def without_cpu_device_count(flags: str) -> str:
+    """``XLA_FLAGS`` text less its CPU device count (a worker gets its own, from the mesh)."""
+    return re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags).strip()
+
+
 def worker_env(base: dict, coordinator: str, n: int, i: int, shard: int) -> dict:
     env = dict(base)
     env[ENV_FORWARDS] = "1"
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
+    flags = without_cpu_device_count(env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={shard}".strip()
     env.setdefault("JAX_PLATFORMS", "cpu")
     env.update({ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(n), ENV_PROCESS_ID: str(i)})

@@ -27,7 +27,7 @@ from edit_jax.localsgd.methods import normalise
 from edit_jax.rundir.checkpoint import CheckpointError, steps_on_disk
 from edit_jax.rundir.runlock import RunLock, RunLockError, check_writable, first_missing, remove_if_unused
 from edit_jax.runtime import multihost
-from edit_jax.runtime.compile_cache import DIR_NAME, cache_dir_for, compile_cache
+from edit_jax.runtime.compile_cache import cache_dir_for, compile_cache, run_dir_cache
 from edit_jax.runtime.launch import ENV_FORWARDS, take_forwarded
 from edit_jax.training.loop import TrainResult, run
 from edit_jax.training.resume import DivergedError
@@ -151,7 +151,7 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
         # Only the run dir's own cache: a directory of the user's (a path, $EDIT_JAX_COMPILE_CACHE)
         # may be shared with other runs, however new it is.
         new_cache = (lead and run_dir and cache is not None and not os.path.exists(cache)
-                     and cache == os.path.join(os.path.abspath(run_dir), DIR_NAME))
+                     and cache == run_dir_cache(run_dir))
         try:
             if run_dir:
                 check_writable(run_dir, deepest=lead)
