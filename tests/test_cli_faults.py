@@ -209,3 +209,28 @@ def test_config_file_that_cannot_be_read_is_exit_2_with_its_path(tmp_path, name,
                              str(tmp_path / "r")], 120, env=_env())
     assert code == 2 and str(path) in out and expected in out, out[-2000:]
     assert not (tmp_path / "r").exists()
+
+
+def test_checkpoints_removed_by_another_process_meanwhile_is_not_unwritable(tmp_path, monkeypatch):
+    """Worker 1 of a 2-process run checks the run dir while process 0's path probe creates and
+    removes ``checkpoints/``: the dir gone between worker 1's look and its access check was once
+    reported as "exists but is not writable" (exit 2; seen once under Python 3.12). The
+    interleaving is made here: the dir is removed just before the access check."""
+    from edit_jax.rundir import runlock
+
+    (tmp_path / "checkpoints").mkdir()
+    real_access = os.access
+
+    def access_after_the_probe_removed_it(path, mode):
+        if os.path.basename(path) == "checkpoints" and os.path.isdir(path):
+            os.rmdir(path)  # what process 0's _check_deepest_path does when it created the dir
+        return real_access(path, mode)
+
+    monkeypatch.setattr(runlock.os, "access", access_after_the_probe_removed_it)
+    check_writable(str(tmp_path), deepest=False)  # no RunDirError
+    monkeypatch.undo()
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints").chmod(0o500)
+    if not os.access(tmp_path / "checkpoints", os.W_OK):  # (root can write anywhere)
+        with pytest.raises(RunDirError, match="exists but is not writable"):
+            check_writable(str(tmp_path), deepest=False)

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import time
 from typing import Callable
 
@@ -52,12 +53,17 @@ def check_writable(run_dir: str, deepest: bool = True) -> None:
                           "use another --run-dir or fix its permissions") from e
     for name, want_dir in (("config.json", False), ("metrics.jsonl", False), ("checkpoints", True)):
         path = os.path.join(run_dir, name)
-        if not os.path.exists(path):
+        # Another process's probe can remove checkpoints/ between two looks (process 0 of a
+        # multi-process run creates and removes it in _check_deepest_path): one stat decides the
+        # kind, and a path gone by the access check was not unwritable.
+        try:
+            is_dir = stat.S_ISDIR(os.stat(path).st_mode)
+        except FileNotFoundError:
             continue
-        if os.path.isdir(path) != want_dir:
-            raise RunDirError(f"{path!r} is a {'directory' if os.path.isdir(path) else 'file'}, expected a "
+        if is_dir != want_dir:
+            raise RunDirError(f"{path!r} is a {'directory' if is_dir else 'file'}, expected a "
                               f"{'directory' if want_dir else 'file'}; move it away or use another --run-dir")
-        if not os.access(path, os.W_OK | (os.X_OK if want_dir else 0)):
+        if not os.access(path, os.W_OK | (os.X_OK if want_dir else 0)) and os.path.exists(path):
             raise RunDirError(f"{path!r} exists but is not writable; fix its permissions or use another --run-dir")
     if deepest:  # one process per run dir: two probing at once would race on creating checkpoints/
         _check_deepest_path(run_dir)
