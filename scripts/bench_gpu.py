@@ -40,6 +40,7 @@ def _args(argv):
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--attention", default="cudnn,xla")
+    p.add_argument("--no-remat", action="store_true", help="keep every activation (no rematerialisation)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=989.0)
@@ -58,7 +59,7 @@ def _config(a, attention: str):
     base = paper("350m", "edit")
     dtype = "bfloat16" if a.platform == "gpu" else "float32"
     cfg = base.__class__(**{**base.__dict__,
-                            "model": preset(a.preset, compute_dtype=dtype, remat=True, attention=attention),
+                            "model": preset(a.preset, compute_dtype=dtype, remat=not a.no_remat, attention=attention),
                             "mesh": MeshConfig(replica=a.replica, shard=a.shard, fused_gather=a.platform != "gpu"),
                             "data": DataConfig(seq_len=a.seq_len), "batch_size": a.batch,
                             "sync": base.sync.__class__(**{**base.sync.__dict__, "warmup_steps": 0, "tau": 1})})
@@ -114,6 +115,10 @@ def _sync_in_profile(programs, state, batch, log_dir: str) -> list[dict]:
     return out
 
 
+def _gib(x) -> str:
+    return "-" if x is None else f"{x / 2 ** 30:.2f}"
+
+
 def main(argv=None) -> int:
     a = _args(argv)
     if a.platform == "cpu":
@@ -142,6 +147,15 @@ def main(argv=None) -> int:
             row[kind] = {"median_s": med, "times_s": times,
                          "mfu": model_flops / med / (len(devices) * a.peak_tflops * 1e12)}
         row["sync_over_local"] = row["sync_forward"]["median_s"] / row["local"]["median_s"]
+        # Peak memory: what the device allocator saw (None off a GPU) against XLA's own figure for
+        # each compiled step (memory_analysis: what ``edit-jax plan --target`` reports per step).
+        stats = devices[0].memory_stats() or {}
+        row["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
+        row["bytes_limit"] = stats.get("bytes_limit")
+        for kind in ("local", "sync_forward"):
+            ma = programs.lowered(kind, state, batch).compile().memory_analysis()
+            row[kind]["xla_peak_bytes"] = None if ma is None else int(
+                ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes)
         row["attention_impl"] = programs.model_cfg.attention
         row["compiler_options"] = {k: str(v) for k, v in programs.compiler_options.items()}
         if a.profile:
@@ -150,7 +164,9 @@ def main(argv=None) -> int:
         print(f"{a.preset} {attention} ({row['attention_impl']}) on {a.replica} x {a.shard}: local "
               f"{row['local']['median_s'] * 1e3:.1f} ms (MFU {row['local']['mfu']:.3f}), sync_forward "
               f"{row['sync_forward']['median_s'] * 1e3:.1f} ms (MFU {row['sync_forward']['mfu']:.3f}), "
-              f"sync / local {row['sync_over_local']:.3f}")
+              f"sync / local {row['sync_over_local']:.3f}; peak {_gib(row['peak_bytes_in_use'])} GiB measured, "
+              f"XLA {_gib(row['local']['xla_peak_bytes'])} / {_gib(row['sync_forward']['xla_peak_bytes'])} GiB "
+              f"(local / sync_forward)", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "devices": [str(d) for d in devices], "results": results}, f, indent=1)
