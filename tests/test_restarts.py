@@ -54,6 +54,8 @@ def test_killed_worker_is_restarted_and_the_run_ends_with_the_uninterrupted_loss
     resumed, lost = int(line[1]), int(line[2])
     assert resumed % 2 == 0 and resumed <= killed_at and lost >= killed_at - resumed, (resumed, lost, killed_at)
     assert out.count("restart ") == 1 and "resumed from" in out, out[-3000:]
+    # The launcher's line names the checkpoint the workers resume from: the newest (keep 2: an older one is there too).
+    assert set(map(int, re.findall(r"edit-jax: resumed from \S*checkpoints[/\\](\d+)", out))) == {resumed}, out[-3000:]
     assert _losses(run) == _losses(ref) and sorted(_losses(ref)) == list(range(1, 9))
     assert steps_on_disk(str(run))[-1] == 8
 

@@ -151,5 +151,25 @@ def compressed_weighted_sum(delta: Any, w_all: jax.Array, compress: str, residua
     return unflatten(total.reshape(-1)), new_residual
 
 
-__all__ = ["BLOCK", "exchange_pattern", "wire_bytes_per_element", "quantize_int8", "dequantize_int8", "encode",
+def stacked_compressed_sum(delta: Any, w_all: jax.Array, compress: str, residual: Any = None) -> tuple[Any, Any]:
+    """``compressed_weighted_sum`` with every worker's values stacked on a leading axis [N] in one
+    program (``reduction.Stacked``): each worker's Δ_i (+ e_i) is quantized as it would be sent,
+    and the receivers' float32 sum Σ_i w_i·deq(q_i) is the all-gather pattern's (one
+    quantization). Returns (the sum, the stacked new residuals or None)."""
+    n = w_all.shape[0]
+
+    def send(d, e):  # one worker: its blocks as they cross the wire, decoded, and its new residual
+        flat, unflatten = flatten_unit(d, n * BLOCK)
+        x = flat if e is None else flat + flatten_unit(e, n * BLOCK)[0]
+        blocks = x.reshape(-1, BLOCK)
+        got = decode(encode(blocks, compress), compress)
+        return got, (None if e is None else unflatten((blocks - got).reshape(-1)))
+
+    got, new_residual = jax.vmap(send)(delta, residual)  # [N, nb, B]
+    total = jnp.sum(w_all.reshape((n, 1, 1)) * got, axis=0)
+    _, unflatten = flatten_unit(jax.tree.map(lambda x: x[0], delta), n * BLOCK)
+    return unflatten(total.reshape(-1)), new_residual
+
+
+__all__ = ["BLOCK", "stacked_compressed_sum", "exchange_pattern", "wire_bytes_per_element", "quantize_int8", "dequantize_int8", "encode",
            "decode", "flatten_unit", "compressed_weighted_sum"]

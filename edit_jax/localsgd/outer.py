@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from edit_jax.localsgd.compress import compressed_weighted_sum
+from edit_jax.localsgd.compress import compressed_weighted_sum, stacked_compressed_sum
 from edit_jax.localsgd.methods import Penalty  # the static switches, part of a method's plan (re-exported here)
+from edit_jax.localsgd.reduction import Reduction, ReplicaPsum
 from edit_jax.localsgd.sharding import REPLICA, SHARD, replica_gather, shard_sq_norm
 
 
@@ -180,10 +181,16 @@ class UnitSync:
 
 def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: Penalty,
               opt: optax.GradientTransformation, replica_dims: Any = None, shares: jax.Array | None = None,
-              compress: str = "none", residual: Any = None) -> UnitSync:
+              compress: str = "none", residual: Any = None, reduction: Reduction | None = None) -> UnitSync:
     """Algorithm 2 for one unit. ``local`` and ``outer_params`` are this device's FSDP blocks of
     the unit, ``opt_state`` the unit's outer optimizer state (param-shaped leaves as blocks too);
     ``det`` is this worker's detector for the unit (scalars).
+
+    ``reduction`` (``reduction.py``) is how the workers meet: ``ReplicaPsum()`` (the default) runs
+    per worker under ``shard_map`` with collectives over ``replica``; ``Stacked()`` takes every
+    worker's ``local`` and ``det`` (and ``residual``) stacked on a leading axis [N] in one program
+    and returns the workers' values (params, detector, residual, per-worker metrics) stacked the
+    same way. The penalty and the outer step are the same code either way.
 
     With ``replica_dims`` (the FSDP dim of each leaf), θ̄ and the outer state are sharded over
     ``replica`` too (each device holds 1/N of its shard block): see ``_sync_unit_over_replica``.
@@ -195,27 +202,36 @@ def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: P
     """
     if replica_dims is not None:
         return _sync_unit_over_replica(local, outer_params, opt_state, det, p, opt, replica_dims, shares)
-    local = jax.tree.map(lambda x: x.astype(jnp.float32), local)
-    # 1. pseudo gradient (old minus new) and 2. the norm of this worker's whole unit.
-    delta = jax.tree.map(lambda o, x: o - x, outer_params, local)
-    g = jnp.sqrt(shard_sq_norm(delta))
-    # 3. anomaly elimination (the norm is identical on all of the worker's shards, so are flags).
-    det, flagged = detector_step(det, g, p)
-    delta = jax.tree.map(lambda d: jnp.where(flagged, 0.0, d), delta)  # where: NaN * 0 is NaN
+    red = ReplicaPsum() if reduction is None else reduction
+
+    def worker(local, det):
+        local = jax.tree.map(lambda x: x.astype(jnp.float32), local)
+        # 1. pseudo gradient (old minus new) and 2. the norm of this worker's whole unit.
+        delta = jax.tree.map(lambda o, x: o - x, outer_params, local)
+        g = jnp.sqrt(red.sq_norm(delta))
+        # 3. anomaly elimination (the norm is identical on all of the worker's shards, so are flags).
+        det, flagged = detector_step(det, g, p)
+        delta = jax.tree.map(lambda d: jnp.where(flagged, 0.0, d), delta)  # where: NaN * 0 is NaN
+        return delta, g, det, flagged
+
+    delta, g, det, flagged = red.per_worker(worker, local, det)
     # 4. weighted average over workers (every worker's norm and flag: a few scalars over `replica`).
-    g_all, flags = replica_gather(g), replica_gather(flagged) > 0.5
+    g_all, flags = red.gather(g), red.gather_flags(flagged)
     w_all = mix_step_weights(softmax_weights(g_all, flags, p), shares, flags, p)
-    w = w_all[jax.lax.axis_index(REPLICA)]
     new_residual = None
     if compress == "none":
-        avg = jax.tree.map(lambda d: jax.lax.psum(w * d, REPLICA), delta)
+        avg = red.weighted_sum(w_all, delta)
     else:
         if residual is not None:
-            residual = jax.tree.map(lambda e: jnp.where(flagged, 0.0, e.astype(jnp.float32)), residual)
-        avg, new_residual = compressed_weighted_sum(delta, w_all, compress, residual)
+            residual = red.per_worker(
+                lambda e, f: jax.tree.map(lambda x: jnp.where(f, 0.0, x.astype(jnp.float32)), e), residual, flagged)
+        if red.stacked:
+            avg, new_residual = stacked_compressed_sum(delta, w_all, compress, residual)
+        else:
+            avg, new_residual = compressed_weighted_sum(delta, w_all, compress, residual)
     # 5.-6. clip, outer step.
     new_outer, new_opt_state, clip, avg_norm, update_norm = _outer_step(avg, outer_params, opt_state,
-                                                                        jnp.sum(w_all) > 0, p, opt, SHARD)
+                                                                        jnp.sum(w_all) > 0, p, opt, red.sq_norm)
     metrics = {
         "pseudo_grad_norm": g_all,  # [N]: every worker's norm of this unit
         "weight": w_all,
@@ -225,20 +241,25 @@ def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: P
         "update_norm": update_norm,
     }
     # 7. every worker restarts from θ̄ (a flagged worker loses its local progress).
-    return UnitSync(new_outer, new_outer, new_opt_state, det, metrics, new_residual)
+    params = new_outer
+    if red.stacked:
+        params = jax.tree.map(lambda o: jnp.broadcast_to(o, (g_all.shape[0],) + o.shape), new_outer)
+    return UnitSync(params, new_outer, new_opt_state, det, metrics, new_residual)
 
 
 def _outer_step(avg, outer_params, opt_state, any_ok, p: Penalty, opt, norm_axes):
     """Steps 5-6: clip the averaged pseudo gradient over the whole unit, then the optax outer step,
     skipped (a rollback of the window: θ̄ and the optimizer state kept) when every worker was
-    flagged."""
-    avg_norm = jnp.sqrt(shard_sq_norm(avg, norm_axes))
+    flagged. ``norm_axes``: the mesh axes a unit's blocks are split over, or a function giving
+    a tree's squared norm (a reduction's ``sq_norm``)."""
+    sq = norm_axes if callable(norm_axes) else (lambda t: shard_sq_norm(t, norm_axes))  # noqa: E731
+    avg_norm = jnp.sqrt(sq(avg))
     clip = jnp.minimum(1.0, p.clip_threshold / (avg_norm + 1e-6)) if p.clip else jnp.ones_like(avg_norm)
     avg = jax.tree.map(lambda d: d * clip, avg)
     updates, stepped = opt.update(avg, opt_state, outer_params)
     new_outer = jax.tree.map(lambda o, u: jnp.where(any_ok, o + u, o), outer_params, updates)
     new_opt_state = jax.tree.map(lambda old, new: jnp.where(any_ok, new, old), opt_state, stepped)
-    update_norm = jnp.sqrt(shard_sq_norm(jax.tree.map(lambda a, b: a - b, new_outer, outer_params), norm_axes))
+    update_norm = jnp.sqrt(sq(jax.tree.map(lambda a, b: a - b, new_outer, outer_params)))
     return new_outer, new_opt_state, clip, avg_norm, update_norm
 
 
