@@ -33,7 +33,7 @@ from edit_jax.config import Config, ConfigError, check_fields
 from edit_jax.config_files import read_config
 from edit_jax.data import corrupt, sources
 from edit_jax.hf import load as hf_load
-from edit_jax.localsgd import methods
+from edit_jax.localsgd import methods, rules
 from edit_jax.models import family
 from edit_jax.placement import validate as placement_rules
 from edit_jax.rundir import tensorboard, wandb_log
@@ -47,6 +47,7 @@ def validate(cfg: Config) -> None:
     family.validate(cfg)
     hf_load.validate(cfg)
     methods.validate(cfg)
+    rules.validate(cfg)
     placement_rules(cfg)
     multihost.validate(cfg)
     corrupt.validate(cfg)

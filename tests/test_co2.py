@@ -128,7 +128,7 @@ def test_co2_steps_match_numpy(co2_2x2):
         xs = _f64(local.params)  # x^i_t: [N, ...] leaves
         state, metrics = m.step_fn("local_then_sync")(state, batch)
         got = _f64(state)
-        a, pend = before.outer.params, before.outer.pending
+        a, pend = before.outer.params, before.outer.extra["pending"]
         m_old = {u: sgd_trace(before.outer.opt_state[u]) for u in ("root", "layers")}
         delta = jax.tree.map(lambda p: p.mean(axis=0), pend)  # the previous round's mean
         raw = jax.tree.map(lambda d, mo: BETA * mo + d / LAM, delta, m_old)
@@ -138,7 +138,7 @@ def test_co2_steps_match_numpy(co2_2x2):
         pend_new = jax.tree.map(lambda x, xi: x[None] - xi, a, xs)
         got_m = {u: sgd_trace(got.outer.opt_state[u]) for u in ("root", "layers")}
         for want, have, what in [(a_new, got.outer.params, "anchor"), (m_new, got_m, "momentum"),
-                                 (pend_new, got.outer.pending, "pending")]:
+                                 (pend_new, got.outer.extra["pending"], "pending")]:
             for w, h in zip(_leaves(want), _leaves(have)):
                 np.testing.assert_allclose(h, w, rtol=2e-5, atol=2e-7, err_msg=f"step {k}: {what}")
         for w, h in zip(_leaves(a_new), _leaves(got.params)):  # every worker restarts from a_{t+1}
@@ -157,7 +157,7 @@ def test_co2_evaluation_model_is_the_flush(co2_2x2):
         state, _ = m.step_fn("local_then_sync" if k % 2 else "local")(state, m.put_batch(random_batch(cfg, 10 + k)))
     before = _f64(state)
     synced, _ = m.sync_fn()(state)
-    delta = jax.tree.map(lambda p: p.mean(axis=0), before.outer.pending)
+    delta = jax.tree.map(lambda p: p.mean(axis=0), before.outer.extra["pending"])
     phi = CO2_SYNC["co2_momentum_clip"]
     flush = {u: jax.tree.map(lambda x, d, mo: x - ALPHA * np.clip(BETA * mo + d / LAM, -phi, phi),
                              before.outer.params[u], delta[u], sgd_trace(before.outer.opt_state[u]))
@@ -202,7 +202,7 @@ def test_co2_fixes_heavy_ball_and_no_penalty():
     mp = plan_for(tiny_config(2, 2, "co2", sync=CO2_SYNC))
     s = mp.cfg.sync
     assert (s.layerwise, s.nesterov, s.anomaly, s.weighting, s.clip) == (False, False, False, False, False)
-    assert mp.plan.stale and mp.plan.gap_penalty == 2.0 and mp.plan.outer.momentum_clip == 3e-4
+    assert mp.plan.rule == "stale" and mp.plan.gap_penalty == 2.0 and mp.plan.outer.momentum_clip == 3e-4
     assert str(mp.schedule.kind(1)) == "local_then_sync" and str(mp.schedule.kind(0)) == "local"
     assert plan_for(cpu("co2")).changed == () and plan_for(paper("1b", "co2")).changed == ()
 

@@ -235,9 +235,9 @@ def test_restart_line_names_the_newest_checkpoint(tmp_path):
 # ----------------------------------------------------------------------------- the check before a save
 
 
-def _state(nan_params=(), nan_opt=(), uses_outer=True, nan_outer=False, nan_shared=False):
+def _state(nan_params=(), nan_opt=(), keeps_outer=True, nan_outer=False, nan_shared=False):
     """A tiny TrainState of 2 workers: params and the inner optimizer's moments [2, 3], a shared
-    scalar in the inner optimizer's state, θ̄ [3] when ``uses_outer``; NaN where asked."""
+    scalar in the inner optimizer's state, θ̄ [3] when ``keeps_outer``; NaN where asked."""
     from edit_jax.localsgd.state import TrainState
 
     def per_worker(bad):
@@ -247,7 +247,7 @@ def _state(nan_params=(), nan_opt=(), uses_outer=True, nan_outer=False, nan_shar
         return jnp.asarray(x)
 
     outer = None
-    if uses_outer:
+    if keeps_outer:
         outer = {"params": jnp.full((3,), np.nan if nan_outer else 0.5, jnp.float32),
                  "syncs": jnp.int32(2)}
     return TrainState(step=jnp.int32(6), params={"w": per_worker(nan_params)},
@@ -263,7 +263,7 @@ def test_check_before_save_one_nonfinite_worker_skips_mid_run_and_fails_at_the_e
 
     for final in (False, True):
         assert check_before_save(_state(), 6, True, final, 4) is True
-        assert check_before_save(_state(uses_outer=False), 6, False, final, 4) is True
+        assert check_before_save(_state(keeps_outer=False), 6, False, final, 4) is True
 
     # Worker 1 non-finite (params, or only its inner moments), θ̄ finite: the sync will roll it back.
     one_bad = _state(nan_params=[1], nan_opt=[1])
@@ -278,7 +278,7 @@ def test_check_before_save_one_nonfinite_worker_skips_mid_run_and_fails_at_the_e
     # Never recoverable, mid-run either: no outer state (the Baseline), every worker non-finite,
     # θ̄ non-finite, the inner optimizer's shared state non-finite.
     with pytest.raises(DivergedError, match="Last good checkpoint: none"):
-        check_before_save(_state(nan_params=[1], uses_outer=False), 6, False, False, None)
+        check_before_save(_state(nan_params=[1], keeps_outer=False), 6, False, False, None)
     with pytest.raises(DivergedError, match="params of workers 0, 1"):
         check_before_save(_state(nan_params=[0, 1]), 6, True, False, 4)
     with pytest.raises(DivergedError, match="outer"):

@@ -42,7 +42,7 @@ def _simulate(step_times, tau_time, min_total, target, horizon=100.0):
     enters the meeting, which happens when the last worker arrives; every worker then gets the
     same decision from the exchanged counts. The counts are the drivers' own bookkeeping
     (drivers.WorkerSteps). Returns the meetings: (time, steps since the last sync that ran, decision)."""
-    sched = TimeSchedule(True, True, 0, 1, tau_time, min_total, target)
+    sched = TimeSchedule(True, True, 0, tau_time, min_total, target)
     n = len(step_times)
     workers = [WorkerSteps(0) for _ in range(n)]
     clock, last = [0.0] * n, 0.0

@@ -127,10 +127,10 @@ def test_config_errors_name_the_key(overrides, key):
 def test_defaults_keep_the_state_structure():
     """fragments=1, compress=none: no residual in the state (checkpoints keep their structure)."""
     cfg = _cfg(*BASE4, "sync.method=edit")
-    assert state_shapes(cfg).outer.residual is None
+    assert state_shapes(cfg).outer.extra["residual"] is None
     ef = state_shapes(_cfg(*BASE4, "sync.method=edit", "sync.compress=int8", "sync.error_feedback=true"))
-    assert jax.tree.structure(ef.outer.residual) == jax.tree.structure(ef.params)
-    assert [x.shape for x in jax.tree.leaves(ef.outer.residual)] == [x.shape for x in jax.tree.leaves(ef.params)]
+    assert jax.tree.structure(ef.outer.extra["residual"]) == jax.tree.structure(ef.params)
+    assert [x.shape for x in jax.tree.leaves(ef.outer.extra["residual"])] == [x.shape for x in jax.tree.leaves(ef.params)]
 
 
 # ============================================================================= staggered sync vs NumPy
@@ -490,13 +490,13 @@ def test_error_feedback_state_through_the_machinery():
     cfg = _cfg(*EDIT4, "sync.compress=int8", "sync.error_feedback=true")
     m = StepPrograms.for_config(cfg, _mesh(cfg))
     start = _crafted_state(m, _host(m.init_state(0)))
-    assert start.outer.residual is not None
-    assert m.state_specs.outer.residual == m.state_specs.params  # [N, ...], sharded like the params
+    assert start.outer.extra["residual"] is not None
+    assert m.state_specs.outer.extra["residual"] == m.state_specs.params  # [N, ...], sharded like the params
     synced, metrics = _host(m.sync_fn()(_put(m, start)))
     flags = np.asarray(metrics["unit_flagged"])  # [U, N]
     for u in range(1 + cfg.model.n_layers):
         for i in range(m.n):
-            res = _unit(jax.tree.map(lambda x: x[i], synced.outer.residual), u)
+            res = _unit(jax.tree.map(lambda x: x[i], synced.outer.extra["residual"]), u)
             if flags[u, i]:
                 assert all(np.all(x == 0) for x in res), (u, i)
                 continue
@@ -522,8 +522,8 @@ def test_error_feedback_residual_is_checkpointed(tmp_path):
     m = StepPrograms.for_config(cfg, _mesh(cfg))
     host = _host(m.init_state(0))
     rng = np.random.default_rng(5)
-    host = host.replace(outer=host.outer.replace(residual=jax.tree.map(
-        lambda x: rng.standard_normal(x.shape).astype(np.float32), host.outer.residual)))
+    host = host.replace(outer=host.outer.replace(extra={"residual": jax.tree.map(
+        lambda x: rng.standard_normal(x.shape).astype(np.float32), host.outer.extra["residual"])}))
     ck = Checkpointer(str(tmp_path), 2)
     try:
         ck.save(3, _put(m, host), {"position": 0}, cfg)
@@ -531,6 +531,6 @@ def test_error_feedback_residual_is_checkpointed(tmp_path):
         with pytest.raises(CheckpointError, match="sync.error_feedback"):
             ck.check_compatible(ck.read_meta(3), _cfg(*BASE4, "sync.method=edit", "sync.compress=int8"), 3)
         restored, _ = ck.restore(3, m.abstract_state())
-        _assert_tree_close(_host(restored.outer.residual), host.outer.residual, "residual", rtol=0, atol=0)
+        _assert_tree_close(_host(restored.outer.extra["residual"]), host.outer.extra["residual"], "residual", rtol=0, atol=0)
     finally:
         ck.close()

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from edit_jax.localsgd import sync
+from edit_jax.localsgd import layerwise, stale, sync, whole_model
 from edit_jax.localsgd.fragments import fragment_layers, fragment_of_unit
 from edit_jax.localsgd.methods import plan_for
 from edit_jax.localsgd.outer import Detector, sgd_trace
@@ -55,6 +55,11 @@ def _mapped(layout: StateLayout, fn):
     f = jax.jit(jax.shard_map(lambda p, o: fn(p, o, layout), mesh=layout.mesh, in_specs=(specs.params, specs.outer),
                               out_specs=(specs.params, specs.outer, P())))
     return lambda state: _host(f(state.params, state.outer))
+
+
+def _whole(p, o, lay, span=None):
+    """The whole-model sync as ``_mapped`` wants it: (params, outer, metrics)."""
+    return whole_model.sync_whole(p, o, lay.sync_spec, span=span)[:3]
 
 
 def _n_units(layout) -> int:
@@ -127,7 +132,7 @@ def test_sync_whole_matches_numpy(replica, shard):
     np.testing.assert_array_equal(info["flagged"], want_flags)
     assert info["clip"][0] < 1 and info["clip"][1] == 1.0 and not info["skipped"].any()
 
-    params, outer, metrics = _mapped(layout, sync.sync_whole)(_put(layout, start))
+    params, outer, metrics = _mapped(layout, _whole)(_put(layout, start))
     units = list(range(_n_units(layout)))
     _check_units(params, outer, metrics, start, ref, units, f"{replica} x {shard}")
     assert int(outer.syncs) == int(start.outer.syncs) + 1
@@ -156,7 +161,7 @@ def test_sync_whole_of_one_group_leaves_the_other_units_alone(group):
     assert ref[-1]["flagged"][units].sum() == 1
 
     span = fragment_layers(groups, group)
-    params, outer, metrics = _mapped(layout, lambda p, o, lay: sync.sync_whole(p, o, lay, span=span))(
+    params, outer, metrics = _mapped(layout, lambda p, o, lay: _whole(p, o, lay, span=span))(
         _put(layout, start))
     _check_units(params, outer, metrics, start, ref, units, f"group {group}")
     assert metrics["unit_pseudo_grad_norm"].shape == (len(units), 2)
@@ -178,13 +183,14 @@ def _as_in_forward(params, outer, layout):
     """The layer-wise sync the way ``family.forward`` drives the hook: the root, then a scan over
     the layers, each unit through ``sync_in_forward``; then ``assemble_forward``. (The forward would
     also gather each returned unit over ``shard``; nothing of the sync depends on it.)"""
-    hook_xs, segments = sync.forward_inputs(outer, layout)
+    spec = layout.sync_spec
+    hook_xs, segments = layerwise.forward_inputs(outer, spec)
     assert segments is None
     local = jax.tree.map(lambda x: x[0], params)
-    _, root = sync.sync_in_forward(local["root"], hook_xs["root"], "root", layout)
-    _, layers = jax.lax.scan(lambda c, x: (c, sync.sync_in_forward(x[0], x[1], "layer", layout)[1]), None,
+    _, root = layerwise.sync_in_forward(local["root"], hook_xs["root"], "root", spec)
+    _, layers = jax.lax.scan(lambda c, x: (c, layerwise.sync_in_forward(x[0], x[1], "layer", spec)[1]), None,
                              (local["layers"], hook_xs["layers"]))
-    return sync.assemble_forward(params, outer, {"root": root, "layers": layers})
+    return layerwise.assemble_forward(params, outer, {"root": root, "layers": layers})[:3]
 
 
 def test_layerwise_sync_matches_numpy_and_the_whole_sync():
@@ -194,7 +200,7 @@ def test_layerwise_sync_matches_numpy_and_the_whole_sync():
                   _ref_of(layout.cfg))
     params, outer, metrics = _mapped(layout, _as_in_forward)(_put(layout, start))
     _check_units(params, outer, metrics, start, ref, list(range(_n_units(layout))), "layer-wise")
-    w_params, w_outer, w_metrics = _mapped(layout, sync.sync_whole)(_put(layout, start))
+    w_params, w_outer, w_metrics = _mapped(layout, _whole)(_put(layout, start))
     _assert_tree_close((params, outer.params, outer.trace), (w_params, w_outer.params, w_outer.trace),
                        "layer-wise vs whole", rtol=1e-6, atol=1e-7)
     for k in sync.SYNC_METRICS[:-1]:  # all but inner_reset (the step's, after the sync)
@@ -224,12 +230,13 @@ def test_sync_stale_is_one_round_stale():
 
     trace = noise(start.outer.params, 0.01)
     state = start.replace(params=jax.tree.map(lambda p, d: p - d, start.params, noise(start.params, 0.01)),
-                          outer=start.outer.with_trace(trace).replace(pending=noise(start.outer.pending, 0.01)))
+                          outer=start.outer.with_trace(trace).replace(extra={"pending": noise(start.outer.extra["pending"], 0.01)}))
     f64 = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t)  # noqa: E731
-    run, flush = _mapped(layout, sync.sync_stale), _mapped(layout, lambda p, o, lay: sync.sync_stale(p, o, lay, True))
+    run = _mapped(layout, lambda p, o, lay: stale.sync_stale(p, o, lay.sync_spec))
+    flush = _mapped(layout, lambda p, o, lay: stale.sync_stale(p, o, lay.sync_spec, True))
 
     def expected(st):
-        a, x, pend = f64(st.outer.params), f64(st.params), f64(st.outer.pending)
+        a, x, pend = f64(st.outer.params), f64(st.params), f64(st.outer.extra["pending"])
         m_old = f64({u: sgd_trace(st.outer.opt_state[u]) for u in ("root", "layers")})
         raw = jax.tree.map(lambda mo, p: beta * mo + p.mean(0) / lam, m_old, pend)
         m = jax.tree.map(lambda r: np.clip(r, -phi, phi), raw)
@@ -242,12 +249,12 @@ def test_sync_stale_is_one_round_stale():
         what = f"round {rnd}"
         _assert_tree_close(outer.params, a_next, f"{what}: anchor", rtol=2e-5, atol=2e-7)
         _assert_tree_close(outer.trace, m, f"{what}: momentum", rtol=2e-5, atol=2e-7)
-        _assert_tree_close(outer.pending, pend_next, f"{what}: pending", rtol=2e-5, atol=2e-7)
+        _assert_tree_close(outer.extra["pending"], pend_next, f"{what}: pending", rtol=2e-5, atol=2e-7)
         _assert_tree_close(params, jax.tree.map(lambda a: np.broadcast_to(a, (2,) + a.shape), a_next),
                            f"{what}: every worker restarts from a_(t+1)", rtol=2e-5, atol=2e-7)
         assert int(outer.syncs) == int(state.outer.syncs) + 1
         sent = [math.sqrt(sum(float(np.sum(np.square(p[i], dtype=np.float64))) for p in jax.tree.leaves(
-            state.outer.pending))) for i in range(2)]
+            state.outer.extra["pending"]))) for i in range(2)]
         np.testing.assert_allclose(metrics["pseudo_grad_norm"], sent, rtol=1e-5, err_msg=what)
         np.testing.assert_allclose(metrics["unit_weight"], 0.5)
         assert not metrics["unit_flagged"].any() and not metrics["inner_reset"].any()
@@ -259,7 +266,7 @@ def test_sync_stale_is_one_round_stale():
         if rnd == 0:  # the flush: the same update, the pending kept as it was
             f_params, f_outer, _ = flush(_put(layout, state))
             _assert_tree_close(f_outer.params, a_next, "flush: anchor", rtol=2e-5, atol=2e-7)
-            for a, b in zip(jax.tree.leaves(f_outer.pending), jax.tree.leaves(state.outer.pending)):
+            for a, b in zip(jax.tree.leaves(f_outer.extra["pending"]), jax.tree.leaves(state.outer.extra["pending"])):
                 np.testing.assert_array_equal(a, b)
         # The next round: the workers step away from a_(t+1) (new local params x^i_(t+1)).
         state = state.replace(params=jax.tree.map(lambda p, d: p - d, params, noise(params, 0.01)), outer=outer)
@@ -291,7 +298,7 @@ def test_reset_nonfinite_workers_zeroes_only_the_bad_workers_moments():
     bad_norms = norms.copy()
     bad_norms[2, 2] = np.nan
 
-    f = jax.jit(jax.shard_map(lambda o, g: sync.reset_nonfinite_workers(o, {"unit_pseudo_grad_norm": g}, layout),
+    f = jax.jit(jax.shard_map(lambda o, g: sync.reset_nonfinite_workers(o, {"unit_pseudo_grad_norm": g}, layout.state_specs.opt_state),
                               mesh=layout.mesh, in_specs=(specs, P()), out_specs=(specs, P())))
     put = lambda o: jax.device_put(o, layout.state_shardings.opt_state)  # noqa: E731
     out, reset = _host(f(put(bad_opt), bad_norms))

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from edit_jax.config import ConfigError
+from edit_jax.localsgd.state import STATE_FORMAT
 from edit_jax.rundir.checkpoint import CheckpointError
 from edit_jax.training.train import train
 from edit_jax.validate import load_config
@@ -311,4 +312,33 @@ def test_legacy_checkpoint_resumes(tmp_path):
     np.testing.assert_allclose(result.final_val_loss, expected["final_val_loss"], rtol=tol)
     # and what it saved now is the current format
     meta = json.load(open(run / "checkpoints" / "8" / "meta" / "metadata"))
-    assert meta["state_format"] == 2
+    assert meta["state_format"] == STATE_FORMAT
+
+
+@pytest.mark.parametrize("case", ["co2", "edit_int8_ef"])
+def test_format2_checkpoint_resumes(tmp_path, case):
+    """A checkpoint of state format 2 (the error-feedback residuals and CO2's in-flight pseudo
+    gradients as fields of OuterState; now the rule's own subtree, ``outer.extra``) resumes and
+    reproduces the losses the old code computed without interruption."""
+    import shutil
+
+    from edit_jax.config import from_dict
+
+    src = os.path.join(REPO, "tests", "fixtures", "format2_run")
+    run = tmp_path / "run"
+    shutil.copytree(os.path.join(src, case, "checkpoints"), run / "checkpoints")
+    with open(os.path.join(src, case, "expected.json")) as f:
+        expected = json.load(f)
+    cfg = from_dict(expected["config"])
+    cfg.data.paths = (os.path.join(REPO, "tests", "fixtures", "legacy_edit_run", "corpus.txt"),)
+    result = train(cfg, str(run), progress=False, devices=jax.devices()[:4])
+    assert result.resumed_from == 4 and result.steps == 8
+    got = {r["step"]: r["loss"] for r in result.history}
+    want = {int(k): v for k, v in expected["losses"].items()}
+    assert sorted(got) == [5, 6, 7, 8]
+    tol = 0.0 if jax.__version__ == expected["jax"] else 1e-4
+    for k in got:
+        np.testing.assert_allclose(got[k], want[k], rtol=tol, err_msg=f"step {k}")
+    np.testing.assert_allclose(result.final_val_loss, expected["final_val_loss"], rtol=tol)
+    meta = json.load(open(run / "checkpoints" / "8" / "meta" / "metadata"))
+    assert meta["state_format"] == STATE_FORMAT

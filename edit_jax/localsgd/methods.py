@@ -17,10 +17,10 @@ the static ``Plan`` the compiled steps need, the *normalised* config (the sync f
 fixes are written as they take effect, so ``config.json`` says what ran), the list of fields it
 changed (announced by ``train``), and the ``Schedule`` the training loop queries each step.
 
-To add a method: one ``Method`` row in ``METHODS`` (and, if it needs a new kind of sync, its pure
-function in ``sync.py`` called from the step body in ``programs.py``; a new kind of step, a
-``Schedule`` that returns it). The config rules that ask this
-table (a known method and outer optimizer, what each method allows) are ``validate`` at the end.
+To add a method: one ``Method`` row in ``METHODS`` naming its sync rule (``rules.py``); a new kind
+of sync is one module of ``localsgd/`` with its ``SyncRule`` (``rule.py`` lists them) and one
+line in ``rules.RULES``. The config rules that ask this table (a known method and outer
+optimizer) are ``validate`` at the end; what each method allows is its rule's.
 """
 
 from __future__ import annotations
@@ -88,37 +88,41 @@ HSDP, LOCAL = StepKind("hsdp"), StepKind("local")
 class Method:
     name: str
     summary: str
-    uses_outer: bool  # keeps θ̄, an outer optimizer state and anomaly detectors
+    # The sync rule it runs (rules.py): "none" (no outer state), "whole_model", "layerwise",
+    # "stale"; "timed:RULE" for that rule due by wall clock with the workers at their own pace.
+    rule: str
     fixed: dict = field(default_factory=dict)  # sync fields this method sets whatever the config says
     penalty: bool = False  # EDiT's penalty (anomaly elimination, weighting, clipping) is configurable
-    time_based: bool = False  # syncs due by wall clock (TimeSchedule), not every tau steps
-    # After the warmup every worker steps at its own pace (the AsyncWorkers driver), one process per
-    # worker: its state moves between the worker's own mesh and the global one by reference.
-    asynchronous: bool = False
-    stale: bool = False  # CO2: the outer step applies the previous round's all-reduce (sync.sync_stale)
+
+    @property
+    def keeps_outer(self) -> bool:  # θ̄, an outer optimizer state and anomaly detectors
+        return self.rule != "none"
+
+    @property
+    def timed(self) -> bool:  # syncs due by wall clock (TimeSchedule); each worker at its own pace
+        return self.rule.startswith("timed:")
 
 
 _NO_PENALTY = dict(anomaly=False, weighting=False, clip=False)
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("baseline", "synchronous HSDP: gradients averaged over replica every step", uses_outer=False,
+    Method("baseline", "synchronous HSDP: gradients averaged over replica every step", rule="none",
            fixed=dict(layerwise=False, **_NO_PENALTY)),
     # θ̄ = the plain mean of the workers: SGD with lr 1 and no momentum on the pseudo gradient.
-    Method("post_local_sgd", "W synchronous steps, then params averaged every tau steps", uses_outer=True,
+    Method("post_local_sgd", "W synchronous steps, then params averaged every tau steps", rule="whole_model",
            fixed=dict(layerwise=False, outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0,
                       nesterov=False, **_NO_PENALTY)),
     Method("diloco", "pseudo gradients of the whole model after the step, outer optimizer, every tau",
-           uses_outer=True, fixed=dict(layerwise=False, **_NO_PENALTY)),
+           rule="whole_model", fixed=dict(layerwise=False, **_NO_PENALTY)),
     Method("edit", "pseudo gradients layer by layer in the forward, penalised, outer optimizer, every tau",
-           uses_outer=True, penalty=True),
+           rule="layerwise", penalty=True),
     # A-EDiT: EDiT's sync, due by wall clock per worker (one process per worker, multihost.py).
-    Method("a_edit", "EDiT's sync every tau_time seconds; workers step at their own pace", uses_outer=True,
-           penalty=True, time_based=True, asynchronous=True),
+    Method("a_edit", "EDiT's sync every tau_time seconds; workers step at their own pace", rule="timed:layerwise",
+           penalty=True),
     # CO2 (Sun et al., ICLR 2024; docs/design/CO2.md): heavy-ball outer momentum on the
     # previous round's mean pseudo gradient, so the all-reduce never waits for this round's steps.
     Method("co2", "outer step on the previous round's all-reduced pseudo gradient (one round stale), every tau",
-           uses_outer=True, stale=True,
-           fixed=dict(layerwise=False, outer_optimizer="nesterov", nesterov=False, **_NO_PENALTY)),
+           rule="stale", fixed=dict(layerwise=False, outer_optimizer="nesterov", nesterov=False, **_NO_PENALTY)),
 )}
 
 OUTER_OPTIMIZERS = ("nesterov", "adam")
@@ -166,13 +170,11 @@ class Plan:
     """The static facts the compiled steps need, derived once from the (normalised) config."""
 
     method: str
-    uses_outer: bool
+    rule: str  # the row's rule as it runs: EDiT's "layerwise" is "whole_model" under sync.layerwise=false
     layerwise: bool
     penalty: Penalty
     outer: OuterSpec
-    stale: bool = False  # CO2's one-round-stale sync (pending pseudo gradients in OuterState.pending)
     gap_penalty: float = 1.0  # CO2's staleness-gap penalty Lambda (outer.staleness_gap_penalty)
-    asynchronous: bool = False  # A-EDiT: after the warmup the loop drives each worker on its own (AsyncWorkers)
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -236,18 +238,29 @@ class SyncDecision:
 
 
 @dataclass(frozen=True)
-class TimeSchedule(StepSchedule):
-    """A-EDiT (EDIT.md, "A-EDiT"): synchronous warmup as ``StepSchedule``, then every worker takes
-    local steps at its own pace; a sync is due on a worker when ``tau_time`` seconds of wall time
-    (float64 clock) passed since the last one. At its due point a worker enters the meeting and
-    contributes its step counts; ``decide`` turns everyone's counts into one decision."""
+class TimeSchedule:
+    """A-EDiT (EDIT.md, "A-EDiT"): W synchronous (HSDP) steps, then every worker takes local steps
+    at its own pace; a sync is due on a worker when ``tau_time`` seconds of wall time (float64
+    clock) passed since the last one. At its due point a worker enters the meeting and contributes
+    its step counts; ``decide`` turns everyone's counts into one decision. It answers the questions
+    every schedule answers (``kind``, ``init_outer_due``, ``outer_is_live``), without a tau."""
 
+    uses_outer: bool
+    layerwise: bool
+    warmup: int  # W: synchronous (HSDP) steps first
     tau_time: float
     min_total_steps: int
     target_total_steps: int  # steps x workers: the global budget of inner steps (tokens / batch)
 
     def kind(self, k: int) -> StepKind:
         return HSDP if k < self.warmup else LOCAL
+
+    def init_outer_due(self, k: int) -> bool:
+        """The first sync (k == W > 0) only sets θ̄ to the (identical) replicas' params."""
+        return self.uses_outer and self.warmup > 0 and k == self.warmup
+
+    def outer_is_live(self, k: int) -> bool:
+        return self.uses_outer and k > self.warmup
 
     def sync_kind(self) -> StepKind:
         return StepKind("sync_forward" if self.layerwise else "local_then_sync")
@@ -265,7 +278,7 @@ class TimeSchedule(StepSchedule):
         return SyncDecision(run, shares, int(round(total_done / len(steps_done))), finished)
 
 
-Schedule = StepSchedule  # the protocol every schedule follows: kind, init_outer_due, outer_is_live
+Schedule = StepSchedule | TimeSchedule  # each answers kind, init_outer_due, outer_is_live
 
 
 @dataclass(frozen=True)
@@ -278,7 +291,7 @@ class MethodPlan:
     def asynchronous_at(self, k: int) -> bool:
         """Step ``k`` (before it runs) is in the asynchronous phase: each worker at its own pace
         (A-EDiT after its warmup); the loop then drives the workers apart (drivers.AsyncWorkers)."""
-        return self.plan.asynchronous and k >= self.schedule.warmup
+        return isinstance(self.schedule, TimeSchedule) and k >= self.schedule.warmup
 
 
 def method(name: str) -> Method:
@@ -301,15 +314,18 @@ def plan_for(cfg: Config) -> MethodPlan:
     cfg, changed = normalise(cfg)
     m, s = method(cfg.sync.method), cfg.sync
     penalty = Penalty.from_config(s) if m.penalty else Penalty.off()
+    stale = m.rule == "stale"
     outer = OuterSpec(s.outer_optimizer, s.outer_lr, s.outer_momentum, s.nesterov, s.outer_b2,
-                      s.co2_momentum_clip if m.stale else 0.0)
-    plan = Plan(m.name, m.uses_outer, s.layerwise and m.uses_outer, penalty, outer, m.stale, s.co2_gap_penalty,
-                m.asynchronous)
-    if m.time_based:
-        schedule = TimeSchedule(m.uses_outer, plan.layerwise, s.warmup_steps, s.tau, s.tau_time, s.min_total_steps,
+                      s.co2_momentum_clip if stale else 0.0)
+    layerwise = s.layerwise and m.keeps_outer
+    # EDiT's layer-wise rule without sync.layerwise is the whole-model sync (with the penalty).
+    rule = m.rule if layerwise or not m.rule.endswith("layerwise") else m.rule.replace("layerwise", "whole_model")
+    plan = Plan(m.name, rule, layerwise, penalty, outer, s.co2_gap_penalty)
+    if m.timed:
+        schedule = TimeSchedule(m.keeps_outer, layerwise, s.warmup_steps, s.tau_time, s.min_total_steps,
                                 cfg.steps * cfg.mesh.replica)
     else:
-        schedule = StepSchedule(m.uses_outer, plan.layerwise, s.warmup_steps, s.tau, fragments=s.fragments)
+        schedule = StepSchedule(m.keeps_outer, layerwise, s.warmup_steps, s.tau, fragments=s.fragments)
     return MethodPlan(plan, cfg, changed, schedule)
 
 
@@ -323,51 +339,18 @@ def sync_fields_for(name: str) -> dict:
 
 def validate(cfg: Config) -> None:
     """The config's rules that ask the method table: a known ``sync.method`` and
-    ``sync.outer_optimizer``, and what a method allows (A-EDiT and fragments, CO2's fields)."""
+    ``sync.outer_optimizer``. What each method's rule allows is the rule's (``rules.validate``)."""
     s = cfg.sync
     require(s.method in METHODS, "sync.method", f"expected one of {', '.join(METHODS)}; got {s.method!r}")
     require(s.outer_optimizer in OUTER_OPTIMIZERS, "sync.outer_optimizer",
             f"expected one of {', '.join(OUTER_OPTIMIZERS)}; got {s.outer_optimizer!r}")
-    m = METHODS[s.method]
-    require(s.fragments == 1 or not m.time_based, "sync.fragments",
-            f"staggered fragments follow the step count (every tau steps); method {m.name} syncs by wall clock")
-    if m.asynchronous:
-        _validate_asynchronous(cfg, m)
-    _validate_co2(s)
 
 
-def _validate_asynchronous(cfg: Config, m: Method) -> None:
-    """An asynchronous method (A-EDiT) runs one process per worker, and its asynchronous phase moves
-    each worker's state between its own mesh and the global one by reference (multihost.to_local /
-    to_global): that needs the outer state on the devices and split over `shard` only."""
-    mesh, s = cfg.mesh, cfg.sync
-    require(mesh.processes == mesh.replica and mesh.replica > 1, "mesh.processes",
-            f"method {m.name} runs one process per worker: set mesh.processes=mesh.replica={mesh.replica} "
-            f"(with mesh.replica >= 2), got {mesh.processes}")
-    require(s.outer_sharding == "shard", "sync.outer_sharding",
-            f"method {m.name} keeps the outer state sharded over `shard` only (each worker holds a whole "
-            "copy between syncs); 'replica_shard' is for the lock-step methods")
-    require(not s.cpu_offload, "sync.cpu_offload", f"not supported with method {m.name} (each worker's state "
-            "moves between its own mesh and the global one by reference)")
-
-
-def _validate_co2(s: SyncConfig) -> None:
-    require(s.co2_gap_penalty > 0, "sync.co2_gap_penalty", f"must be positive, got {s.co2_gap_penalty}")
-    require(s.co2_momentum_clip >= 0, "sync.co2_momentum_clip", f"must be >= 0 (0: off), got {s.co2_momentum_clip}")
-    if s.method != "co2":
-        for key in ("co2_gap_penalty", "co2_momentum_clip"):  # set away from SyncConfig's default: a mistake
-            val = getattr(s, key)
-            require(val == getattr(SyncConfig, key), f"sync.{key}",
-                    f"is used by method co2 only (method is {s.method!r}); got {val}")
-        return
-    # CO2's stale sync is the whole model after the step, one all-reduce of the pending pseudo
-    # gradients; the streaming, quantized and replica-sharded exchanges are not built for it.
-    require(s.fragments == 1, "sync.fragments", f"method co2 syncs every unit together; got {s.fragments}")
-    require(s.compress == "none", "sync.compress", f"method co2 exchanges float32 pseudo gradients; got {s.compress!r}")
-    require(s.outer_sharding == "shard", "sync.outer_sharding",
-            f"method co2 needs 'shard' (the outer state is not split over replica); got {s.outer_sharding!r}")
+def keeps_outer(name: str) -> bool:
+    """Method ``name`` keeps θ̄ and an outer optimizer (its sync fields matter)."""
+    return method(name).keeps_outer
 
 
 __all__ = ["METHODS", "Method", "Plan", "OuterSpec", "Penalty", "MethodPlan", "StepSchedule", "TimeSchedule", "SyncDecision",
            "Schedule", "STEP_KINDS", "SYNC_KINDS", "StepKind", "HSDP", "LOCAL",
-           "OUTER_OPTIMIZERS", "plan_for", "normalise", "method", "sync_fields_for", "validate"]
+           "OUTER_OPTIMIZERS", "plan_for", "normalise", "method", "sync_fields_for", "validate", "keeps_outer"]

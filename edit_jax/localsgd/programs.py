@@ -10,8 +10,9 @@ program per kind of step (the method's schedule, ``methods.py``, picks one per s
 - ``local_then_sync``: a local step followed by a whole-model sync of every unit (DiLoCo, Post
   Local SGD, or EDiT with ``sync.layerwise=false``; CO2's one-round-stale sync).
 
-The syncs are pure functions in ``sync.py`` (which units, in which order, how their results go
-back into the state); this module puts them into the step bodies, compiles and caches them.
+The syncs are the method's sync rule's (``rule.py``: one module per kind of sync, pure functions
+over a narrow ``SyncSpec``); this module asks the rule where it runs and puts its sync into the
+step bodies, compiles and caches them. It never tests a method flag.
 
 Streaming (``sync.fragments=F > 1``): the units are split into F contiguous groups
 (``fragments.py``) and the two sync kinds carry the group, ``"sync_forward@f"`` and
@@ -43,10 +44,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec as P
 
 from edit_jax.config import Config
-from edit_jax.localsgd import sync
 from edit_jax.localsgd.fragments import fragment_layers, fragment_of_unit
 from edit_jax.localsgd.methods import STEP_KINDS, MethodPlan, StepKind, plan_for
 from edit_jax.localsgd.sharding import BATCH_SPEC, REPLICA, SHARD, gather_unit, named, shard_sq_norm
+from edit_jax.localsgd.rule import Span
 from edit_jax.localsgd.state import StateLayout, TrainState, init_outer_opt_state
 from edit_jax.localsgd.sync import SYNC_METRICS, SYNC_SCOPE
 from edit_jax.localsgd.xla_options import compiler_options
@@ -85,7 +86,8 @@ class StepPrograms:
         self.compiler_options = compiler_options(mesh.devices.flat[0].platform)
         self.state_specs, self.state_shardings = lay.state_specs, lay.state_shardings
         # Streaming sync: group of each unit (None: one group, every unit syncs together).
-        self.groups = fragment_of_unit(self.cfg) if self.plan.uses_outer and self.cfg.sync.fragments > 1 else None
+        self.rule = lay.rule  # the method's sync rule (rule.py): every sync below is its
+        self.groups = fragment_of_unit(self.cfg) if self.rule.keeps_outer and self.cfg.sync.fragments > 1 else None
         self._compiled: dict[Any, Any] = {}
 
     @classmethod
@@ -117,10 +119,10 @@ class StepPrograms:
             raise ValueError(f"step kind {str(kind)!r} does not fit this config: expected one of {STEP_KINDS} (sync "
                              f"kinds with '@f', 0 <= f < sync.fragments, when sync.fragments > 1)")
         if kind not in self._compiled:
-            uses_outer_here = kind.syncs
-            specs = self.state_specs if uses_outer_here else self.state_specs.replace(outer=None)
+            syncs_here = kind.syncs
+            specs = self.state_specs if syncs_here else self.state_specs.replace(outer=None)
             metric_specs = {"loss": P(REPLICA), "grad_norm": P(REPLICA)}
-            if uses_outer_here:
+            if syncs_here:
                 metric_specs.update({k: P() for k in SYNC_METRICS})
             mapped = jax.shard_map(partial(self._local_step, kind=kind), mesh=self.mesh,
                                    in_specs=(specs, BATCH_SPEC, P()), out_specs=(specs, metric_specs))
@@ -128,7 +130,7 @@ class StepPrograms:
             def step(state: TrainState, batch, shares=None):
                 """``shares`` ([N], A-EDiT syncs only): each worker's share of the steps since the
                 last sync, mixed into the sync weights (outer.mix_step_weights)."""
-                if not uses_outer_here:  # the outer state does not enter local steps at all
+                if not syncs_here:  # the outer state does not enter local steps at all
                     new, metrics = mapped(state.replace(outer=None), batch, shares)
                     return new.replace(outer=state.outer), metrics
                 new, metrics = mapped(state.replace(outer=self.layout.outer_to_device(state.outer)), batch, shares)
@@ -166,13 +168,13 @@ class StepPrograms:
 
     # -- the step body (per device, under shard_map) ---------------------------------------------
 
-    def _span(self, kind: StepKind) -> sync.Span | None:
+    def _span(self, kind: StepKind) -> Span | None:
         """The units a sync of ``kind`` covers: its fragment group's, or None (every unit)."""
         return fragment_layers(self.groups, kind.group) if kind.group is not None else None
 
     def _loss_and_grads(self, params, batch, hook_xs=None, segments=None, shares=None):
         """``((loss, ys), grads)`` of this device's tokens. Every unit passes the hook on its way
-        into compute: a unit with sync inputs in ``hook_xs`` is synced first (``sync.sync_in_forward``;
+        into compute: a unit with sync inputs in ``hook_xs`` is synced first (the rule's ``in_forward_sync``;
         ``ys`` holds its result), then every unit is FSDP-gathered over ``shard``."""
         cfg, lay = self.cfg, self.layout
         dtype = jnp.dtype(cfg.model.compute_dtype)
@@ -182,7 +184,7 @@ class StepPrograms:
             res = None
             if xs is not None:  # xs None: no sync in this step, or a unit outside the due group
                 with jax.named_scope(SYNC_SCOPE):  # the profile files these ops under "sync"
-                    unit, res = sync.sync_in_forward(unit, xs, which, lay, shares)
+                    unit, res = self.rule.in_forward_sync(unit, xs, which, lay.sync_spec, shares)
                 # The synced unit's shard, in the compute dtype, is kept for the backward (the
                 # model's remat saves HOOK_SAVED): recomputing it would run the sync's all-reduce
                 # across `replica` again. The gather within `shard` after it is still recomputed.
@@ -230,9 +232,9 @@ class StepPrograms:
         the forward for ``sync_forward``), the gradient mean over replicas for ``hsdp``, the inner
         AdamW update, and the sync after it for ``local_then_sync``."""
         kind = StepKind.parse(kind)
-        lay, span = self.layout, self._span(kind)
+        lay, span, rule = self.layout, self._span(kind), self.rule
         sync_in_forward = kind.name == "sync_forward"
-        hook_xs, segments = sync.forward_inputs(state.outer, lay, span) if sync_in_forward else (None, None)
+        hook_xs, segments = rule.forward_inputs(state.outer, lay.sync_spec, span) if sync_in_forward else (None, None)
         # Gradient accumulation (optim.grad_accum = k): this device's rows as k micro-batches. The
         # first carries EDiT's sync in its forward, exactly once per step as without accumulation;
         # the others then run at the synced params (θ̄ for the synced units), which is what the
@@ -243,8 +245,7 @@ class StepPrograms:
         params, outer, opt_state, metrics = state.params, state.outer, state.opt_state, {}
         if sync_in_forward:  # the synced units' params are θ̄: the inner update applies to them
             with jax.named_scope(SYNC_SCOPE):
-                params, outer, metrics = sync.assemble_forward(params, outer, ys, span)
-                opt_state, metrics["inner_reset"] = sync.reset_nonfinite_workers(opt_state, metrics, lay)
+                params, outer, opt_state, metrics, _ = rule.assemble(params, outer, opt_state, ys, lay.sync_spec, span)
         if k > 1:
             loss, grads = self._accumulated(params, micro[1:], loss, grads)
         if kind.name == "hsdp":
@@ -253,12 +254,9 @@ class StepPrograms:
         updates, opt_state = lay.inner_opt.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         if kind.name == "local_then_sync":
-            with jax.named_scope(SYNC_SCOPE):
-                if self.plan.stale:  # CO2: the previous round's exchange, which this round's steps overlapped
-                    params, outer, metrics = sync.sync_stale(params, outer, lay)
-                else:
-                    params, outer, metrics = sync.sync_whole(params, outer, lay, shares, span)
-                    opt_state, metrics["inner_reset"] = sync.reset_nonfinite_workers(opt_state, metrics, lay)
+            with jax.named_scope(SYNC_SCOPE):  # the rule's sync after the step (CO2: last round's exchange)
+                params, outer, opt_state, metrics, _ = rule.after_step(params, outer, opt_state, lay.sync_spec, shares,
+                                                                       span)
         # Per-replica figures leave the step sharded over `replica` ([N] globally) and are averaged
         # on the host: a pmean here would put an all-reduce across replicas into every local step.
         metrics.update(loss=jax.lax.psum(loss, SHARD)[None], grad_norm=grad_norm[None])
@@ -273,8 +271,8 @@ class StepPrograms:
             def body(state: TrainState):
                 theta = jax.tree.map(lambda x: x[0], state.params)
                 outer = state.outer.replace(params=theta, opt_state=init_outer_opt_state(self.layout.outer_opt, theta))
-                if outer.pending is not None:  # CO2: nothing in flight yet (Delta_{-1} = 0)
-                    outer = outer.replace(pending=jax.tree.map(jnp.zeros_like, outer.pending))
+                if outer.extra is not None:  # the rule's own subtree (CO2: nothing in flight yet)
+                    outer = outer.replace(extra=self.rule.reset_extra(outer.extra))
                 return state.replace(outer=outer)
 
             self._compiled["init_outer"] = jax.jit(body, out_shardings=self.state_shardings, donate_argnums=0)
@@ -283,11 +281,8 @@ class StepPrograms:
     def sync_fn(self):
         """A whole-model sync of ``state`` (not donated): for evaluation on a fresh θ̄ and for tests."""
         if "sync" not in self._compiled:
-            def body(state: TrainState):
-                if self.plan.stale:  # CO2: the model once the last all-reduce has landed (a flush)
-                    params, outer, metrics = sync.sync_stale(state.params, state.outer, self.layout, flush=True)
-                else:
-                    params, outer, metrics = sync.sync_whole(state.params, state.outer, self.layout)
+            def body(state: TrainState):  # CO2: the model once the last all-reduce has landed
+                params, outer, metrics, _ = self.rule.flush(state.params, state.outer, self.layout.sync_spec)
                 return state.replace(params=params, outer=outer), metrics
 
             mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(self.state_specs,),

@@ -34,12 +34,16 @@ from edit_jax.config import Config, ConfigError
 from edit_jax.localsgd.methods import MethodPlan, Plan, plan_for
 from edit_jax.localsgd.optim import inner_optimizer
 from edit_jax.localsgd.outer import Detector, make_outer_optimizer, sgd_trace, with_sgd_trace
+from edit_jax.localsgd.rule import SyncRule, SyncSpec
+from edit_jax.localsgd.rules import rule_for
 from edit_jax.localsgd.sharding import REPLICA, named, outer_specs, param_shard_dims, replica_specs, unit_dims
 from edit_jax.models.family import model_family
 
 # Format of the saved TrainState: 1 had OuterState.trace (SGD's momentum buffer only); 2 holds
-# the outer optimizer's whole per-unit state in OuterState.opt_state.
-STATE_FORMAT = 2
+# the outer optimizer's whole per-unit state in OuterState.opt_state, with the error-feedback
+# residual and CO2's in-flight pseudo gradients as fields of their own; 3 holds those in the
+# sync rule's own subtree, OuterState.extra.
+STATE_FORMAT = 3
 
 
 @struct.dataclass
@@ -48,10 +52,9 @@ class OuterState:
     opt_state: Any  # the outer optimizer's state, per unit: {"root": ..., "layers": ... (leading L)}
     detector: Detector  # per worker and unit: leaves [N, U] (window [N, U, K]); unit 0 is the root
     syncs: jax.Array  # int32: syncs applied (the initialising one not counted; with fragments: group-0 syncs)
-    residual: Any = None  # sync.error_feedback: per-worker quantization residual, laid out like params ([N, ...])
-    # CO2 (method co2): each worker's pseudo gradient of the last round, a_{t-1} - x^i_{t-1}, in
-    # flight: all-reduced at the next sync. Laid out like params ([N, ...]); zeros = Delta_{-1} = 0.
-    pending: Any = None
+    # The sync rule's own subtree (rule.py): None, or a dict such as {"pending": ...} (CO2's
+    # pseudo gradients in flight) or {"residual": ...} (error feedback), laid out like the params.
+    extra: Any = None
 
     @property
     def trace(self) -> Any:
@@ -81,6 +84,18 @@ class LegacyOuterState:
     syncs: jax.Array
 
 
+@struct.dataclass
+class OuterStateV2:
+    """The outer state as checkpoints of format 2 hold it (restore target only)."""
+
+    params: Any
+    opt_state: Any
+    detector: Detector
+    syncs: jax.Array
+    residual: Any = None
+    pending: Any = None
+
+
 def n_units(cfg: Config) -> int:
     return 1 + cfg.model.n_layers
 
@@ -100,15 +115,13 @@ def make_state(cfg: Config, plan: Plan, key: jax.Array, params: Any = None) -> T
     n = cfg.mesh.replica
     if params is None:
         params = model_family(cfg.model.family).init_params(cfg.model, key)
-    outer = None
-    if plan.uses_outer:
-        outer = OuterState(params, init_outer_opt_state(make_outer_optimizer(plan.outer), params),
-                           Detector.zeros((n, n_units(cfg)), cfg.sync.anomaly_warmup), jnp.int32(0))
     rep = jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), params)
-    if outer is not None and cfg.sync.error_feedback:
-        outer = outer.replace(residual=jax.tree.map(jnp.zeros_like, rep))
-    if outer is not None and plan.stale:
-        outer = outer.replace(pending=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), rep))
+    rule = rule_for(plan, cfg.sync)
+    outer = None
+    if rule.keeps_outer:
+        outer = OuterState(params, init_outer_opt_state(make_outer_optimizer(plan.outer), params),
+                           Detector.zeros((n, n_units(cfg)), cfg.sync.anomaly_warmup), jnp.int32(0),
+                           rule.init_extra(rep))
     opt_state = inner_optimizer(cfg.optim, cfg.steps).init(rep)
     return TrainState(jnp.int32(0), rep, opt_state, outer, jax.random.key_data(jax.random.fold_in(key, 1)))
 
@@ -126,6 +139,7 @@ class StateLayout:
     def __init__(self, method_plan: MethodPlan, mesh: Mesh):
         cfg = method_plan.cfg
         self.cfg, self.plan, self.schedule, self.mesh = cfg, method_plan.plan, method_plan.schedule, mesh
+        self.rule: SyncRule = rule_for(self.plan, cfg.sync)
         self.n, self.s = cfg.mesh.replica, cfg.mesh.shard
         self.inner_opt = inner_optimizer(cfg.optim, cfg.steps)
         self.outer_opt = make_outer_optimizer(self.plan.outer)
@@ -135,14 +149,14 @@ class StateLayout:
         self.unit_dims = {"root": unit_dims(self.shard_dims["root"], False),
                           "layer": unit_dims(self.shard_dims["layers"], True)}
         self.param_specs = replica_specs(abstract, self.shard_dims)
-        self.outer_over_replica = self.plan.uses_outer and cfg.sync.outer_sharding == "replica_shard"
+        self.outer_over_replica = self.rule.keeps_outer and cfg.sync.outer_sharding == "replica_shard"
         if self.outer_over_replica:
             self._check_outer_divisible(abstract)
         self.outer_param_specs = outer_specs(abstract, self.shard_dims, self.outer_over_replica)
         self.state_specs = self._state_specs(abstract)
         self.state_shardings = named(mesh, self.state_specs)
-        self.offload = self.plan.uses_outer and cfg.sync.cpu_offload
-        if self.plan.uses_outer:
+        self.offload = self.rule.keeps_outer and cfg.sync.cpu_offload
+        if self.rule.keeps_outer:
             # Where θ̄ and the outer optimizer state live while a step uses them (on the devices).
             o = self.state_specs.outer
             self.device_outer = named(mesh, {"params": o.params, "opt_state": o.opt_state})
@@ -153,6 +167,12 @@ class StateLayout:
                                   opt_state=jax.tree.map(host, self.state_specs.outer.opt_state, is_leaf=_is_spec))
             self.state_shardings = self.state_shardings.replace(outer=outer)
         self.tokens_per_replica = cfg.batch_size // self.n * cfg.data.seq_len
+        # What the rule's pure sync runs on (compression: the rule's wrapper sets it).
+        self.sync_spec = SyncSpec(self.plan.penalty, self.plan.outer, self.outer_opt, cfg.model.n_layers, self.n,
+                                  gap_penalty=self.plan.gap_penalty,
+                                  replica_dims={"root": self.unit_dims["root"], "layer": self.unit_dims["layer"]}
+                                  if self.outer_over_replica else None,
+                                  inner_opt_specs=self.state_specs.opt_state)
 
     def _check_outer_divisible(self, abstract):
         bad = [f"{jax.tree_util.keystr(path)} (dim {d} = {x.shape[d]})"
@@ -166,14 +186,12 @@ class StateLayout:
         rep = jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.n,) + x.shape, x.dtype), abstract_params)
         opt_specs = _opt_specs(self.inner_opt, jax.eval_shape(self.inner_opt.init, rep), self.param_specs)
         outer = None
-        if self.plan.uses_outer:
+        if self.rule.keeps_outer:
             opt_abstract = jax.eval_shape(partial(init_outer_opt_state, self.outer_opt), abstract_params)
             outer_opt_specs = {u: _opt_specs(self.outer_opt, opt_abstract[u], self.outer_param_specs[u])
                                for u in ("root", "layers")}
             det = Detector(P(REPLICA), P(REPLICA), P(REPLICA), P(REPLICA))
-            outer = OuterState(self.outer_param_specs, outer_opt_specs, det, P(),
-                               self.param_specs if self.cfg.sync.error_feedback else None,
-                               self.param_specs if self.plan.stale else None)
+            outer = OuterState(self.outer_param_specs, outer_opt_specs, det, P(), self.rule.extra_specs(self.param_specs))
         return TrainState(P(), self.param_specs, opt_specs, outer, P())
 
     # -- states ---------------------------------------------------------------------------------
@@ -215,16 +233,28 @@ class StateLayout:
 
     # -- saved states of another shape ----------------------------------------------------------
 
-    def legacy_abstract_state(self) -> TrainState:
-        """The restore target of a format-1 checkpoint (``outer.trace`` instead of ``opt_state``),
-        laid out like this run's state."""
-        return _as_legacy(self.abstract_state())
+    def abstract_state_of_format(self, fmt: int) -> TrainState:
+        """The restore target of a checkpoint of state format ``fmt`` (1: ``outer.trace`` instead of
+        ``opt_state``; 2: the rule's subtree as ``residual`` / ``pending`` fields), laid out like
+        this run's state."""
+        return as_format(self.abstract_state(), fmt, self.rule)
 
-    def upgrade_legacy(self, state: TrainState) -> TrainState:
-        """A format-1 state (SGD momentum buffer only) in this format: the outer optimizer's state
-        with that buffer as its trace. Only the SGD/Nesterov outer optimizer had such a state."""
-        if state.outer is None or not isinstance(state.outer, LegacyOuterState):
+    def legacy_abstract_state(self) -> TrainState:
+        """The restore target of a format-1 checkpoint."""
+        return self.abstract_state_of_format(1)
+
+    def upgrade(self, state: TrainState) -> TrainState:
+        """A state restored in an older format (``abstract_state_of_format``) in this format."""
+        if state.outer is None:
             return state
+        if isinstance(state.outer, OuterStateV2):
+            o = state.outer
+            return state.replace(outer=OuterState(o.params, o.opt_state, o.detector, o.syncs,
+                                                  self.rule.extra_from_format2(o.residual, o.pending)))
+        if not isinstance(state.outer, LegacyOuterState):
+            return state
+        # Format 1: SGD momentum buffer only: the outer optimizer's state with that buffer as its
+        # trace. Only the SGD/Nesterov outer optimizer had such a state.
         if self.plan.outer.name != "nesterov":
             raise ConfigError(f"config key 'sync.outer_optimizer': this checkpoint was written before outer "
                               f"optimizers were configurable and holds an SGD/Nesterov momentum buffer; resume it "
@@ -233,6 +263,8 @@ class StateLayout:
         fresh = init_outer_opt_state(self.outer_opt, jax.tree.map(np.asarray, old.params))
         opt_state = {u: with_sgd_trace(fresh[u], old.trace[u]) for u in ("root", "layers")}
         return state.replace(outer=OuterState(old.params, opt_state, old.detector, old.syncs))
+
+    upgrade_legacy = upgrade  # the name before format 3
 
     def elastic_state(self, host: TrainState, old_n: int) -> TrainState:
         """Maps a host state saved with ``old_n`` replicas onto this layout's N (same S): every
@@ -258,11 +290,8 @@ class StateLayout:
         if outer is not None:
             outer = outer.replace(detector=jax.tree.map(lambda x, s: remap(x, s, "detector"), outer.detector,
                                                         specs.outer.detector))
-            zeros = lambda t: jax.tree.map(lambda x: np.zeros((n,) + np.shape(x)[1:], np.asarray(x).dtype), t)  # noqa: E731
-            if outer.residual is not None:  # error-feedback residuals are per worker: every worker starts at 0
-                outer = outer.replace(residual=zeros(outer.residual))
-            if outer.pending is not None:  # CO2's in-flight pseudo gradients: the old round is dropped
-                outer = outer.replace(pending=zeros(outer.pending))
+            if outer.extra is not None:  # the rule's own subtree (error feedback, CO2's pending: per worker)
+                outer = outer.replace(extra=self.rule.remap_extra(outer.extra, n))
         state = TrainState(host.step, params, opt_state, outer, host.rng)
         return put_host(state, self.state_shardings)
 
@@ -283,19 +312,30 @@ def _opt_specs(opt: optax.GradientTransformation, opt_abstract: Any, param_specs
                                  transform_non_params=lambda _: P(), is_leaf=_is_spec)
 
 
+def state_shapes_of_format(cfg: Config, fmt: int) -> TrainState:
+    """Shapes of a state of format ``fmt`` for ``cfg`` (host restores of older checkpoints, and the
+    leaves their checksums were computed over)."""
+    mp = plan_for(cfg)
+    return as_format(state_shapes(cfg), fmt, rule_for(mp.plan, mp.cfg.sync))
+
+
 def legacy_state_shapes(cfg: Config) -> TrainState:
-    """Shapes of a format-1 state for ``cfg`` (host restores of old checkpoints)."""
-    return _as_legacy(state_shapes(cfg))
+    """Shapes of a format-1 state for ``cfg``."""
+    return state_shapes_of_format(cfg, 1)
 
 
-def _as_legacy(state: TrainState) -> TrainState:
-    """``state`` (shapes or abstract arrays) as format 1 holds it: the trace laid out like θ̄."""
-    if state.outer is None:
+def as_format(state: TrainState, fmt: int, rule: SyncRule) -> TrainState:
+    """``state`` (shapes or abstract arrays) as a checkpoint of format ``fmt`` holds it: 1 with the
+    trace laid out like θ̄; 2 with the rule's subtree as ``residual`` / ``pending``; 3 as it is."""
+    if state.outer is None or fmt >= STATE_FORMAT:
         return state
     o = state.outer
-    return state.replace(outer=LegacyOuterState(o.params, o.params, o.detector, o.syncs))
+    if fmt == 1:
+        return state.replace(outer=LegacyOuterState(o.params, o.params, o.detector, o.syncs))
+    fields = rule.extra_as_format2(o.extra) if o.extra is not None else {}
+    return state.replace(outer=OuterStateV2(o.params, o.opt_state, o.detector, o.syncs, **fields))
 
 
-__all__ = ["TrainState", "OuterState", "LegacyOuterState", "StateLayout", "STATE_FORMAT", "make_state", "state_shapes",
-           "put_host",
-           "legacy_state_shapes", "init_outer_opt_state", "n_units"]
+__all__ = ["TrainState", "OuterState", "LegacyOuterState", "OuterStateV2", "StateLayout", "STATE_FORMAT", "make_state",
+           "state_shapes", "put_host", "state_shapes_of_format", "legacy_state_shapes", "as_format",
+           "init_outer_opt_state", "n_units"]

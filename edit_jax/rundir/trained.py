@@ -28,7 +28,7 @@ import numpy as np
 
 from edit_jax.config import Config, ConfigError, from_dict
 from edit_jax.data import DataError, make_tokenizer
-from edit_jax.localsgd.state import STATE_FORMAT, legacy_state_shapes, state_shapes
+from edit_jax.localsgd.state import state_shapes, state_shapes_of_format
 from edit_jax.rundir.checkpoint import UnreadableCheckpointError, check_checksums
 from edit_jax.rundir.integrity import part_checksums
 
@@ -91,8 +91,8 @@ def load_trained(run_dir: str, step: int | None = None) -> TrainedModel:
     except Exception as e:  # noqa: BLE001 - orbax raises many types
         raise TrainedModelError(f"checkpoint {path} is unreadable (metadata): {type(e).__name__}: {e}") from e
     shapes = state_shapes(cfg)
-    # The shapes the checkpoint's checksums were computed over (a format-1 state has fewer leaves).
-    whole = legacy_state_shapes(cfg) if meta.get("state_format", 1) < STATE_FORMAT else shapes
+    # The shapes the checkpoint's checksums were computed over (as its format laid them out).
+    whole = state_shapes_of_format(cfg, meta.get("state_format", 1))
     use_outer = shapes.outer is not None and step > cfg.sync.warmup_steps
     item = {"outer": {"params": shapes.outer.params}} if use_outer else {"params": shapes.params}
     restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)

@@ -180,16 +180,14 @@ def parse_slowdown(text: str) -> dict[int, float]:
 
 
 def validate(cfg: Config) -> None:
-    """The config's multi-process rules: ``mesh.processes``, A-EDiT's timing fields, what one process
-    per worker does not support, and ``debug.slowdown``. No JAX: checked before JAX starts."""
-    mesh, s = cfg.mesh, cfg.sync
+    """The config's multi-process rules: ``mesh.processes``, what one process per worker does not
+    support, and ``debug.slowdown`` (A-EDiT's own rules: ``localsgd/timed.py``). No JAX backend:
+    checked before JAX starts."""
+    mesh = cfg.mesh
     require(mesh.processes in (1, mesh.replica), "mesh.processes",
             f"must be 1 (one program drives every replica) or mesh.replica={mesh.replica} (one process per "
             f"worker), got {mesh.processes}")
     require(mesh.heartbeat_seconds >= 1, "mesh.heartbeat_seconds", f"must be >= 1, got {mesh.heartbeat_seconds}")
-    require(s.tau_time > 0, "sync.tau_time", f"must be positive, got {s.tau_time}")
-    require(s.min_total_steps >= 1, "sync.min_total_steps", f"must be >= 1, got {s.min_total_steps}")
-    require(0.0 <= s.step_weight_ratio <= 1.0, "sync.step_weight_ratio", f"must be in [0, 1], got {s.step_weight_ratio}")
     if mesh.processes > 1:
         # The lock-step methods run one program over the global mesh whatever the process count, so
         # everything a single process supports holds (an asynchronous method's own rules: the

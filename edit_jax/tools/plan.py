@@ -124,7 +124,7 @@ def plan(cfg, device_memory_gb: float = 80.0, target: GpuTarget | None = None) -
             steps[kind]["xla_gpu"] = gpu_plan.step_report(compiled, kind, programs, need)
     tau = cfg.sync.tau
     window = None
-    if method_plan.plan.uses_outer:  # a tau window: tau - 1 local steps and the sync step
+    if programs.rule.keeps_outer:  # a tau window: tau - 1 local steps and the sync step
         local = steps.get("local", {}).get("replica_ring_bytes", 0.0)
         sync_kinds = [k for k in steps if k not in ("hsdp", "local")]
         sync_bytes = sum(steps[k]["replica_ring_bytes"] for k in sync_kinds) / max(len(sync_kinds), 1) \

@@ -169,7 +169,7 @@ def _bears_on(key: str, method: str) -> bool:
     m = METHODS.get(method)
     if m is None:  # a method this version does not know: show everything
         return True
-    return m.uses_outer and key[len("sync."):] not in m.fixed
+    return m.keeps_outer and key[len("sync."):] not in m.fixed
 
 
 def run_labels(configs: list[dict], paths: list[str] | None = None) -> list[str]:

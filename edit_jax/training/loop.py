@@ -353,7 +353,7 @@ class Training:
         if ckpt is None:
             return
         global_state = self.driver.global_state(self.state)
-        if check_before_save(global_state, step, self.programs.plan.uses_outer, final, ckpt.latest_step()):
+        if check_before_save(global_state, step, self.programs.rule.keeps_outer, final, ckpt.latest_step()):
             stream.step = step
             # A streamed corpus keeps each replica's position in the process that trains it: the
             # processes exchange them here (every process saves), so the checkpoint has them all.

@@ -25,7 +25,7 @@ import jax
 
 from edit_jax.config import Config, ConfigError
 from edit_jax.localsgd.programs import StepPrograms
-from edit_jax.localsgd.state import STATE_FORMAT, TrainState, legacy_state_shapes, state_shapes
+from edit_jax.localsgd.state import TrainState, state_shapes_of_format
 from edit_jax.rundir.checkpoint import Checkpointer, CheckpointError, UnreadableCheckpointError
 from edit_jax.rundir.integrity import finite_report, nonfinite_parts
 
@@ -40,18 +40,16 @@ def restore(ckpt: Checkpointer, step: int, cfg: Config, programs: StepPrograms, 
     meta = ckpt.read_meta(step) if meta is None else meta
     ckpt.check_compatible(meta, cfg, step)
     layout = programs.layout
-    legacy = meta.get("state_format", 1) < STATE_FORMAT
+    fmt = meta.get("state_format", 1)  # older formats are restored as written, then upgraded
     old_n = meta["config"]["mesh"]["replica"]
     try:
         if old_n == cfg.mesh.replica:
-            target = layout.legacy_abstract_state() if legacy else layout.abstract_state()
-            state, data_state = ckpt.restore(step, target, meta)
-            state = jax.device_put(layout.upgrade_legacy(state), layout.state_shardings)
+            state, data_state = ckpt.restore(step, layout.abstract_state_of_format(fmt), meta)
+            state = jax.device_put(layout.upgrade(state), layout.state_shardings)
         else:
             old_cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, replica=old_n))
-            host, data_state = ckpt.restore_host(step, legacy_state_shapes(old_cfg) if legacy else state_shapes(old_cfg),
-                                                 meta)
-            state = layout.elastic_state(layout.upgrade_legacy(host), old_n)
+            host, data_state = ckpt.restore_host(step, state_shapes_of_format(old_cfg, fmt), meta)
+            state = layout.elastic_state(layout.upgrade(host), old_n)
     except ConfigError as e:
         raise CheckpointError(f"checkpoint {os.path.join(ckpt.directory, str(step))}: {e}") from e
     return state, data_state
@@ -136,7 +134,7 @@ def set_aside_untrusted(ckpt: Checkpointer, trusted_through: int | None, say, le
     return moved
 
 
-def check_before_save(state: TrainState, step: int, uses_outer: bool, final: bool, last_good) -> bool:
+def check_before_save(state: TrainState, step: int, keeps_outer: bool, final: bool, last_good) -> bool:
     """True if ``state`` may be saved. A state with non-finite values is never saved: the run stops
     (``DivergedError``) unless only some workers are non-finite in a Local SGD method with a finite
     outer state, mid-run (``final`` False): their next sync rolls them back to θ̄ and resets their
@@ -145,7 +143,7 @@ def check_before_save(state: TrainState, step: int, uses_outer: bool, final: boo
     bad = nonfinite_parts(report)
     if not bad:
         return True
-    recoverable = (uses_outer and bool(report["outer"]) and bool(report["opt_state (shared)"])
+    recoverable = (keeps_outer and bool(report["outer"]) and bool(report["opt_state (shared)"])
                    and bool((report["params"] & report["opt_state"]).any()))
     if recoverable and not final:
         return False

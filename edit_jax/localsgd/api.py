@@ -1,0 +1,442 @@
+"""DiLoCo / EDiT in anyone's JAX training: your model, your optax optimizer, your loop.
+
+    trainer = LocalSGD(diloco(), mesh, tau=16, inner_step=my_step)             # any pytree, any step
+    trainer = LocalSGD(edit(), mesh, tau=16, loss_fn=my_loss, optimizer=tx)    # layer-wise EDiT
+    state = trainer.init(params, opt_state)
+    for batch in batches:                                                      # batch: [N, B, ...]
+        state, metrics = trainer.step(state, batch)
+    theta_bar = trainer.sync(state)[0].outer_params
+
+N workers (the size of the mesh's ``replica`` axis) each train their own copy of the model, stacked
+on a leading axis [N, ...] sharded over ``replica``: ``jax.vmap(worker, axis_name="replica",
+spmd_axis_name="replica")`` under ``jax.jit``, so each replica's devices run their own worker and
+nothing crosses ``replica`` between syncs. Other mesh axes (e.g. ``shard``) split each worker's
+batch (dim 1 of the stacked batch): GSPMD partitions the worker's step as data parallelism.
+
+Every ``tau`` steps the workers sync (EDIT.md, Algorithm 2, ``outer.sync_unit``): pseudo gradients
+Δ_i = θ̄ − θ_i, the rule's penalty, the outer optimizer step on θ̄, every worker restarts from θ̄.
+Two compiled programs, picked on the host from the step count (a host integer, so picking never
+waits for the device): a local step, and a step with the sync.
+
+- Whole-model rules (``diloco``, ``post_local_sgd``, ``edit(layerwise=False)``): the sync runs after
+  the step of every tau-th step ((k + 1) % tau == 0 for the 0-based step k), on the whole params
+  pytree as one unit (one norm, one detector per worker), with the ``Stacked`` reduction: a sum
+  over the leading worker axis, which XLA turns into an all-reduce over ``replica``. Any pytree,
+  any inner step. The inner optimizer state is kept as it is (DiLoCo keeps it).
+- Layer-wise rules (``edit()``): the sync of the window of steps [k − tau, k) runs inside the
+  forward of step k (k > 0, k % tau == 0), unit by unit (the root, then each layer) on its way into
+  compute (``ReplicaPsum`` over the vmap axis), so a unit's exchange can overlap the previous unit's
+  compute. The forward sees θ̄, the gradient is taken at θ̄ and the inner update is applied to θ̄
+  (the harness's ``sync_forward``). The model must meet ``models.family.ScannedModel``.
+
+Why layer-wise rules take ``loss_fn`` and ``optimizer`` rather than an opaque step: the update must
+be applied to θ̄, which exists only once the hook has run inside the forward, while an opaque step
+applies its optimizer to the params it was given (θ_i). Rebasing its result (θ_i + u → θ̄ + u) is
+exact only for updates that ignore the params (no weight decay), so the API runs the update itself:
+``grads at θ̄ -> params := θ̄ -> optimizer.update(grads, opt_state, params)``. docs/api.md has more.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from edit_jax.localsgd.methods import OuterSpec, Penalty
+from edit_jax.localsgd.outer import Detector, UnitSync, make_outer_optimizer, sync_unit
+from edit_jax.localsgd.reduction import ReplicaPsum, Stacked
+from edit_jax.models.family import HOOK_SAVED
+
+REPLICA = "replica"  # the mesh axis the workers live on (sharding.REPLICA)
+LOCAL, SYNC_FORWARD, LOCAL_THEN_SYNC = "local", "sync_forward", "local_then_sync"
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+@dataclass(frozen=True)
+class LocalSGDRule:
+    """What a sync does: where it runs (``layerwise``: inside the forward, unit by unit; else after
+    the step, the whole params as one unit), the pseudo-gradient ``penalty`` (``Penalty.off()``:
+    the plain mean) and the ``outer`` optimizer (``outer.make_outer_optimizer`` builds it)."""
+
+    name: str
+    layerwise: bool
+    penalty: Penalty
+    outer: OuterSpec
+
+    def __post_init__(self):
+        if self.penalty.anomaly and self.penalty.warmup < 2:
+            raise ValueError(f"penalty.warmup: must be >= 2 (the z-score window needs an unbiased std), "
+                             f"got {self.penalty.warmup}")
+        make_outer_optimizer(self.outer)  # an unknown or inconsistent outer optimizer fails here
+
+
+def diloco(outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True) -> LocalSGDRule:
+    """DiLoCo: the whole model after the step, plain mean of the pseudo gradients, Nesterov SGD."""
+    return LocalSGDRule("diloco", False, Penalty.off(), OuterSpec("nesterov", outer_lr, outer_momentum, nesterov))
+
+
+def post_local_sgd() -> LocalSGDRule:
+    """Post Local SGD: θ̄ = the plain mean of the workers (outer SGD with lr 1, no momentum)."""
+    return LocalSGDRule("post_local_sgd", False, Penalty.off(), OuterSpec("nesterov", 1.0, 0.0, False))
+
+
+def edit(outer_lr: float = 0.8, outer_momentum: float = 0.85, nesterov: bool = True,
+         penalty: Penalty | None = None, layerwise: bool = True) -> LocalSGDRule:
+    """EDiT: the sync layer by layer inside the forward, pseudo gradients penalised (anomaly
+    elimination, softmax(−g/T) weights, per-unit clip; ``Penalty()`` by default), Nesterov SGD.
+    The paper's outer lr 0.8 and momentum 0.85."""
+    return LocalSGDRule("edit", layerwise, Penalty() if penalty is None else penalty,
+                        OuterSpec("nesterov", outer_lr, outer_momentum, nesterov))
+
+
+# ----------------------------------------------------------------------------- state
+
+
+class LocalSGDState(NamedTuple):
+    """Everything the workers and the sync carry (a pytree; ``step`` is a host integer)."""
+
+    params: Any  # every worker's params, stacked [N, ...], sharded over `replica`
+    opt_state: Any  # every worker's inner optimizer state, stacked [N, ...] likewise
+    outer_params: Any  # θ̄: float32, one copy (no worker axis), replicated
+    outer_opt_state: Any  # the outer optimizer's; layer-wise: {"root": ..., "layers": per-layer, stacked}
+    detector: Detector  # anomaly detectors, leading dims [N, U] (U = 1, or 1 + layers for layer-wise)
+    step: Any  # inner steps done (np.int32): picks the next step's program without a device read
+
+
+def identity_hook(unit, unit_xs, which):
+    """The hook of a step without a sync: the unit unchanged, no output."""
+    del unit_xs, which
+    return unit, None
+
+
+@jax.custom_vjp
+def _with_value(x, value):
+    """``value`` in the forward; the cotangent passes to ``x`` unchanged (the sync is the identity
+    in the backward, so the gradient is taken at θ̄ and reaches the worker's unit). The same device
+    as the harness's (``sync.py``), written here so the public API does not lean on its internals."""
+    del x
+    return value
+
+
+_with_value.defvjp(lambda x, value: (value, None), lambda _, g: (g, jax.tree.map(jnp.zeros_like, g)))
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+class LocalSGD:
+    """Wraps one worker's training step into N workers with a ``rule``'s sync every ``tau`` steps.
+
+    Give either ``inner_step(params, opt_state, batch) -> (params, opt_state, metrics)`` (whole-model
+    rules only), or ``loss_fn(params, batch, hook, hook_xs) -> (loss, ys)`` and an optax
+    ``optimizer`` (every rule): ``loss_fn`` passes ``hook, hook_xs`` to the model's forward and
+    returns the forward's ``ys``; without a sync the hook is ``identity_hook`` and ``hook_xs`` None.
+    ``donate``: each step consumes the state it is given (its buffers are reused)."""
+
+    def __init__(self, rule: LocalSGDRule, mesh: Mesh, tau: int, inner_step: Callable | None = None, *,
+                 loss_fn: Callable | None = None, optimizer: optax.GradientTransformation | None = None,
+                 donate: bool = True):
+        if not isinstance(rule, LocalSGDRule):
+            raise ValueError(f"rule: expected a LocalSGDRule (diloco(), post_local_sgd(), edit()), got {rule!r}")
+        if not isinstance(mesh, Mesh) or REPLICA not in mesh.axis_names:
+            raise ValueError(f"mesh: expected a jax.sharding.Mesh with a {REPLICA!r} axis (one position per "
+                             f"worker), got {getattr(mesh, 'axis_names', mesh)!r}")
+        if isinstance(tau, bool) or not isinstance(tau, (int, np.integer)) or tau < 1:
+            raise ValueError(f"tau: expected an integer >= 1 (inner steps between syncs), got {tau!r}")
+        if (inner_step is None) == (loss_fn is None) or (loss_fn is None) != (optimizer is None):
+            raise ValueError("inner_step / loss_fn, optimizer: give either inner_step, or loss_fn and optimizer")
+        if rule.layerwise and inner_step is not None:
+            raise ValueError(f"inner_step: rule {rule.name!r} syncs inside the forward, so its inner update must "
+                             "apply to the synced params: give loss_fn(params, batch, hook, hook_xs) -> (loss, ys) "
+                             "and optimizer instead (docs/api.md, 'Why loss_fn')")
+        # The workers' psum runs inside vmap; JAX's Explicit mesh axes reject it, so the programs
+        # run on the same devices with Auto axes (GSPMD propagates the sharding).
+        self.mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+        self.rule, self.tau, self.donate = rule, int(tau), donate
+        self.inner_step, self.loss_fn, self.optimizer = inner_step, loss_fn, optimizer
+        self.n = int(self.mesh.shape[REPLICA])
+        self.batch_axes = tuple(a for a in self.mesh.axis_names if a != REPLICA and self.mesh.shape[a] > 1)
+        self.outer_opt = make_outer_optimizer(rule.outer)
+        self._programs: dict[Any, Callable] = {}
+
+    # -- the public calls --------------------------------------------------------------------------
+
+    def init(self, params: Any, opt_state: Any = None) -> LocalSGDState:
+        """The state of N workers that all start from ``params`` (one copy, any pytree; layer-wise
+        rules: ``{"root": ..., "layers": ...}``), with ``opt_state`` (one copy; default
+        ``optimizer.init(params)``). θ̄ = ``params`` in float32, a fresh outer state, zero detectors."""
+        if opt_state is None:
+            if self.optimizer is None:
+                raise ValueError("opt_state: required with inner_step (there is no optimizer to init it)")
+            opt_state = self.optimizer.init(params)
+        n_units = 1 + self._n_layers(params) if self.rule.layerwise else 1
+        outer_opt = self.outer_opt
+
+        def build(params, opt_state):
+            stack = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (self.n,) + jnp.shape(x)), t)  # noqa: E731
+            theta = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+            if self.rule.layerwise:
+                outer_state = {"root": outer_opt.init(theta["root"]), "layers": jax.vmap(outer_opt.init)(theta["layers"])}
+            else:
+                outer_state = outer_opt.init(theta)
+            det = Detector.zeros((self.n, n_units), max(2, self.rule.penalty.warmup))
+            return LocalSGDState(stack(params), stack(opt_state), theta, outer_state, det, None)
+
+        shapes = jax.eval_shape(build, params, opt_state)
+        state = jax.jit(build, out_shardings=self._shardings(shapes))(params, opt_state)
+        return state._replace(step=np.int32(0))
+
+    def step(self, state: LocalSGDState, batch: Any) -> tuple[LocalSGDState, dict]:
+        """One inner step of every worker (and the rule's sync when due). ``batch``: a pytree whose
+        leaves are stacked per worker, [N, B, ...] (``per_worker`` makes them from a global batch).
+        Returns the new state and ``{"inner": the step's metrics, each [N, ...], "sync": the sync's
+        figures (on sync steps only)}``."""
+        k = int(state.step)
+        kind = self.kind_at(k)
+        new, metrics = self._run(SYNC_FORWARD if kind == SYNC_FORWARD else LOCAL, state._replace(step=None),
+                                 self._put_batch(batch))
+        if kind == LOCAL_THEN_SYNC:  # a second, small program: the sync alone (as ``sync``)
+            new, metrics["sync"] = self._run("sync", new)
+        return new._replace(step=np.int32(k + 1)), metrics
+
+    def sync(self, state: LocalSGDState) -> tuple[LocalSGDState, dict]:
+        """A sync now, after the last step (unit by unit for layer-wise rules): every worker and
+        ``outer_params`` at the new θ̄. For evaluation or saving at the end of training."""
+        new, metrics = self._run("sync", state._replace(step=None))
+        return new._replace(step=state.step), metrics
+
+    def kind_at(self, k: int) -> str:
+        """The program of 0-based step ``k``: "local", "local_then_sync" or "sync_forward"."""
+        if self.rule.layerwise:
+            return SYNC_FORWARD if k > 0 and k % self.tau == 0 else LOCAL
+        return LOCAL_THEN_SYNC if (k + 1) % self.tau == 0 else LOCAL
+
+    def per_worker(self, batch: Any) -> Any:
+        """A global batch [N * B, ...] as the stacked one [N, B, ...]: worker i gets rows [iB, (i+1)B)."""
+        def split(x):
+            if np.ndim(x) < 1 or np.shape(x)[0] % self.n:
+                raise ValueError(f"batch: a global batch's leading dim must be a multiple of the {self.n} workers, "
+                                 f"got shape {np.shape(x)}")
+            return x.reshape((self.n, np.shape(x)[0] // self.n) + tuple(np.shape(x)[1:]))
+        return jax.tree.map(split, batch)
+
+    # -- programs ----------------------------------------------------------------------------------
+
+    def lower(self, kind: str, state: LocalSGDState, batch: Any = None):
+        """The lowered (not run) program ``kind`` ("local", "sync_forward" or "sync": a
+        "local_then_sync" step runs "local", then "sync") on ``state`` and ``batch``:
+        ``.compile().as_text()`` is its HLO, ``.compile().memory_analysis()`` its memory."""
+        args = (state._replace(step=None),) + (() if kind == "sync" else (self._put_batch(batch),))
+        with jax.set_mesh(self.mesh):
+            return self._jitted(kind, args[0]).lower(*args)
+
+    def _jitted(self, kind: str, state: LocalSGDState) -> Callable:
+        """Program ``kind`` for states laid out as ``state`` (compiled once per kind and layout)."""
+        key = (kind, jax.tree.structure(state))
+        if key not in self._programs:
+            body = {LOCAL: self._local, SYNC_FORWARD: self._sync_forward, "sync": self._sync_now}[kind]
+            self._programs[key] = jax.jit(body, donate_argnums=(0,) if self.donate else (),
+                                          out_shardings=(self._shardings(state), None))
+        return self._programs[key]
+
+    def _run(self, kind: str, state: LocalSGDState, *args):
+        with jax.set_mesh(self.mesh):  # bare PartitionSpecs in the user's code name this mesh's axes
+            return self._jitted(kind, state)(state, *args)
+
+    def _workers(self, fn: Callable, *args, in_axes=0, out_axes=0):
+        return jax.vmap(fn, in_axes=in_axes, out_axes=out_axes, axis_name=REPLICA, spmd_axis_name=REPLICA)(*args)
+
+    def _worker_step(self, params, opt_state, batch):
+        if self.inner_step is not None:
+            return self.inner_step(params, opt_state, batch)
+        params, opt_state, metrics, _, _ = self._loss_step(params, opt_state, batch, identity_hook, None)
+        return params, opt_state, metrics
+
+    def _loss_step(self, params, opt_state, batch, hook, hook_xs):
+        """One worker's step from ``loss_fn``; with a sync in the forward (``hook_xs``), the update
+        applies to the synced params (θ̄), and a worker gone non-finite restarts its optimizer."""
+        def loss(p):
+            out = self.loss_fn(p, batch, hook, hook_xs)
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise ValueError("loss_fn: must return (loss, ys), ys the forward's hook outputs")
+            return out
+        (value, ys), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        reset = jnp.zeros((), bool)
+        if hook_xs is not None:
+            _check_ys(ys)
+            params = jax.tree.map(lambda s, p: s.astype(p.dtype), {"root": ys["root"].params,
+                                                                   "layers": ys["layers"].params}, params)
+            mine = jax.lax.axis_index(REPLICA)
+            g = jnp.concatenate([ys["root"].metrics["pseudo_grad_norm"][None, mine],
+                                 ys["layers"].metrics["pseudo_grad_norm"][:, mine]])
+            reset = ~jnp.all(jnp.isfinite(g)) | ~_all_finite(opt_state)
+            opt_state = _zero_inexact(opt_state, reset)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
+        return params, opt_state, {"loss": value, "grad_norm": grad_norm}, ys, reset
+
+    def _local(self, state: LocalSGDState, batch):
+        params, opt_state, metrics = self._workers(self._worker_step, state.params, state.opt_state, batch)
+        return state._replace(params=params, opt_state=opt_state), {"inner": metrics}
+
+    def _sync_now(self, state: LocalSGDState):
+        """Every unit synced after the step, the workers stacked (``Stacked``: a sum over [N])."""
+        p, opt, red = self.rule.penalty, self.outer_opt, Stacked()
+        if not self.rule.layerwise:
+            res = sync_unit(state.params, state.outer_params, state.outer_opt_state, _unit_det(state.detector, 0), p, opt,
+                            reduction=red)
+            params, outer, outer_state = res.params, res.outer_params, res.opt_state
+            det = jax.tree.map(lambda x: x[:, None], res.detector)
+            unit = jax.tree.map(lambda x: x[None], res.metrics)
+        else:
+            def one(local, outer, outer_state, det):
+                r = sync_unit(local, outer, outer_state, det, p, opt, reduction=red)
+                return r.params, r.outer_params, r.opt_state, r.detector, r.metrics
+            root = one(state.params["root"], state.outer_params["root"], state.outer_opt_state["root"],
+                       _unit_det(state.detector, 0))
+            layers = jax.vmap(one, in_axes=(1, 0, 0, 1), out_axes=(1, 0, 0, 1, 0))(
+                state.params["layers"], state.outer_params["layers"], state.outer_opt_state["layers"],
+                _unit_det(state.detector, slice(1, None)))
+            params, outer, outer_state = ({"root": r, "layers": l} for r, l in zip(root[:3], layers[:3]))
+            det = jax.tree.map(lambda r, l: jnp.concatenate([r[:, None], l], axis=1), root[3], layers[3])
+            unit = jax.tree.map(lambda r, l: jnp.concatenate([r[None], l]), root[4], layers[4])
+        params = jax.tree.map(lambda s, x: s.astype(x.dtype), params, state.params)
+        figures = sync_figures(unit)
+        bad = ~jnp.all(jnp.isfinite(unit["pseudo_grad_norm"]), axis=0) | ~_all_finite(state.opt_state, 1)
+        figures["inner_reset"] = bad
+        new = state._replace(params=params, opt_state=_zero_inexact(state.opt_state, bad),
+                             outer_params=outer, outer_opt_state=outer_state, detector=det)
+        return new, figures
+
+    def _sync_forward(self, state: LocalSGDState, batch):
+        """A step whose forward syncs each unit on its way into compute (EDiT), every worker in a
+        vmap over ``replica``: the psums of ``ReplicaPsum`` are sums over the workers."""
+        p, opt, red = self.rule.penalty, self.outer_opt, ReplicaPsum(axis=REPLICA, norm_axes=())
+
+        def hook(unit, xs, which):
+            del which
+            if xs is None:
+                return unit, None
+            outer, outer_state, det = xs
+            res = sync_unit(jax.lax.stop_gradient(unit), outer, outer_state, det, p, opt, reduction=red)
+            synced = checkpoint_name(jax.tree.map(lambda s, u: s.astype(u.dtype), res.params, unit), HOOK_SAVED)
+            return _with_value(unit, synced), res
+
+        def worker(params, opt_state, batch, det):
+            xs = {"root": (state.outer_params["root"], state.outer_opt_state["root"], jax.tree.map(lambda x: x[0], det)),
+                  "layers": (state.outer_params["layers"], state.outer_opt_state["layers"],
+                             jax.tree.map(lambda x: x[1:], det))}
+            params, opt_state, metrics, ys, reset = self._loss_step(params, opt_state, batch, hook, xs)
+            det = jax.tree.map(lambda r, l: jnp.concatenate([r[None], l]), ys["root"].detector, ys["layers"].detector)
+            shared = ({"root": ys["root"].outer_params, "layers": ys["layers"].outer_params},
+                      {"root": ys["root"].opt_state, "layers": ys["layers"].opt_state},
+                      jax.tree.map(lambda r, l: jnp.concatenate([r[None], l]), ys["root"].metrics, ys["layers"].metrics))
+            return (params, opt_state, metrics, det, reset), shared
+
+        (params, opt_state, metrics, det, reset), (outer, outer_state, unit) = self._workers(
+            worker, state.params, state.opt_state, batch, state.detector, out_axes=(0, None))
+        figures = sync_figures(unit)
+        figures["inner_reset"] = reset
+        new = state._replace(params=params, opt_state=opt_state, outer_params=outer, outer_opt_state=outer_state,
+                             detector=det)
+        return new, {"inner": metrics, "sync": figures}
+
+    # -- layout ------------------------------------------------------------------------------------
+
+    def _n_layers(self, params) -> int:
+        if not (isinstance(params, dict) and set(params) == {"root", "layers"}):
+            keys = sorted(params) if isinstance(params, dict) else type(params).__name__
+            raise ValueError(f"params: rule {self.rule.name!r} syncs layer by layer and needs "
+                             f"{{'root': ..., 'layers': <stacked on a leading layer axis>}} (ScannedModel), got {keys}")
+        dims = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(params["layers"])}
+        if len(dims) != 1 or None in dims or 0 in dims:
+            raise ValueError(f"params: every leaf of params['layers'] must be stacked on one leading layer axis "
+                             f"of the same size >= 1, got leading sizes {sorted(dims, key=str)}")
+        return dims.pop()
+
+    def _shardings(self, state: LocalSGDState) -> LocalSGDState:
+        per_worker, shared = NamedSharding(self.mesh, P(REPLICA)), NamedSharding(self.mesh, P())
+        each = lambda t, s: jax.tree.map(lambda _: s, t)  # noqa: E731
+        return LocalSGDState(each(state.params, per_worker), each(state.opt_state, per_worker),
+                             each(state.outer_params, shared), each(state.outer_opt_state, shared),
+                             each(state.detector, per_worker), None)
+
+    def _put_batch(self, batch):
+        size = math.prod(self.mesh.shape[a] for a in self.batch_axes)
+
+        def put(path, x):
+            shape = np.shape(x)
+            where = jax.tree_util.keystr(path) or "batch"
+            if len(shape) < 1 or shape[0] != self.n:
+                raise ValueError(f"batch: {where} must be stacked per worker, [N={self.n}, ...] (see per_worker), "
+                                 f"got shape {shape}")
+            spec = P(REPLICA)
+            if self.batch_axes and len(shape) >= 2:
+                if shape[1] % size:
+                    raise ValueError(f"batch: {where}'s per-worker batch dim ({shape[1]}) must be divisible by the "
+                                     f"mesh's {'x'.join(self.batch_axes)} size {size}, got shape {shape}")
+                spec = P(REPLICA, self.batch_axes)
+            return jax.device_put(x, NamedSharding(self.mesh, spec))
+        return jax.tree_util.tree_map_with_path(put, batch)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _unit_det(det: Detector, u) -> Detector:
+    """Every worker's detector of unit(s) ``u`` (from the [N, U] detectors)."""
+    return jax.tree.map(lambda x: x[:, u], det)
+
+
+def _check_ys(ys) -> None:
+    ok = isinstance(ys, dict) and isinstance(ys.get("root"), UnitSync) and isinstance(ys.get("layers"), UnitSync)
+    if not ok:
+        raise ValueError("loss_fn: on a sync step the forward must pass every unit through hook(unit, unit_xs, "
+                         "which) (the root, then each layer inside its scan) and loss_fn must return the forward's "
+                         f"ys laid out {{'root': ..., 'layers': ...}}; got ys={type(ys).__name__} "
+                         "(models.family.ScannedModel)")
+
+
+def _all_finite(tree, batch_dims: int = 0) -> jax.Array:
+    """Whether every floating leaf is finite (per worker, [N], with ``batch_dims=1`` on stacked trees)."""
+    ok = jnp.ones((), bool)
+    for x in jax.tree.leaves(tree):
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            ok = ok & jnp.all(jnp.isfinite(x), axis=tuple(range(batch_dims, x.ndim)))
+    return ok
+
+
+def _zero_inexact(tree, reset):
+    """The optimizer state with its floating leaves zeroed where ``reset`` (scalar, or [N] on
+    stacked trees): a worker whose moments or pseudo gradient went non-finite (NaN moments would
+    poison every later step); integer leaves (step counts) are kept."""
+    def one(x):
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            return x
+        r = jnp.reshape(reset, jnp.shape(reset) + (1,) * (x.ndim - jnp.ndim(reset)))
+        return jnp.where(r, jnp.zeros_like(x), x)
+    return jax.tree.map(one, tree)
+
+
+def sync_figures(unit: dict) -> dict:
+    """A sync's figures from its per-unit ones (leading unit axis U; [U, N] per worker)."""
+    g = unit["pseudo_grad_norm"]
+    return {"pseudo_grad_norm": jnp.sqrt(jnp.sum(jnp.square(g), axis=0)),  # [N]: whole-model norm
+            "unit_pseudo_grad_norm": g, "weight": jnp.mean(unit["weight"], axis=0),
+            "flagged": jnp.sum(unit["flagged"].astype(jnp.int32), axis=0),  # [N]: units flagged
+            "clip_factor": jnp.min(unit["clip_factor"]),
+            "outer_update_norm": jnp.sqrt(jnp.sum(jnp.square(unit["update_norm"])))}
+
+
+__all__ = ["LocalSGD", "LocalSGDRule", "LocalSGDState", "diloco", "post_local_sgd", "edit", "identity_hook",
+           "sync_figures", "Penalty", "OuterSpec"]

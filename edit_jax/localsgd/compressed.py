@@ -1,0 +1,111 @@
+"""The compressed variant of any sync rule (``Compressed(rule)``; ``sync.compress``,
+``sync.error_feedback``): the pseudo gradients cross ``replica`` as bf16 or int8 (``compress.py``),
+everything before and after the exchange stays float32.
+
+The wrapper owns what compression adds and nothing else: the dtype on the wire (it hands the rule
+a ``SyncSpec`` with ``compress`` set) and, with error feedback, each worker's quantization residual
+(``OuterState.extra["residual"]``, laid out like the params, [N, ...]), which it passes into the
+rule's sync and stores back. Every worker's residual starts at zero, also after an elastic resume
+with another worker count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from edit_jax.localsgd.rule import RuleWrapper, Span, SyncRule, SyncSpec
+
+
+class Compressed(RuleWrapper):
+    """``rule`` with its pseudo gradients crossing ``replica`` in ``compress`` ("bf16" | "int8"),
+    and with ``error_feedback`` each worker's residual carried to its next sync."""
+
+    def __init__(self, rule: SyncRule, compress: str, error_feedback: bool = False):
+        super().__init__(rule)
+        self.compress, self.error_feedback = compress, error_feedback
+        self.name = f"compressed({rule.name})"
+
+    def _spec(self, spec: SyncSpec) -> SyncSpec:
+        return dataclasses.replace(spec, compress=self.compress)
+
+    # -- the residuals ---------------------------------------------------------------------------
+
+    def _split(self, outer):
+        """(the outer state as the wrapped rule sees it, this wrapper's residual or None)."""
+        extra = outer.extra
+        if not self.error_feedback:
+            return outer, None
+        inner = {k: v for k, v in extra.items() if k != "residual"} or None
+        return outer.replace(extra=inner), extra["residual"]
+
+    def _join(self, outer, residual):
+        if not self.error_feedback:
+            return outer
+        return outer.replace(extra={**(outer.extra or {}), "residual": residual})
+
+    def init_extra(self, rep_params):
+        inner = self.rule.init_extra(rep_params)
+        if not self.error_feedback:
+            return inner
+        return {**(inner or {}), "residual": jax.tree.map(jnp.zeros_like, rep_params)}
+
+    def extra_specs(self, param_specs):
+        inner = self.rule.extra_specs(param_specs)
+        return {**(inner or {}), "residual": param_specs} if self.error_feedback else inner
+
+    def reset_extra(self, extra):
+        if not self.error_feedback:
+            return self.rule.reset_extra(extra)
+        inner = self.rule.reset_extra({k: v for k, v in extra.items() if k != "residual"} or None)
+        return {**(inner or {}), "residual": extra["residual"]}  # residuals survive the initialising sync
+
+    def remap_extra(self, extra, n: int):
+        if not self.error_feedback:
+            return self.rule.remap_extra(extra, n)
+        inner = self.rule.remap_extra({k: v for k, v in extra.items() if k != "residual"} or None, n)
+        zeros = jax.tree.map(lambda x: np.zeros((n,) + np.shape(x)[1:], np.asarray(x).dtype), extra["residual"])
+        return {**(inner or {}), "residual": zeros}  # residuals are per worker: every worker starts at 0
+
+    def extra_from_format2(self, residual, pending):
+        inner = self.rule.extra_from_format2(None, pending)
+        return {**(inner or {}), "residual": residual} if self.error_feedback else inner
+
+    def extra_as_format2(self, extra):
+        if not self.error_feedback:
+            return self.rule.extra_as_format2(extra)
+        inner = self.rule.extra_as_format2({k: v for k, v in extra.items() if k != "residual"} or None)
+        return {**inner, "residual": extra["residual"]}
+
+    # -- the sync, delegated ---------------------------------------------------------------------
+
+    def after_step(self, params, outer, opt_state, spec: SyncSpec, shares=None, span: Span | None = None,
+                   residual=None):
+        outer, res = self._split(outer)
+        params, outer, opt_state, metrics, res = self.rule.after_step(params, outer, opt_state, self._spec(spec),
+                                                                      shares, span, res)
+        return params, self._join(outer, res), opt_state, metrics, None
+
+    def forward_inputs(self, outer, spec: SyncSpec, span: Span | None = None, residual=None):
+        outer, res = self._split(outer)
+        return self.rule.forward_inputs(outer, self._spec(spec), span, res)
+
+    def in_forward_sync(self, unit, xs, which: str, spec: SyncSpec, shares=None):
+        return self.rule.in_forward_sync(unit, xs, which, self._spec(spec), shares)
+
+    def assemble(self, params, outer, opt_state, ys, spec: SyncSpec, span: Span | None = None, residual=None):
+        outer, res = self._split(outer)
+        params, outer, opt_state, metrics, res = self.rule.assemble(params, outer, opt_state, ys, self._spec(spec),
+                                                                    span, res)
+        return params, self._join(outer, res), opt_state, metrics, None
+
+    def flush(self, params, outer, spec: SyncSpec, residual=None):
+        outer, res = self._split(outer)
+        params, outer, metrics, res = self.rule.flush(params, outer, self._spec(spec), res)
+        return params, self._join(outer, res), metrics, None
+
+
+__all__ = ["Compressed"]

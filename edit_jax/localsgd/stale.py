@@ -1,0 +1,139 @@
+"""CO2's one-round-stale sync (``StaleSync``; Sun et al., ICLR 2024; docs/design/CO2.md).
+
+The all-reduce of round t's pseudo gradients is applied at the end of round t + 1, so it never
+waits for the current round's steps and a GPU can run it while they compute. The rule's own part
+of the outer state is each worker's pseudo gradient of the last round, a_{t-1} - x^i_{t-1}, in
+flight (``extra = {"pending": tree laid out like the params, [N, ...]}``; zeros = Delta_{-1} = 0).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from edit_jax.config import Config, SyncConfig, require
+from edit_jax.localsgd.outer import sgd_trace, stale_outer_step
+from edit_jax.localsgd.rule import Span, SyncRule, SyncSpec
+from edit_jax.localsgd.sharding import REPLICA, SHARD
+from edit_jax.localsgd.sync import as_varying, local_blocks, sync_metrics, unit_sq_sums, with_replica_dim
+
+
+def sync_stale(params, outer, spec: SyncSpec, flush: bool = False):
+    """CO2's sync after the round's last step (CO2.md section 1): the outer update consumes the
+    pseudo gradients every worker sent at the *previous* sync (``outer.extra["pending"]``), so their
+    all-reduce does not depend on this round's steps and a GPU can run it while they compute;
+    then each worker's new pending is a_t - x^i_t, and every worker restarts from a_{t+1}.
+    The inner optimizer states stay local (CO2 never averages or resets them).
+
+    ``flush``: the update of the last round's pending only (for evaluation: the model after
+    the final all-reduce lands); the pending is kept as it was.
+
+    Unit by unit like the other syncs (root; layers vmapped with their per-unit outer state),
+    so the figures are per unit; one all-reduce of the whole pending tree first.
+    Returns (params, outer, metrics)."""
+    n, opt, lam = spec.n_workers, spec.opt, spec.gap_penalty
+    local = local_blocks(params)
+    pending = local_blocks(outer.extra["pending"])
+    # The exchange, one all-reduce over `replica`: the pending pseudo gradients and, in slot r
+    # of an [N, U] table, worker r's per-unit squared norms of its block. It reads only what
+    # the last sync left in the state. Nothing else crosses `replica` in this program, so XLA's
+    # all-reduce combiner cannot tie it to a value of this round (it once merged the norms'
+    # psum over `shard` with the step's gradient norm, making the exchange wait for the step).
+    slot = jax.nn.one_hot(jax.lax.axis_index(REPLICA), n, dtype=jnp.float32)[:, None] > 0
+    table = jnp.where(slot, unit_sq_sums(pending)[None, :], 0.0)  # where: NaN * 0 is NaN
+    pending_sum, table = jax.lax.psum((pending, table), REPLICA)
+    sent = jnp.sqrt(jax.lax.psum(table, SHARD)).T  # [U, N]: each worker's stale pseudo gradient
+    one = lambda ps, lo, op, st: stale_outer_step(ps, n, lo, op, st, opt, lam)  # noqa: E731
+    root = one(pending_sum["root"], local["root"], outer.params["root"], outer.opt_state["root"])
+    layers = jax.vmap(one)(pending_sum["layers"], local["layers"], outer.params["layers"],
+                           outer.opt_state["layers"])
+    new_outer = {"root": root[0], "layers": layers[0]}
+    new_opt = {"root": root[1], "layers": layers[1]}
+
+    unit_norms = lambda tree: jnp.sqrt(jax.lax.psum(unit_sq_sums(tree), SHARD))  # noqa: E731
+    clip = jnp.ones(sent.shape[0], jnp.float32)
+    if spec.outer.momentum_clip > 0:  # how much of the momentum survived the clamp, per unit
+        beta = spec.outer.momentum
+        old_m = {u: sgd_trace(outer.opt_state[u]) for u in ("root", "layers")}
+        g = {"root": root[3], "layers": layers[3]}  # Delta_{t-1} / Lambda_t
+        raw = jax.tree.map(lambda g, m: g + beta * m, g, old_m)
+        new_m = {u: sgd_trace(new_opt[u]) for u in ("root", "layers")}
+        raw_norm = unit_norms(raw)
+        clip = jnp.where(raw_norm > 0, unit_norms(new_m) / jnp.where(raw_norm > 0, raw_norm, 1.0), 1.0)
+    unit = {"pseudo_grad_norm": sent, "weight": jnp.full_like(sent, 1.0 / n),
+            "flagged": jnp.zeros(sent.shape, bool), "clip_factor": clip,
+            "update_norm": unit_norms(jax.tree.map(lambda a, b: a - b, new_outer, outer.params))}
+    new_pending = outer.extra["pending"] if flush else with_replica_dim({"root": root[2], "layers": layers[2]})
+    new_params = with_replica_dim(as_varying(new_outer))
+    new_state = outer.replace(params=new_outer, opt_state=new_opt, syncs=outer.syncs + 1,
+                              extra={"pending": new_pending})
+    metrics = sync_metrics(unit)
+    # CO2 has no anomaly handling, so nothing to roll back (and no flag exchange over `replica`).
+    metrics["inner_reset"] = jnp.zeros((n,), bool)
+    return new_params, new_state, metrics
+
+
+class StaleSync(SyncRule):
+    """CO2: heavy-ball outer momentum on the previous round's mean pseudo gradient, every tau."""
+
+    name = "stale"
+
+    @staticmethod
+    def validate(cfg: Config) -> None:
+        s = cfg.sync
+        # CO2's stale sync is the whole model after the step, one all-reduce of the pending pseudo
+        # gradients; the streaming, quantized and replica-sharded exchanges are not built for it.
+        require(s.fragments == 1, "sync.fragments", f"method co2 syncs every unit together; got {s.fragments}")
+        require(s.compress == "none", "sync.compress",
+                f"method co2 exchanges float32 pseudo gradients; got {s.compress!r}")
+        require(s.outer_sharding == "shard", "sync.outer_sharding",
+                f"method co2 needs 'shard' (the outer state is not split over replica); got {s.outer_sharding!r}")
+
+    @staticmethod
+    def validate_fields(s: SyncConfig) -> None:
+        """CO2's own fields: checked whatever the method (set away from their defaults without
+        method co2 is a mistake)."""
+        require(s.co2_gap_penalty > 0, "sync.co2_gap_penalty", f"must be positive, got {s.co2_gap_penalty}")
+        require(s.co2_momentum_clip >= 0, "sync.co2_momentum_clip",
+                f"must be >= 0 (0: off), got {s.co2_momentum_clip}")
+        if s.method != "co2":
+            for key in ("co2_gap_penalty", "co2_momentum_clip"):
+                val = getattr(s, key)
+                require(val == getattr(SyncConfig, key), f"sync.{key}",
+                        f"is used by method co2 only (method is {s.method!r}); got {val}")
+
+    # -- the in-flight pseudo gradients ----------------------------------------------------------
+
+    def init_extra(self, rep_params):
+        return {"pending": jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), rep_params)}
+
+    def extra_specs(self, param_specs):
+        return {"pending": param_specs}
+
+    def reset_extra(self, extra):  # at the initialising sync nothing is in flight yet (Delta_{-1} = 0)
+        return {"pending": jax.tree.map(jnp.zeros_like, extra["pending"])}
+
+    def remap_extra(self, extra, n: int):  # another worker count: the old round is dropped
+        return {"pending": jax.tree.map(lambda x: np.zeros((n,) + np.shape(x)[1:], np.asarray(x).dtype),
+                                        extra["pending"])}
+
+    def extra_from_format2(self, residual, pending):
+        return {"pending": pending}
+
+    def extra_as_format2(self, extra):
+        return {"pending": extra["pending"]}
+
+    # -- the sync --------------------------------------------------------------------------------
+
+    def after_step(self, params, outer, opt_state, spec: SyncSpec, shares=None, span: Span | None = None,
+                   residual=None):
+        params, outer, metrics = sync_stale(params, outer, spec)
+        return params, outer, opt_state, metrics, residual
+
+    def flush(self, params, outer, spec: SyncSpec, residual=None):
+        params, outer, metrics = sync_stale(params, outer, spec, flush=True)
+        return params, outer, metrics, residual
+
+
+__all__ = ["StaleSync", "sync_stale"]
