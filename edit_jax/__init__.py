@@ -8,6 +8,11 @@ The public API (optax / flax style)::
     result = edit_jax.train(cfg, run_dir="runs/api")      # a TrainResult
     model = edit_jax.load_trained("runs/api")              # θ̄, config and tokenizer of a run
 
+    # or around your own model, optax optimizer and loop (docs/api.md):
+    trainer = edit_jax.LocalSGD(edit_jax.diloco(), mesh, tau=16, inner_step=train_step)
+    state = trainer.init(params, opt_state)
+    state, metrics = trainer.step(state, batch)            # batch stacked per worker: [N, B, ...]
+
 The packages are the architecture: ``localsgd/`` (the algorithm and its compiled step),
 ``training/`` (the loop and its hooks), ``runtime/`` (devices, processes, the mesh), ``rundir/``
 (what a run leaves on disk), ``models/``, ``hf/``, ``data/``, ``placement/`` and ``tools/``; at
@@ -46,6 +51,16 @@ _API = {
     "load_trained": "edit_jax.rundir.trained",
     "TrainedModel": "edit_jax.rundir.trained",
     "set_cpu_device_count": "edit_jax.runtime.mesh",
+    # DiLoCo / EDiT around your own model, optimizer and loop (docs/api.md)
+    "LocalSGD": "edit_jax.localsgd.api",
+    "LocalSGDState": "edit_jax.localsgd.api",
+    "LocalSGDRule": "edit_jax.localsgd.api",
+    "diloco": "edit_jax.localsgd.api",
+    "post_local_sgd": "edit_jax.localsgd.api",
+    "edit": "edit_jax.localsgd.api",
+    "Penalty": "edit_jax.localsgd.api",
+    "OuterSpec": "edit_jax.localsgd.api",
+    "identity_hook": "edit_jax.localsgd.api",
 }
 
 __all__ = ["__version__", *_API]

@@ -127,7 +127,7 @@ def test_config_errors_name_the_key(overrides, key):
 def test_defaults_keep_the_state_structure():
     """fragments=1, compress=none: no residual in the state (checkpoints keep their structure)."""
     cfg = _cfg(*BASE4, "sync.method=edit")
-    assert state_shapes(cfg).outer.extra["residual"] is None
+    assert state_shapes(cfg).outer.extra is None
     ef = state_shapes(_cfg(*BASE4, "sync.method=edit", "sync.compress=int8", "sync.error_feedback=true"))
     assert jax.tree.structure(ef.outer.extra["residual"]) == jax.tree.structure(ef.params)
     assert [x.shape for x in jax.tree.leaves(ef.outer.extra["residual"])] == [x.shape for x in jax.tree.leaves(ef.params)]

@@ -15,8 +15,9 @@ batch (dim 1 of the stacked batch): GSPMD partitions the worker's step as data p
 
 Every ``tau`` steps the workers sync (EDIT.md, Algorithm 2, ``outer.sync_unit``): pseudo gradients
 Δ_i = θ̄ − θ_i, the rule's penalty, the outer optimizer step on θ̄, every worker restarts from θ̄.
-Two compiled programs, picked on the host from the step count (a host integer, so picking never
-waits for the device): a local step, and a step with the sync.
+Two compiled programs, picked on the host from the step count (a host integer: picking never waits
+for the device): the local step, and the sync (a small program after the local step) or, for
+layer-wise rules, the step with the sync inside its forward.
 
 - Whole-model rules (``diloco``, ``post_local_sgd``, ``edit(layerwise=False)``): the sync runs after
   the step of every tau-th step ((k + 1) % tau == 0 for the 0-based step k), on the whole params
@@ -29,11 +30,9 @@ waits for the device): a local step, and a step with the sync.
   compute. The forward sees θ̄, the gradient is taken at θ̄ and the inner update is applied to θ̄
   (the harness's ``sync_forward``). The model must meet ``models.family.ScannedModel``.
 
-Why layer-wise rules take ``loss_fn`` and ``optimizer`` rather than an opaque step: the update must
-be applied to θ̄, which exists only once the hook has run inside the forward, while an opaque step
-applies its optimizer to the params it was given (θ_i). Rebasing its result (θ_i + u → θ̄ + u) is
-exact only for updates that ignore the params (no weight decay), so the API runs the update itself:
-``grads at θ̄ -> params := θ̄ -> optimizer.update(grads, opt_state, params)``. docs/api.md has more.
+Layer-wise rules take ``loss_fn`` and ``optimizer``, not an opaque step: the update must apply to
+θ̄, which exists only once the hooks ran inside the forward, and an opaque step applies its optimizer
+to the θ_i it was given (docs/api.md, "Why layer-wise rules take loss_fn and optimizer").
 """
 
 from __future__ import annotations
@@ -52,9 +51,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from edit_jax.localsgd.methods import OuterSpec, Penalty
 from edit_jax.localsgd.outer import Detector, UnitSync, make_outer_optimizer, sync_unit
 from edit_jax.localsgd.reduction import ReplicaPsum, Stacked
+from edit_jax.localsgd.sharding import REPLICA  # the mesh axis the workers live on
+from edit_jax.localsgd.sync import with_value  # the sync is the identity in the backward
 from edit_jax.models.family import HOOK_SAVED
 
-REPLICA = "replica"  # the mesh axis the workers live on (sharding.REPLICA)
 LOCAL, SYNC_FORWARD, LOCAL_THEN_SYNC = "local", "sync_forward", "local_then_sync"
 
 
@@ -118,18 +118,6 @@ def identity_hook(unit, unit_xs, which):
     return unit, None
 
 
-@jax.custom_vjp
-def _with_value(x, value):
-    """``value`` in the forward; the cotangent passes to ``x`` unchanged (the sync is the identity
-    in the backward, so the gradient is taken at θ̄ and reaches the worker's unit). The same device
-    as the harness's (``sync.py``), written here so the public API does not lean on its internals."""
-    del x
-    return value
-
-
-_with_value.defvjp(lambda x, value: (value, None), lambda _, g: (g, jax.tree.map(jnp.zeros_like, g)))
-
-
 # ----------------------------------------------------------------------------- the trainer
 
 
@@ -157,7 +145,7 @@ class LocalSGD:
         if rule.layerwise and inner_step is not None:
             raise ValueError(f"inner_step: rule {rule.name!r} syncs inside the forward, so its inner update must "
                              "apply to the synced params: give loss_fn(params, batch, hook, hook_xs) -> (loss, ys) "
-                             "and optimizer instead (docs/api.md, 'Why loss_fn')")
+                             "and optimizer instead (docs/api.md)")
         # The workers' psum runs inside vmap; JAX's Explicit mesh axes reject it, so the programs
         # run on the same devices with Auto axes (GSPMD propagates the sharding).
         self.mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
@@ -185,7 +173,8 @@ class LocalSGD:
             stack = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (self.n,) + jnp.shape(x)), t)  # noqa: E731
             theta = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
             if self.rule.layerwise:
-                outer_state = {"root": outer_opt.init(theta["root"]), "layers": jax.vmap(outer_opt.init)(theta["layers"])}
+                outer_state = {"root": outer_opt.init(theta["root"]),
+                               "layers": jax.vmap(outer_opt.init)(theta["layers"])}  # one per layer
             else:
                 outer_state = outer_opt.init(theta)
             det = Detector.zeros((self.n, n_units), max(2, self.rule.penalty.warmup))
@@ -293,8 +282,8 @@ class LocalSGD:
         """Every unit synced after the step, the workers stacked (``Stacked``: a sum over [N])."""
         p, opt, red = self.rule.penalty, self.outer_opt, Stacked()
         if not self.rule.layerwise:
-            res = sync_unit(state.params, state.outer_params, state.outer_opt_state, _unit_det(state.detector, 0), p, opt,
-                            reduction=red)
+            res = sync_unit(state.params, state.outer_params, state.outer_opt_state, _unit_det(state.detector, 0),
+                            p, opt, reduction=red)
             params, outer, outer_state = res.params, res.outer_params, res.opt_state
             det = jax.tree.map(lambda x: x[:, None], res.detector)
             unit = jax.tree.map(lambda x: x[None], res.metrics)
@@ -308,8 +297,8 @@ class LocalSGD:
                 state.params["layers"], state.outer_params["layers"], state.outer_opt_state["layers"],
                 _unit_det(state.detector, slice(1, None)))
             params, outer, outer_state = ({"root": r, "layers": l} for r, l in zip(root[:3], layers[:3]))
-            det = jax.tree.map(lambda r, l: jnp.concatenate([r[:, None], l], axis=1), root[3], layers[3])
-            unit = jax.tree.map(lambda r, l: jnp.concatenate([r[None], l]), root[4], layers[4])
+            det = _cat_units(root[3], layers[3], axis=1)
+            unit = _cat_units(root[4], layers[4])
         params = jax.tree.map(lambda s, x: s.astype(x.dtype), params, state.params)
         figures = sync_figures(unit)
         bad = ~jnp.all(jnp.isfinite(unit["pseudo_grad_norm"]), axis=0) | ~_all_finite(state.opt_state, 1)
@@ -330,17 +319,16 @@ class LocalSGD:
             outer, outer_state, det = xs
             res = sync_unit(jax.lax.stop_gradient(unit), outer, outer_state, det, p, opt, reduction=red)
             synced = checkpoint_name(jax.tree.map(lambda s, u: s.astype(u.dtype), res.params, unit), HOOK_SAVED)
-            return _with_value(unit, synced), res
+            return with_value(unit, synced), res
 
         def worker(params, opt_state, batch, det):
-            xs = {"root": (state.outer_params["root"], state.outer_opt_state["root"], jax.tree.map(lambda x: x[0], det)),
-                  "layers": (state.outer_params["layers"], state.outer_opt_state["layers"],
-                             jax.tree.map(lambda x: x[1:], det))}
+            xs = {u: (state.outer_params[u], state.outer_opt_state[u], jax.tree.map(lambda x: x[cut], det))
+                  for u, cut in (("root", 0), ("layers", slice(1, None)))}
             params, opt_state, metrics, ys, reset = self._loss_step(params, opt_state, batch, hook, xs)
-            det = jax.tree.map(lambda r, l: jnp.concatenate([r[None], l]), ys["root"].detector, ys["layers"].detector)
-            shared = ({"root": ys["root"].outer_params, "layers": ys["layers"].outer_params},
-                      {"root": ys["root"].opt_state, "layers": ys["layers"].opt_state},
-                      jax.tree.map(lambda r, l: jnp.concatenate([r[None], l]), ys["root"].metrics, ys["layers"].metrics))
+            root, layers = ys["root"], ys["layers"]
+            det = _cat_units(root.detector, layers.detector)
+            shared = ({"root": root.outer_params, "layers": layers.outer_params},
+                      {"root": root.opt_state, "layers": layers.opt_state}, _cat_units(root.metrics, layers.metrics))
             return (params, opt_state, metrics, det, reset), shared
 
         (params, opt_state, metrics, det, reset), (outer, outer_state, unit) = self._workers(
@@ -391,6 +379,11 @@ class LocalSGD:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _cat_units(root, layers, axis: int = 0):
+    """The root's values and the layers' (stacked on ``axis``) as one unit axis ``axis``: [.., U, ..]."""
+    return jax.tree.map(lambda r, l: jnp.concatenate([jnp.expand_dims(r, axis), l], axis=axis), root, layers)
 
 
 def _unit_det(det: Detector, u) -> Detector:

@@ -12,7 +12,8 @@ overlap the previous layer's compute. The model reaches the sync only through it
 
 With a fragment group's ``span`` (streaming sync) only that group's units sync: the layer stack
 is cut into segments [before, group, after] (the family's ``layer_segments``). A whole-model sync
-of a state (evaluation, ``flush``) is ``whole_model.sync_whole``: the same per-unit numerics.
+of a state (evaluation, ``flush``) is the whole-model rule's (``whole_model.sync_whole``): the same
+per-unit numerics.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from __future__ import annotations
 import jax
 
 from edit_jax.localsgd.outer import sync_unit
-from edit_jax.localsgd.rule import Span, SyncRule, SyncSpec
+from edit_jax.localsgd.rule import Span, SyncSpec
 from edit_jax.localsgd.sync import as_varying, assemble_group_sync, assemble_sync, local_blocks, \
     reset_nonfinite_workers, with_value
-from edit_jax.localsgd.whole_model import sync_whole
+from edit_jax.localsgd.whole_model import WholeModelSync
 
 
 def forward_inputs(outer, spec: SyncSpec, span: Span | None = None, residual=None):
@@ -71,8 +72,10 @@ def assemble_forward(params, outer, ys, span: Span | None = None, residual=None)
     return assemble_group_sync(params, outer, ys["root"], ys["layers"][1] if hi > lo else None, lo, hi, residual)
 
 
-class LayerwiseSync(SyncRule):
-    """EDiT: pseudo gradients layer by layer inside the forward, penalised, every tau steps."""
+class LayerwiseSync(WholeModelSync):
+    """EDiT: pseudo gradients layer by layer inside the forward, penalised, every tau steps. The
+    same per-unit sync also runs after a step (``after_step``, ``flush``: the whole-model rule's),
+    e.g. to evaluate a fresh θ̄."""
 
     name = "layerwise"
     in_forward = True
@@ -90,9 +93,6 @@ class LayerwiseSync(SyncRule):
         params, outer, metrics, residual = assemble_forward(params, outer, ys, span, residual)
         opt_state, metrics["inner_reset"] = reset_nonfinite_workers(opt_state, metrics, spec.inner_opt_specs)
         return params, outer, opt_state, metrics, residual
-
-    def flush(self, params, outer, spec: SyncSpec, residual=None):
-        return sync_whole(params, outer, spec, residual=residual)
 
 
 __all__ = ["LayerwiseSync", "forward_inputs", "sync_in_forward", "assemble_forward"]

@@ -108,12 +108,15 @@ class SyncRule:
 
     # -- the sync --------------------------------------------------------------------------------
 
-    def after_step(self, params, outer, spec: SyncSpec, shares=None, span: Span | None = None):
-        """The sync after the step: (params, outer, metrics), ``metrics["inner_reset"]`` included."""
+    def after_step(self, params, outer, opt_state, spec: SyncSpec, shares=None, span: Span | None = None,
+                   residual=None):
+        """The sync after the step's inner update: (params, outer, opt_state, metrics, residual),
+        ``metrics["inner_reset"]`` included; ``residual`` is a wrapper's error-feedback tree."""
         raise NotImplementedError(f"rule {self.name} does not sync after the step")
 
-    def flush(self, params, outer, spec: SyncSpec):
-        """A whole-model sync of a state (evaluation on a fresh θ̄, tests)."""
+    def flush(self, params, outer, spec: SyncSpec, residual=None):
+        """A whole-model sync of a state (evaluation on a fresh θ̄, tests): (params, outer,
+        metrics, residual)."""
         raise NotImplementedError(f"rule {self.name} has no whole-model sync")
 
 

@@ -19,7 +19,18 @@ the step code reaches the model only through it:
   backward, remat's recomputation not counted), for the MFU of every training record;
 - optionally ``loss_sum(cfg, params, tokens, targets, hook, hook_xs=None) -> (scalar, ys)``: the
   forward and the loss in one, so that a family can avoid materialising the whole logits (the
-  llama family makes them ``model.loss_chunk`` positions at a time); used where present.
+  llama family makes them ``model.loss_chunk`` positions at a time); used where present;
+- optionally ``attention_impl(cfg, backend) -> str``: the attention kernel the family will use on
+  ``backend`` ("gpu", "cpu"), which the step programs resolve for their mesh's devices;
+- ``forward``'s ``layer_segments`` (the streaming sync, ``sync.fragments > 1``): a list of
+  ``(n, xs)`` covering the layers in order; the stack is scanned segment by segment, a segment's
+  layers with its own hook inputs ``xs`` (None: a segment that only gathers), and ``ys["layers"]``
+  is then the list of the segments' ys (None for an empty segment).
+
+The same contract as typing Protocols: ``ModelFamily`` (a family module), ``Hook``, and
+``ScannedModel``, the smaller part of it that ``localsgd/api.py``'s layer-wise rules need of any
+model (a user's own Flax model, no config): params ``{"root", "layers"}`` with the layers stacked,
+every unit through the hook, ``hook_xs`` in and ``ys`` out laid out like the params.
 
 The hook is where FSDP gathers a unit and where EDiT syncs it, so any model with this contract
 trains with every method. To add a family: a module with those four functions and one line in
@@ -32,7 +43,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from edit_jax.config import Config, require
 
@@ -43,7 +54,47 @@ FAMILIES = {"llama": "edit_jax.models.llama"}
 # send the whole sync a second time. Everything after it (the FSDP gather within ``shard``, the
 # layer's compute) is still recomputed.
 HOOK_SAVED = "hook_saved"
-CONTRACT = ("init_params", "forward", "token_loss_sum", "flops_per_token")  # loss_sum is optional
+CONTRACT = ("init_params", "forward", "token_loss_sum", "flops_per_token")  # and OPTIONAL, below
+
+
+Params = Any  # {"root": {...}, "layers": {... every leaf stacked on a leading layer axis ...}}
+OPTIONAL = ("loss_sum", "attention_impl")  # used where a family has them
+
+
+class Hook(Protocol):
+    """``hook(unit, unit_xs, which) -> (params ready for compute, unit_ys)``; ``which`` is "root" or
+    "layer"; ``unit_xs`` None: no input for this unit (the hook then returns its ys as None)."""
+
+    def __call__(self, unit: Any, unit_xs: Any, which: str) -> tuple[Any, Any]: ...
+
+
+class ScannedModel(Protocol):
+    """A forward (or a loss) whose units pass a hook, what a layer-wise sync needs of a model.
+
+    ``params`` is ``{"root": ..., "layers": ...}``, every leaf of ``"layers"`` stacked on a leading
+    layer axis of one size L. The call passes ``params["root"]`` through ``hook(root, xs["root"],
+    "root")`` first, then each layer l, inside its ``jax.lax.scan`` over the stacked layers, through
+    ``hook(layer_l, xs["layers"][l], "layer")``, and computes only with what the hooks return (a
+    unit used around the hook would miss the sync). ``hook_xs`` is ``{"root": ..., "layers": ...}``
+    (the layers' entry scanned with the layers) or None (every unit's input None); the call returns
+    ``(output, ys)``, ``ys = {"root": root's ys, "layers": the scan's stacked ys}``."""
+
+    def __call__(self, params: Params, batch: Any, hook: Hook, hook_xs: Any = None) -> tuple[Any, Any]: ...
+
+
+@runtime_checkable
+class ModelFamily(Protocol):
+    """A family module (see the module's docstring; ``loss_sum`` and ``attention_impl`` are optional
+    and looked up with ``hasattr``, so they are not members here): ``isinstance(module, ModelFamily)``."""
+
+    def init_params(self, cfg: Any, key: Any) -> Params: ...
+
+    def forward(self, cfg: Any, params: Params, tokens: Any, hook: Hook = ..., hook_xs: Any = None,
+                layer_segments: Any = None) -> tuple[Any, Any]: ...
+
+    def token_loss_sum(self, logits: Any, targets: Any) -> Any: ...
+
+    def flops_per_token(self, cfg: Any, seq_len: int) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -76,4 +127,5 @@ def validate(cfg: Config) -> None:
             f"expected one of {', '.join(FAMILIES)}; got {cfg.model.family!r}")
 
 
-__all__ = ["FAMILIES", "CONTRACT", "HOOK_SAVED", "SplitHook", "model_family", "validate"]
+__all__ = ["FAMILIES", "CONTRACT", "OPTIONAL", "HOOK_SAVED", "Params", "Hook", "ScannedModel", "ModelFamily",
+           "SplitHook", "model_family", "validate"]

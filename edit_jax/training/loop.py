@@ -172,7 +172,7 @@ class Training:
             self.bar = tqdm(total=self.cfg.steps, initial=self.start_step, unit="step", dynamic_ncols=True,
                             file=sys.stderr)
         self.driver = LockStep(self.programs, setup.stream, setup.corrupt)
-        self.asynchronous = False  # the driver is AsyncWorkers (A-EDiT after its warmup)
+        self.workers_apart = False  # the driver is AsyncWorkers (A-EDiT after its warmup)
         self.evaluator = Evaluator(self.programs)
         self.history, self.last_loss, self.val_loss, self.done_here = [], float("nan"), None, 0
         self.t_start = time.perf_counter()
@@ -197,13 +197,13 @@ class Training:
         """Advances until a hook ends the run or the last step is reached."""
         cfg = self.cfg
         while True:
-            if not self.asynchronous:
+            if not self.workers_apart:
                 if self.k >= cfg.steps:
                     return End(interrupted=False)
                 if self.setup.method_plan.asynchronous_at(self.k):  # each worker at its own pace from here
                     self.driver = AsyncWorkers(self.programs, self.setup.stream, self.setup.corrupt, self.k,
                                                self.setup.data_state)
-                    self.state, self.asynchronous = self.driver.enter(self.state), True
+                    self.state, self.workers_apart = self.driver.enter(self.state), True
             adv = self.driver.advance(self.state, self.k, self._wants())
             before, self.state, self.k = self.k, adv.state, adv.step
             self.done_here += adv.ran
@@ -313,7 +313,7 @@ class Training:
         trusted = self.watch.trusted_through
         target = [s for s in (ckpt.all_steps() if ckpt else []) if trusted is not None and s <= trusted]
         cannot = ("no run dir" if ckpt is None else
-                  "A-EDiT's asynchronous phase does not roll back in-process" if self.asynchronous else
+                  "A-EDiT's asynchronous phase does not roll back in-process" if self.workers_apart else
                   f"train.spike.max_rollbacks={cfg.train.spike.max_rollbacks} reached"
                   if self.rollbacks >= cfg.train.spike.max_rollbacks else
                   "no checkpoint before the spike" if not target else None)

@@ -1,0 +1,318 @@
+"""The public API around a user's own model, optimizer and loop (``edit_jax.localsgd.api``).
+
+- ``examples/own_model.py`` (a plain-Flax GPT, its own AdamW and loop) trains with DiLoCo and with
+  EDiT's layer-wise sync, loss falling.
+- One sync against NumPy, written from EDIT.md (Algorithm 2), not from ``outer.py``: DiLoCo (the
+  plain mean of the pseudo gradients, Nesterov SGD) over three syncs of an arbitrary pytree; EDiT
+  layer-wise with its penalty (softmax(−g/T) weights of the per-unit norms, per-unit clip, the
+  detector fed), and the inner update of that step taken at θ̄ and applied to θ̄.
+- Post Local SGD's θ̄ is the mean of the workers, for any pytree (tuples, bfloat16 leaves).
+- Nothing crosses ``replica`` in a local step; the sync's all-reduce does (HLO).
+- Bad arguments fail with a ValueError that names them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import edit_jax
+from edit_jax.localsgd.api import LocalSGD, Penalty, diloco, edit, identity_hook, post_local_sgd
+from edit_jax.localsgd.outer import sgd_trace
+from edit_jax.tools import hlo
+from tests.helpers import REPO
+
+N, S = 4, 2
+
+
+def _mesh():
+    return jax.make_mesh((N, S), ("replica", "shard"), devices=jax.devices()[: N * S])
+
+
+def _f64(tree):
+    return jax.tree.map(lambda x: np.array(x, np.float64), tree)
+
+
+def _close(got, want, what, rtol=2e-5, atol=2e-6):
+    assert jax.tree.structure(got) == jax.tree.structure(want), what
+    for path, g in jax.tree_util.tree_flatten_with_path(got)[0]:
+        w = _get(want, path)
+        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=rtol, atol=atol,
+                                   err_msg=f"{what}{jax.tree_util.keystr(path)}")
+
+
+def _get(tree, path):
+    for key in path:
+        tree = tree[getattr(key, "key", getattr(key, "idx", None))]
+    return tree
+
+
+# ============================================================================= the example
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("own_model_example", os.path.join(REPO, "examples", "own_model.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # flax's dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("rule", ["diloco", "edit"])
+def test_example_trains_with_each_rule(rule):
+    out = _example().main(["--rule", rule, "--tiny", "--steps", "12"])
+    losses = out["losses"]
+    assert len(losses) == 12 and all(math.isfinite(x) for x in losses)
+    assert np.mean(losses[-3:]) < losses[0] - 0.5, losses
+    assert out["val_loss"] < math.log(256) - 0.5, out["val_loss"]
+    state = out["state"]  # after the example's last sync every worker is at θ̄
+    for w, o in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.outer_params)):
+        np.testing.assert_allclose(np.asarray(w), np.broadcast_to(np.asarray(o), w.shape), rtol=1e-6)
+
+
+# ============================================================================= DiLoCo, any pytree
+
+
+def _linear_params():
+    rng = np.random.default_rng(0)
+    return {"dense": {"w": rng.normal(size=(3, 2)).astype(np.float32)},
+            "bias": [np.zeros(2, np.float32), np.float32(0.5)]}
+
+
+def _linear_loss(p, batch):
+    pred = batch["x"] @ p["dense"]["w"] + p["bias"][0] + p["bias"][1]
+    return jnp.mean((pred - batch["y"]) ** 2)
+
+
+def _linear_step(tx):
+    def step(p, s, batch):
+        loss, g = jax.value_and_grad(_linear_loss)(p, batch)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, {"loss": loss}
+    return step
+
+
+def _linear_batch(k: int, rows: int = 4):
+    """[N, rows, ...]: worker i's targets come from its own linear map (the workers drift apart)."""
+    rng = np.random.default_rng(100 + k)
+    x = rng.normal(size=(N, rows, 3)).astype(np.float32)
+    w = np.stack([np.full((3, 2), 0.3 * (i + 1), np.float32) for i in range(N)])
+    return {"x": x, "y": np.einsum("nbi,nio->nbo", x, w)}
+
+
+def test_diloco_syncs_match_numpy_for_any_pytree():
+    tx, rule, tau = optax.sgd(0.1), diloco(outer_lr=0.7, outer_momentum=0.9), 2
+    trainer = LocalSGD(rule, _mesh(), tau, inner_step=_linear_step(tx), donate=False)
+    no_sync = LocalSGD(rule, _mesh(), 10**6, inner_step=_linear_step(tx), donate=False)  # the workers' own steps
+    params = _linear_params()
+    state = trainer.init(params, tx.init(params))
+    theta, trace = _f64(params), jax.tree.map(lambda x: np.zeros(np.shape(x)), params)
+    for k in range(3 * tau):
+        batch = _linear_batch(k)
+        if trainer.kind_at(k) == "local_then_sync":  # (k + 1) % tau == 0
+            workers = _f64(no_sync.step(state, batch)[0].params)
+            avg = jax.tree.map(lambda t, w: np.mean(t[None] - w, axis=0), theta, workers)  # mean of θ̄ − θ_i
+            trace = jax.tree.map(lambda b, d: 0.9 * b + d, trace, avg)  # Nesterov: b <- μb + Δ
+            theta = jax.tree.map(lambda t, d, b: t - 0.7 * (d + 0.9 * b), theta, avg, trace)  # θ̄ -= η(Δ + μb)
+        state, metrics = trainer.step(state, batch)
+        assert ("sync" in metrics) == (trainer.kind_at(k) != "local"), k
+        if "sync" in metrics:
+            _close(state.outer_params, theta, f"θ̄ after step {k}")
+            _close(sgd_trace(state.outer_opt_state), trace, f"outer momentum after step {k}")
+            _close(state.params, jax.tree.map(lambda t: np.broadcast_to(t, (N,) + t.shape), theta),
+                   f"workers after step {k}")
+            np.testing.assert_allclose(np.asarray(metrics["sync"]["weight"]), np.full(N, 1 / N), rtol=1e-6)
+    assert int(state.step) == 3 * tau
+    # Nothing crosses `replica` in a local step; the sync's all-reduce carries every parameter.
+    batch = _linear_batch(0)
+    local = trainer.lower("local", state, batch).compile().as_text()
+    assert not hlo.replica_crossing(local, (N, S))
+    synced = hlo.replica_crossing(trainer.lower("sync", state).compile().as_text(), (N, S))
+    assert max(hlo.operand_elements(r) for r in synced) >= sum(np.size(x) for x in jax.tree.leaves(params))
+
+
+def test_post_local_sgd_is_the_mean_of_any_pytree():
+    params = {"a": (np.ones((2, 3), np.float32), {"b": np.arange(4, dtype=np.float32)}),
+              "c": jnp.full((5,), 0.25, jnp.bfloat16)}
+
+    def step(p, s, batch):  # every leaf moves by the worker's own amount
+        return jax.tree.map(lambda x: x + (batch.mean() * x.size).astype(x.dtype), p), s, {"shift": batch.mean()}
+
+    trainer = LocalSGD(post_local_sgd(), _mesh(), 1000, inner_step=step, donate=False)
+    state = trainer.init(params, ())
+    for k in range(3):
+        state, _ = trainer.step(state, np.arange(N * 4 * S, dtype=np.float32).reshape(N, 4 * S) * (k + 1))
+    workers = _f64(state.params)
+    state, figures = trainer.sync(state)
+    _close(state.outer_params, jax.tree.map(lambda w: w.mean(0), workers), "θ̄", rtol=1e-2)
+    assert jax.tree.map(lambda x: x.dtype, state.params) == jax.tree.map(lambda x: jnp.asarray(x).dtype, params)
+    assert figures["inner_reset"].shape == (N,) and not np.any(figures["inner_reset"])
+
+
+# ============================================================================= EDiT, layer-wise
+
+
+def _scanned_params(layers: int = 2, d: int = 3, h: int = 8):
+    rng = np.random.default_rng(1)
+    f = lambda *shape: (0.4 * rng.normal(size=shape)).astype(np.float32)  # noqa: E731
+    return {"root": {"w_in": f(d, h), "w_out": f(h, 1)}, "layers": {"w": f(layers, h, h), "b": f(layers, h)}}
+
+
+def _scanned_loss(p, batch, hook=identity_hook, hook_xs=None):
+    """A ScannedModel: the root, then each layer in a scan, through the hook."""
+    xs = hook_xs if hook_xs is not None else {"root": None, "layers": None}
+    root, root_ys = hook(p["root"], xs["root"], "root")
+    h = jnp.tanh(batch["x"] @ root["w_in"])
+
+    def layer(h, unit):
+        params, unit_xs = unit
+        params, ys = hook(params, unit_xs, "layer")
+        return h + jnp.tanh(h @ params["w"] + params["b"]), ys
+
+    h, layer_ys = jax.lax.scan(layer, h, (p["layers"], xs["layers"]))
+    return jnp.mean((h @ root["w_out"] - batch["y"]) ** 2), {"root": root_ys, "layers": layer_ys}
+
+
+def _scanned_batch(k: int, rows: int = 4):
+    rng = np.random.default_rng(200 + k)
+    x = rng.normal(size=(N, rows, 3)).astype(np.float32)
+    scale = np.arange(1, N + 1, dtype=np.float32).reshape(N, 1, 1) ** 2  # worker i drifts (i + 1)^2 as far
+    return {"x": x, "y": scale * np.sin(x.sum(-1, keepdims=True))}
+
+
+def _units(tree):
+    """Every unit's leaves: the root's, then layer l's."""
+    layers = jax.tree.leaves(tree["layers"])
+    return [jax.tree.leaves(tree["root"])] + [[x[l] for x in layers] for l in range(layers[0].shape[0])]
+
+
+def np_edit_sync(theta, workers, p: Penalty, lr: float, mu: float):
+    """Algorithm 2 on each unit (EDIT.md), the first sync (trace 0, detectors fresh: none flagged):
+    Δ_i = θ̄ − θ_i, g_i = ‖Δ_i‖, w = softmax(−g/T), Δ = Σ w_i Δ_i, clip to φ, Nesterov. Returns the
+    new θ̄ and trace (trees like ``theta``), and per unit g [U, N], w [U, N], clip factor [U]."""
+    new_theta, new_trace = _f64(theta), jax.tree.map(lambda x: np.zeros(np.shape(x)), _f64(theta))
+    g_all, w_all, clips = [], [], []
+    for u, (t_u, b_u, th_u) in enumerate(zip(_units(new_theta), _units(new_trace), _units(theta))):
+        deltas = [[np.float64(t) - np.float64(x) for t, x in zip(th_u, w_u)]
+                  for w_u in (_units(jax.tree.map(lambda x: x[i], workers))[u] for i in range(N))]
+        g = np.array([math.sqrt(sum(float(np.sum(d * d)) for d in ds)) for ds in deltas])
+        e = np.exp(-(g - g.min()) / p.temperature)
+        w = e / e.sum()
+        avg = [sum(w[i] * deltas[i][j] for i in range(N)) for j in range(len(t_u))]
+        c = min(1.0, p.clip_threshold / (math.sqrt(sum(float(np.sum(a * a)) for a in avg)) + 1e-6))
+        for j, a in enumerate(avg):
+            b_u[j][...] = c * a  # b = μ·0 + Δ
+            t_u[j][...] = t_u[j] - lr * (c * a + mu * b_u[j])
+        g_all.append(g), w_all.append(w), clips.append(c)
+    return new_theta, new_trace, np.array(g_all), np.array(w_all), np.array(clips)
+
+
+def test_edit_layerwise_sync_matches_numpy_and_steps_from_theta_bar():
+    penalty = Penalty(warmup=3, temperature=0.05, clip_threshold=0.3)
+    lr_in, wd = 0.2, 0.1
+    tx = optax.chain(optax.add_decayed_weights(wd), optax.sgd(lr_in))  # an update that reads the params
+    trainer = LocalSGD(edit(outer_lr=0.7, outer_momentum=0.9, penalty=penalty), _mesh(), 2, loss_fn=_scanned_loss,
+                       optimizer=tx, donate=False)
+    state = trainer.init(_scanned_params())
+    assert state.detector.mean.shape == (N, 3)  # [N, U]: the root and 2 layers
+    for k in range(2):
+        state, metrics = trainer.step(state, _scanned_batch(k))
+        assert "sync" not in metrics
+    assert trainer.kind_at(2) == "sync_forward"
+    theta, workers = _f64(state.outer_params), _f64(state.params)
+    want_theta, want_trace, g, w, clip = np_edit_sync(theta, workers, penalty, 0.7, 0.9)
+    assert np.max(np.abs(w - 1 / N)) > 0.05 and np.min(clip) < 0.99, (w, clip)  # the penalty is exercised
+
+    batch = _scanned_batch(2)
+    state, metrics = trainer.step(state, batch)
+    figures = metrics["sync"]
+    _close(state.outer_params, want_theta, "θ̄")
+    _close({u: sgd_trace(state.outer_opt_state[u]) for u in ("root", "layers")}, want_trace, "outer momentum")
+    np.testing.assert_allclose(np.asarray(figures["unit_pseudo_grad_norm"]), g, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(figures["weight"]), w.mean(0), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(float(figures["clip_factor"]), clip.min(), rtol=1e-5)
+    # The detectors were fed each worker's norm of each unit (μ = α g after the first sync).
+    np.testing.assert_allclose(np.asarray(state.detector.mean), penalty.alpha * g.T, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(state.detector.count), np.ones((N, 3)))
+    # The step's gradient was taken at θ̄ and its update applied to θ̄ (weight decay included).
+    theta_bar = jax.tree.map(lambda x: x.astype(np.float32), want_theta)
+    for i in range(N):
+        mine = jax.tree.map(lambda x: x[i], batch)
+        loss, grads = jax.value_and_grad(lambda p: _scanned_loss(p, mine)[0])(theta_bar)
+        want = jax.tree.map(lambda t, gr: t - lr_in * (gr + wd * t), theta_bar, grads)
+        _close(jax.tree.map(lambda x: x[i], state.params), want, f"worker {i} after the sync step", rtol=1e-4,
+               atol=1e-5)
+        np.testing.assert_allclose(float(metrics["inner"]["loss"][i]), float(loss), rtol=1e-5)
+
+    # Worker 0 goes NaN: the next sync flags it in every unit (weight 0), θ̄ stays finite, and it
+    # restarts from θ̄ (its detectors are not fed the outlier).
+    poisoned = _scanned_batch(3)
+    poisoned["x"][0] = np.nan
+    state, _ = trainer.step(state, poisoned)
+    assert not np.all(np.isfinite(np.asarray(state.params["root"]["w_in"][0])))
+    state, metrics = trainer.step(state, _scanned_batch(4))
+    figures = metrics["sync"]
+    assert np.asarray(figures["flagged"]).tolist() == [3, 0, 0, 0] and float(figures["weight"][0]) == 0.0
+    assert np.asarray(figures["inner_reset"]).tolist() == [True, False, False, False]
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves((state.params, state.outer_params)))
+    np.testing.assert_array_equal(np.asarray(state.detector.count), [[1] * 3] + [[2] * 3] * (N - 1))
+
+
+# ============================================================================= bad arguments
+
+
+def test_bad_arguments_are_named():
+    mesh, step = _mesh(), _linear_step(optax.sgd(0.1))
+    with pytest.raises(ValueError, match="mesh: expected .* 'replica' axis"):
+        LocalSGD(diloco(), jax.make_mesh((8,), ("data",), devices=jax.devices()[:8]), 4, inner_step=step)
+    for tau in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="tau: expected an integer >= 1"):
+            LocalSGD(diloco(), mesh, tau, inner_step=step)
+    with pytest.raises(ValueError, match="inner_step: rule 'edit' syncs inside the forward"):
+        LocalSGD(edit(), mesh, 4, inner_step=step)
+    with pytest.raises(ValueError, match="give either inner_step, or loss_fn and optimizer"):
+        LocalSGD(diloco(), mesh, 4, loss_fn=_scanned_loss)
+    with pytest.raises(ValueError, match="penalty.warmup"):
+        edit(penalty=Penalty(warmup=1))
+    layerwise = LocalSGD(edit(), mesh, 1, loss_fn=_scanned_loss, optimizer=optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"params: rule 'edit' syncs layer by layer .*got \['dense'\]"):
+        layerwise.init({"dense": np.ones((3, 3), np.float32)})
+    uneven = _scanned_params()
+    uneven["layers"]["b"] = uneven["layers"]["b"][:1]
+    with pytest.raises(ValueError, match="params: every leaf of params\\['layers'\\] .* leading sizes \\[1, 2\\]"):
+        layerwise.init(uneven)
+
+    trainer = LocalSGD(diloco(), mesh, 4, inner_step=step)
+    params = _linear_params()
+    state = trainer.init(params, optax.sgd(0.1).init(params))
+    with pytest.raises(ValueError, match=r"batch: \['x'\] must be stacked per worker, \[N=4, \.\.\.\]"):
+        trainer.step(state, {"x": np.zeros((3, 4, 3), np.float32), "y": np.zeros((4, 4, 2), np.float32)})
+    with pytest.raises(ValueError, match="batch: .*per-worker batch dim \\(3\\) must be divisible by .* shard size 2"):
+        trainer.step(state, {"x": np.zeros((4, 3, 3), np.float32), "y": np.zeros((4, 3, 2), np.float32)})
+    with pytest.raises(ValueError, match="batch: a global batch's leading dim must be a multiple of the 4 workers"):
+        trainer.per_worker(np.zeros((6, 2)))
+    assert trainer.per_worker(np.arange(8).reshape(8, 1))[:, :, 0].tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_a_forward_that_skips_the_hook_is_named():
+    def no_hook(p, batch, hook, hook_xs):  # ignores the hook: the sync could not reach the forward
+        return _scanned_loss(p, batch)[0], None
+
+    trainer = LocalSGD(edit(), _mesh(), 1, loss_fn=no_hook, optimizer=optax.sgd(0.1))
+    state, _ = trainer.step(trainer.init(_scanned_params()), _scanned_batch(0))
+    with pytest.raises(ValueError, match="loss_fn: on a sync step the forward must pass every unit through hook"):
+        trainer.step(state, _scanned_batch(1))
+
+
+def test_the_public_names_resolve_lazily():
+    assert edit_jax.LocalSGD is LocalSGD and edit_jax.diloco is diloco and edit_jax.Penalty is Penalty
+    assert edit_jax.post_local_sgd().outer.lr == 1.0 and not edit_jax.diloco().penalty.clip
+    assert edit_jax.edit().layerwise and edit_jax.edit().penalty == Penalty()
