@@ -154,12 +154,13 @@ def main(argv=None) -> dict:
             weights = np.asarray(metrics["sync"]["weight"], np.float64).round(3).tolist()
             print(f"step {k:4d}  loss {losses[-1]:.3f}  synced, worker weights {weights}")
 
+    before = jax.device_get(state)  # (kept for the tests: they recompute this last sync with NumPy)
     state, _ = trainer.sync(state)  # a last sync: evaluate θ̄, the model the workers agree on
     val = next(batches(data[split:], (32,), size["seq_len"], seed=1))
     val_loss = float(jax.jit(loss_fn)(jax.device_get(state.outer_params), val)[0])
     print(f"done in {time.time() - start:.1f}s: train loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
           f"validation loss of the synced model {val_loss:.3f} (uniform bytes: {np.log(256):.3f})")
-    return {"losses": losses, "val_loss": val_loss, "state": state}
+    return {"losses": losses, "val_loss": val_loss, "state": state, "before_sync": before}
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ fully hidden sync. With ``--profile DIR`` one traced sync step per kernel: each 
 ``replica`` (named from XLA's own program) with its time and how much of it overlapped GEMM /
 attention kernels on the same device (``overlap_fraction``).
 
-No GPU was lent to the session that wrote this; it ran only its CPU smoke test (BUILD_NOTES,
-"GPU program").
+Measured on one H100 (BUILD_NOTES section 3, "GPU"; JSON in docs/gpu/): the peak memory the device
+allocator saw beside XLA's own figure per compiled step (``memory_analysis``, what ``edit-jax plan
+--target`` reports); ``--no-remat`` keeps every activation.
 """
 
 from __future__ import annotations

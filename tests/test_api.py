@@ -76,6 +76,15 @@ def test_example_trains_with_each_rule(rule):
     state = out["state"]  # after the example's last sync every worker is at θ̄
     for w, o in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.outer_params)):
         np.testing.assert_allclose(np.asarray(w), np.broadcast_to(np.asarray(o), w.shape), rtol=1e-6)
+    if rule == "diloco":  # that last sync by NumPy: Δ = mean_i(θ̄ − θ_i), m' = μ m + Δ, θ̄' = θ̄ − lr (Δ + μ m')
+        before, lr, mu = out["before_sync"], 0.7, 0.9  # edit_jax.diloco()'s defaults
+        trace = optax.tree_utils.tree_get(before.outer_opt_state, "trace")
+        for theta, workers, m, got in zip(jax.tree.leaves(before.outer_params), jax.tree.leaves(before.params),
+                                          jax.tree.leaves(trace), jax.tree.leaves(state.outer_params)):
+            theta, m = np.asarray(theta, np.float64), np.asarray(m, np.float64)
+            delta = (theta[None] - np.asarray(workers, np.float64)).mean(axis=0)
+            m_new = mu * m + delta
+            np.testing.assert_allclose(np.asarray(got), theta - lr * (delta + mu * m_new), rtol=1e-5, atol=1e-6)
 
 
 # ============================================================================= DiLoCo, any pytree
