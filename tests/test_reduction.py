@@ -6,7 +6,6 @@ same θ̄, outer optimizer state, detectors, residuals and figures (to float32 r
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P

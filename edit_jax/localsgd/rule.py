@@ -2,14 +2,14 @@
 
 Each kind of sync is one module of ``localsgd/`` holding one ``SyncRule`` subclass:
 
-| module              | rule                 | methods                                | runs               |
-|---------------------|----------------------|----------------------------------------|--------------------|
-| ``rule.py``         | ``NoSync``           | baseline (gradients every step)        | never              |
-| ``whole_model.py``  | ``WholeModelSync``   | DiLoCo, Post Local SGD, EDiT unlayered | after the step     |
-| ``layerwise.py``    | ``LayerwiseSync``    | EDiT                                   | inside the forward |
-| ``async_layerwise.py`` | ``AsyncLayerwiseSync`` | A-EDiT                           | inside the forward, by wall clock |
-| ``stale.py``        | ``StaleSync``        | CO2                                    | after the step, one round stale |
-| ``compressed.py``   | ``Compressed(rule)`` | any of the above with ``sync.compress`` | as the rule it wraps |
+| module              | rule                 | methods                                  | runs                |
+|---------------------|----------------------|------------------------------------------|---------------------|
+| ``rule.py``         | ``NoSync``           | baseline (gradients every step)          | never               |
+| ``whole_model.py``  | ``WholeModelSync``   | DiLoCo, Post Local SGD, EDiT unlayered   | after the step      |
+| ``layerwise.py``    | ``LayerwiseSync``    | EDiT                                     | inside the forward  |
+| ``stale.py``        | ``StaleSync``        | CO2                                      | after the step, one round stale |
+| ``timed.py``        | ``Timed(rule)``      | A-EDiT (``Timed(LayerwiseSync())``)      | as the rule, by wall clock, workers apart |
+| ``compressed.py``   | ``Compressed(rule)`` | any of them with ``sync.compress``       | as the rule it wraps |
 
 A rule owns:
 

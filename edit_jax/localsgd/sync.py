@@ -9,14 +9,11 @@ local replica dim of size 1) and returns new arrays: no object holds state betwe
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from edit_jax.localsgd.outer import UnitSync
-from edit_jax.localsgd.rule import Span
 from edit_jax.localsgd.sharding import REPLICA, SHARD, replica_gather
 
 # Sync figures (identical on every device); "loss" and "grad_norm" come back per replica, [N].
