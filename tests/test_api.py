@@ -325,3 +325,17 @@ def test_the_public_names_resolve_lazily():
     assert edit_jax.LocalSGD is LocalSGD and edit_jax.diloco is diloco and edit_jax.Penalty is Penalty
     assert edit_jax.post_local_sgd().outer.lr == 1.0 and not edit_jax.diloco().penalty.clip
     assert edit_jax.edit().layerwise and edit_jax.edit().penalty == Penalty()
+
+
+def test_our_family_meets_the_written_contract():
+    """``family.ModelFamily`` is the contract the harness reaches a model through: our Llama module
+    meets it, a module without a forward does not (``model_family`` then names what is missing)."""
+    import types
+
+    from edit_jax.models import family, llama
+
+    assert isinstance(llama, family.ModelFamily)
+    partial = types.ModuleType("half_a_family")
+    partial.init_params, partial.token_loss_sum, partial.flops_per_token = llama.init_params, llama.token_loss_sum, len
+    assert not isinstance(partial, family.ModelFamily)
+    assert set(family.CONTRACT) <= {n for n in dir(family.ModelFamily) if not n.startswith("_")}
