@@ -3,6 +3,9 @@ read while the corpus and the stream are built, ids are checked as windows are r
 an error naming the file and its offset), and a checkpoint made when the fingerprint was sampled
 from the tokens still resumes. (Streamed parquet's row-group slices: tests/test_parquet_stream.py.)"""
 
+import os
+
+import jax
 import numpy as np
 import pytest
 
@@ -110,3 +113,37 @@ def test_npy_arrays_are_flattened_in_c_order(tmp_path):
         np.testing.assert_array_equal(np.asarray(corpus.train_tokens), grid.reshape(-1)[:540])
         np.testing.assert_array_equal(corpus.train_tokens[100:200:3], grid.reshape(-1)[100:200:3])
         np.testing.assert_array_equal(np.asarray(corpus.val_tokens), grid.reshape(-1)[540:])
+
+
+def test_a_bad_id_at_the_first_read_leaves_nothing_in_the_run_dir(tmp_path):
+    """Issue 42 item 3: an id past the vocabulary in a loose .bin shard, found at the first training
+    read (after config.json was written): before, config.json stayed in the run dir (the README's
+    exit-2 row: nothing written) and the message had a stray "'byte' ; set". Every training window
+    holds a bad id, the validation part (read at set-up) none. Files that were in the run dir before
+    the run stay, whatever their names."""
+    from dataclasses import replace
+
+    from edit_jax.training.train import train
+    from tests.helpers import tiny_config
+
+    tokens = (np.arange(2000) % 200).astype(np.uint16)
+    tokens[0:1700:8] = 400  # the byte tokenizer's ids are < 257; the train part is tokens [0, 1800)
+    path = str(tmp_path / "train_000000.bin")
+    tokens.tofile(path)
+    cfg = tiny_config(1, 1, steps=2, batch_size=2, seq_len=8)
+    cfg = replace(cfg, data=replace(cfg.data, source="tokens", paths=(path,), val_fraction=0.1))
+    run_dir = tmp_path / "runs" / "new"
+    with pytest.raises(D.DataError) as e:
+        train(cfg, str(run_dir), progress=False, devices=jax.devices()[:1])
+    msg = str(e.value)
+    assert "train_000000.bin" in msg and "id 400 at token" in msg and "outside [0, 257)" in msg, msg
+    assert "'byte'; set data.tokenizer" in msg and " ; " not in msg, msg
+    assert not (tmp_path / "runs").exists(), os.listdir(run_dir)  # no config.json, no empty run dir
+    # A run dir that existed: what was in it stays (an old config.json too), nothing new is left.
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text("{}\n")
+    (run_dir / "notes.txt").write_text("mine\n")
+    with pytest.raises(D.DataError):
+        train(cfg, str(run_dir), progress=False, devices=jax.devices()[:1])
+    assert sorted(os.listdir(run_dir)) == ["config.json", "notes.txt"]
+    assert (run_dir / "notes.txt").read_text() == "mine\n"

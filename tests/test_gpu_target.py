@@ -142,3 +142,36 @@ def test_gpu_programs_get_the_scheduler_unless_xla_flags_set_it():
     assert compiler_options("gpu", "--xla_gpu_enable_latency_hiding_scheduler=false --x=1") == \
         {k: v for k, v in GPU_OVERLAP.items() if k != "xla_gpu_enable_latency_hiding_scheduler"}
     assert compiler_options("cpu", "") == {}
+
+
+@pytest.mark.parametrize("kind", ["binary", "missing", "directory", "unreadable"])
+def test_target_file_that_cannot_be_a_description_is_one_line_exit_2(tmp_path, monkeypatch, capsys, kind):
+    """Issue 42 item 1: ``--target-file`` a binary file was an 18-line UnicodeDecodeError traceback
+    (exit 1). That, a missing path, a directory and an unreadable file: one line naming the path
+    and what was expected, exit 2, before any compile (in-process: ``plan.main``)."""
+    import errno
+
+    from edit_jax.tools import gpu_target
+    from edit_jax.tools import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "plan", lambda *a, **k: pytest.fail("compiled with a bad --target-file"))
+    path = tmp_path / "target.txtpb"
+    if kind == "binary":
+        path.write_bytes(bytes(range(256)) * 8)  # 0x80.. is no UTF-8 start byte
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "unreadable":  # as root chmod 000 reads anyway: the open itself refuses
+        with open(os.path.join(gpu_target.TARGETS_DIR, "h100.txtpb")) as f:
+            path.write_text(f.read())
+        real = open
+
+        def refusing(p, *a, **k):
+            if os.fspath(p) == str(path):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+            return real(p, *a, **k)
+
+        monkeypatch.setattr(gpu_target, "open", refusing, raising=False)
+    code = plan_mod.main(["--config", os.path.join(REPO, "configs", "tiny.py"), "--target-file", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("edit-jax: plan error: --target-file"), err
+    assert str(path) in err and "GpuTargetConfigProto" in err and "gpu_targets/h100.txtpb" in err, err

@@ -7,6 +7,7 @@ import sys
 from dataclasses import replace
 
 import jax
+import pytest
 
 from edit_jax.localsgd.methods import plan_for
 from edit_jax.models.llama import count_params, init_params
@@ -101,3 +102,30 @@ def test_gpu_estimate_says_the_7b_preset_does_not_fit_80_gb_with_unfused_attenti
     # XLA:GPU for an H100 (79.1 GiB): 50.6 GiB with cuDNN attention, 145.4 GiB with XLA's
     assert state + fused < 79 * 2 ** 30 < state + unfused
     assert unfused - fused > 32 * 16 * 4096 * 4096 * 12 * 0.95  # [16, 32, 4096, 4096] scores, 12 B each
+
+
+@pytest.mark.parametrize("where", ["missing_dir", "under_a_file", "directory", "unwritable_dir"])
+def test_json_path_that_cannot_be_written_is_refused_before_compiling(tmp_path, monkeypatch, capsys, where):
+    """Issue 42 item 2: ``--json`` under a missing directory was a FileNotFoundError traceback
+    (exit 1) after the whole compile. Now checked first, as ``export --out`` is (the same check,
+    rundir.runlock.output_path_problem): one line naming the path, exit 2, nothing compiled."""
+    from edit_jax.rundir import runlock
+    from edit_jax.tools import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "plan", lambda *a, **k: pytest.fail("compiled with an unwritable --json"))
+    (tmp_path / "a_file").write_text("x")
+    missing, a_file = str(tmp_path / "missing"), str(tmp_path / "a_file")
+    path, why = {"missing_dir": (tmp_path / "missing" / "plan.json", f"directory {missing!r} does not exist"),
+                 "under_a_file": (tmp_path / "a_file" / "plan.json", f"{a_file!r} is not a directory"),
+                 "directory": (tmp_path, "is a directory (expected a file path)"),
+                 "unwritable_dir": (tmp_path / "ro" / "plan.json", "no write permission in")}[where]
+    if where == "unwritable_dir":  # as root os.access says yes to anything: the check is asked "no"
+        (tmp_path / "ro").mkdir()
+        real = os.access
+        monkeypatch.setattr(runlock.os, "access", lambda p, mode, **k: False if os.fspath(p) == str(tmp_path / "ro")
+                            else real(p, mode, **k))
+    code = plan_mod.main(["--config", os.path.join(REPO, "configs", "tiny.py"), "--json", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("edit-jax: plan error: --json"), err
+    assert repr(str(path)) in err and why in err, err
+    assert not path.exists() or path.is_dir()

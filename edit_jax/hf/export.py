@@ -38,6 +38,7 @@ import numpy as np
 from edit_jax.config import Config, ModelConfig
 from edit_jax.data.tokenizers import BYTE_EOS
 from edit_jax.hf.tokenizer import EOS_TOKEN, byte_tokenizer_json, generation_config, tokenizer_config, with_eos
+from edit_jax.rundir.runlock import first_missing, output_path_problem
 from edit_jax.rundir.trained import TrainedModelError, load_tokenizer, load_trained, tokenizer_file
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -108,24 +109,10 @@ def hf_config(cfg: Config, dtype: str = "float32", eos_id: int | None = None) ->
 
 
 def check_out(out: str, force: bool) -> None:
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ExportError(f"--out {out!r} exists and is not a directory (expected a new or empty directory)")
-    if os.path.isdir(out) and os.listdir(out) and not force:
-        raise ExportError(f"--out {out!r} exists and is not empty (expected a new or empty directory; "
-                          "pass --force to write over it)")
-    parent = _nearest_existing(os.path.dirname(os.path.abspath(out)))
-    if not os.path.isdir(parent):
-        raise ExportError(f"--out {out!r} cannot be created: {parent!r} is not a directory")
-    target = out if os.path.isdir(out) else parent  # the dir a file or a subdir goes into first
-    if not os.access(target, os.W_OK):
-        raise ExportError(f"--out {out!r} cannot be written: no write permission in {target!r}")
-
-
-def _nearest_existing(path: str) -> str:
-    """``path`` or its nearest ancestor that exists (what ``os.makedirs`` would create under)."""
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
+    """``--out`` can be written (rundir.runlock.output_path_problem, the check ``plan --json`` makes too)."""
+    problem = output_path_problem(out, "--out", directory=True, force=force)
+    if problem is not None:
+        raise ExportError(problem)
 
 
 def write_export(out: str, cfg: Config, params: Any, *, dtype: str = "float32", eos_id: int | None = None,
@@ -144,7 +131,7 @@ def write_export(out: str, cfg: Config, params: Any, *, dtype: str = "float32", 
         raise ExportError(f"tokenizer file {tokenizer_path!r} not found (expected the run's tokenizer.json; "
                           "pass its path with --tokenizer)")
     existed = os.path.isdir(out)
-    made = None if existed else _first_missing(os.path.abspath(out))  # the top dir this export makes
+    made = None if existed else first_missing(out)  # the top dir this export makes
     beside = out if existed else os.path.dirname(os.path.abspath(out))
     staging = os.path.join(beside, f".{os.path.basename(os.path.abspath(out))}.export-partial-{os.getpid()}")
     names: list[str] = []
@@ -166,13 +153,6 @@ def write_export(out: str, cfg: Config, params: Any, *, dtype: str = "float32", 
         left = "nothing left behind" if made is not None else f"{out!r} left as it was"
         raise ExportError(f"--out {out!r}: writing failed ({e.strerror or e}); {left}") from e
     return [os.path.join(out, name) for name in names]
-
-
-def _first_missing(path: str) -> str:
-    """The topmost missing dir of the missing ``path`` (what ``os.makedirs(path)`` would create first)."""
-    while not os.path.exists(os.path.dirname(path)) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
 
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}

@@ -18,6 +18,8 @@ import numpy as np
 from edit_jax.rundir.runlock import RunDirError
 from edit_jax.rundir.tensorboard import TeeLog
 
+TB_DIR = "tb"  # RUN_DIR/tb/: TensorBoard's event files (log.tensorboard)
+
 
 def to_json(x):
     """A scalar or array (NumPy, JAX on the host) as a JSON value."""
@@ -99,7 +101,7 @@ def open_log(run_dir: str | None, resumed_from: int | None, lead: bool, tensorbo
     log = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), resumed_from)
     if not tensorboard:
         return log
-    return TeeLog(log, os.path.join(run_dir, "tb"), resumed_from, earlier=read_records(log.path))
+    return TeeLog(log, os.path.join(run_dir, TB_DIR), resumed_from, earlier=read_records(log.path))
 
 
 def read_records(path: str) -> list[dict]:
@@ -121,4 +123,4 @@ def worker_log(run_dir: str | None) -> MetricsLog:
     return MetricsLog(os.path.join(run_dir, "metrics.jsonl") if run_dir else None, None, truncate=False)
 
 
-__all__ = ["MetricsLog", "sync_fields", "to_json", "open_log", "worker_log", "replace_file", "read_records"]
+__all__ = ["TB_DIR", "MetricsLog", "sync_fields", "to_json", "open_log", "worker_log", "replace_file", "read_records"]

@@ -1,4 +1,5 @@
-"""One run per run dir: a lock file held for the run's life, and a writability check before any work.
+"""One run per run dir: a lock file held for the run's life, and a writability check before any work
+(of the run dir; of any command's output path: ``output_path_problem``).
 
 ``RUN_DIR/run.lock`` holds a JSON record ``{"pid", "host", "started"}`` and an exclusive
 ``flock`` on it. The kernel drops the flock when the holder dies, however it dies (kill -9
@@ -111,6 +112,48 @@ def first_missing(run_dir: str) -> str | None:
     return missing
 
 
+def nearest_existing(path: str) -> str:
+    """``path`` or its nearest ancestor that exists (what ``os.makedirs`` would create under)."""
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def output_path_problem(path: str, flag: str, *, directory: bool, force: bool = False) -> str | None:
+    """Why the output ``path`` (given as option ``flag``) cannot be written, or None: a command
+    checks it before any work (``export --out``, ``plan --json``), so a bad path is one line at
+    once, not a traceback after minutes of loading or compiling.
+
+    ``directory``: a new or empty directory (non-empty with ``force``), created with its missing
+    parents. Otherwise a file, new or replaced, in a directory that exists."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if directory:
+        if os.path.exists(path) and not os.path.isdir(path):
+            return f"{flag} {path!r} exists and is not a directory (expected a new or empty directory)"
+        if os.path.isdir(path) and os.listdir(path) and not force:
+            return (f"{flag} {path!r} exists and is not empty (expected a new or empty directory; "
+                    "pass --force to write over it)")
+        parent = nearest_existing(parent)
+        if not os.path.isdir(parent):
+            return f"{flag} {path!r} cannot be created: {parent!r} is not a directory"
+        target = path if os.path.isdir(path) else parent  # the dir a file or a subdir goes into first
+    else:
+        if os.path.isdir(path):
+            return f"{flag} {path!r} is a directory (expected a file path)"
+        if not os.path.isdir(parent):
+            found = nearest_existing(parent)
+            why = f"directory {parent!r} does not exist" if os.path.isdir(found) else f"{found!r} is not a directory"
+            return f"{flag} {path!r} cannot be written: {why} (expected a file path in an existing directory)"
+        if os.path.exists(path):
+            if not os.access(path, os.W_OK):
+                return f"{flag} {path!r} cannot be written: no write permission on it"
+            return None
+        target = parent
+    if not os.access(target, os.W_OK | os.X_OK):
+        return f"{flag} {path!r} cannot be written: no write permission in {target!r}"
+    return None
+
+
 def remove_if_unused(run_dir: str, created: str) -> None:
     """Removes what a run created for ``run_dir`` (its ``checkpoints/``, the run dir, and the
     parents up to ``created``) while they are empty: an input error found after the run dir was
@@ -127,6 +170,36 @@ def remove_if_unused(run_dir: str, created: str) -> None:
             os.rmdir(p)
         except OSError:
             return  # not empty: everything above it stays too
+
+
+def listing(run_dir: str) -> set[str] | None:
+    """The names in ``run_dir`` now (empty when it does not exist; None when it cannot be listed)."""
+    try:
+        return set(os.listdir(run_dir)) if os.path.isdir(run_dir) else set()
+    except OSError:
+        return None
+
+
+def remove_new_files(run_dir: str, before: set[str], dirs: tuple[str, ...] = ()) -> None:
+    """Removes what a run wrote at the top of ``run_dir`` that was not there before it (``before``:
+    ``listing`` then), for an input error found when no checkpoint exists: its new files
+    (``config.json``, ``metrics.jsonl``, ``tokenizer.json``, ...) and of its new directories those
+    named in ``dirs``, whole (records of its own, e.g. TensorBoard's); other new directories only
+    while empty (``checkpoints*`` may hold checkpoints moved aside, a compile cache may be the
+    user's). Anything that was there before stays. Called while the run holds the lock (which is
+    never removed here)."""
+    for name in sorted(set(listing(run_dir) or ()) - before - {LOCK_NAME}):
+        path = os.path.join(run_dir, name)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                if name in dirs:
+                    shutil.rmtree(path)
+                else:
+                    os.rmdir(path)  # only while empty (e.g. checkpoints/ before any save)
+            else:
+                os.remove(path)
+        except OSError:
+            pass  # best effort: the error that ended the run is what gets reported
 
 
 def _read_record(path: str) -> dict:
@@ -197,4 +270,5 @@ class RunLock:
         self.release()
 
 
-__all__ = ["RunLock", "RunLockError", "RunDirError", "check_writable", "first_missing", "remove_if_unused", "LOCK_NAME"]
+__all__ = ["RunLock", "RunLockError", "RunDirError", "check_writable", "first_missing", "remove_if_unused",
+           "listing", "remove_new_files", "nearest_existing", "output_path_problem", "LOCK_NAME"]

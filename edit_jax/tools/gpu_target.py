@@ -22,6 +22,10 @@ from edit_jax.config import ConfigError
 TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
 TARGETS = ("h100", "a100", "h200")
 CUDA_HINT = "pip install -e '.[cuda]' (jax[cuda12]: the CUDA plugin; no GPU needed)"
+# What --target-file takes, said by every error about one.
+EXPECTED = ("a text protobuf of an XLA GPU target description (stream_executor.GpuTargetConfigProto, like "
+            "edit_jax/tools/gpu_targets/h100.txtpb)")
+MAX_TARGET_BYTES = 2**20  # the shipped descriptions are about 1 KB: a larger file is another kind of file
 
 
 class TargetError(ConfigError):
@@ -49,15 +53,23 @@ def load_target(name: str | None = None, path: str | None = None) -> GpuTarget:
     else:
         what = f"--target-file {path}"
     try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as e:
-        raise TargetError(f"{what}: cannot read {path}: {e.strerror}") from None
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TARGET_BYTES + 1)
+    except OSError as e:  # missing, a directory, no permission: one line, before any compile
+        raise TargetError(f"{what}: cannot read {path} ({e.strerror or e}); expected {EXPECTED}") from None
+    if len(raw) > MAX_TARGET_BYTES:
+        raise TargetError(f"{what}: {path} is larger than {MAX_TARGET_BYTES // 2**20} MiB, not a GPU target "
+                          f"description; expected {EXPECTED}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:  # a binary file (e.g. a serialized proto, a checkpoint): not the text form
+        raise TargetError(f"{what}: {path} is not a text file (byte {e.start} is not UTF-8); expected "
+                          f"{EXPECTED}") from None
     mem = re.search(r"^\s*device_memory_size:\s*(\d+)", text, re.M)
     desc = re.search(r'^\s*device_description_str:\s*"([^"]*)"', text, re.M)
     if "gpu_device_info" not in text or mem is None:
-        raise TargetError(f"{what}: {path} is not a GPU target description (a GpuTargetConfigProto text with "
-                          "gpu_device_info { ... device_memory_size: ... })")
+        raise TargetError(f"{what}: {path} is not a GPU target description (no gpu_device_info {{ ... "
+                          f"device_memory_size: ... }}); expected {EXPECTED}")
     return GpuTarget(name or path, text, desc.group(1) if desc else (name or path), int(mem.group(1)))
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 
 import jax
@@ -32,6 +31,7 @@ import jax
 from edit_jax.localsgd.methods import plan_for
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import BATCH_SPEC, named
+from edit_jax.rundir.runlock import output_path_problem
 from edit_jax.runtime.mesh import make_mesh, set_cpu_device_count
 from edit_jax.tools import gpu_plan, hlo
 from edit_jax.tools.gpu_target import GpuTarget, TargetError, cuda_plugin_missing, load_target, target_devices
@@ -213,8 +213,8 @@ def main(argv: list[str]) -> int:
             target = load_target(args.target, args.target_file)
             if target_error := cuda_plugin_missing():
                 raise TargetError(f"--target {target.name}: {target_error}")
-        if args.json and os.path.isdir(args.json):
-            print(f"edit-jax: plan error: --json {args.json} is a directory; expected a file path", file=sys.stderr)
+        if args.json and (problem := output_path_problem(args.json, "--json", directory=False)):
+            print(f"edit-jax: plan error: {problem}", file=sys.stderr)  # export --out's check, before any compile
             return 2
         memory = args.device_memory or (target.memory_bytes / GIB if target is not None else 80.0)
         # Compiled for emulated CPU devices whatever this machine has (importing jax started no
@@ -231,8 +231,12 @@ def main(argv: list[str]) -> int:
         return 2
     print(report(p))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(p, f, indent=1)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(p, f, indent=1)
+        except OSError as e:  # checked before compiling; gone since, or a full disk
+            print(f"edit-jax: plan error: --json {args.json!r} cannot be written: {e.strerror or e}", file=sys.stderr)
+            return 2
     return 0 if p["fits"] else 1
 
 

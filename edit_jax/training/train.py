@@ -22,16 +22,26 @@ import sys
 
 import jax
 
-from edit_jax.config import Config, to_dict
+from edit_jax.config import Config, ConfigError, to_dict
+from edit_jax.data.errors import DataError
 from edit_jax.localsgd.methods import normalise
+from edit_jax.localsgd.sharding import MeshError
+from edit_jax.placement.topology import PlacementError
 from edit_jax.rundir.checkpoint import CheckpointError, steps_on_disk
-from edit_jax.rundir.runlock import RunLock, RunLockError, check_writable, first_missing, remove_if_unused
+from edit_jax.rundir.records import TB_DIR, read_records
+from edit_jax.rundir.runlock import (RunLock, RunLockError, check_writable, first_missing, listing, remove_if_unused,
+                                     remove_new_files)
 from edit_jax.runtime import multihost
 from edit_jax.runtime.compile_cache import cache_dir_for, compile_cache, run_dir_cache
 from edit_jax.runtime.launch import ENV_FORWARDS, take_forwarded
 from edit_jax.training.loop import TrainResult, run
 from edit_jax.training.resume import DivergedError
 from edit_jax.validate import validate
+
+# Bad input (exit 2): found after the run dir was written to, what this invocation wrote is removed
+# when no checkpoint exists (README, "Exit codes": nothing written). A save or record that cannot be
+# written (CheckpointError, RunDirError) keeps what the run wrote, as a divergence or a signal does.
+INPUT_ERRORS = (ConfigError, DataError, MeshError, PlacementError)
 
 
 class _StopFlag:
@@ -147,6 +157,7 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
     say = _sayer(progress, verbose) if lead else (lambda msg: None)
     with _StopFlag() as stop:  # for the whole call: a Ctrl-C while compiling or evaluating is a clean stop
         created = first_missing(run_dir) if run_dir and lead else None  # what check_writable will create
+        before = listing(run_dir) if run_dir and lead else None  # what this invocation must never remove
         cache = cache_dir_for(cfg.train.compile_cache, run_dir)
         # Only the run dir's own cache: a directory of the user's (a path, $EDIT_JAX_COMPILE_CACHE)
         # may be shared with other runs, however new it is.
@@ -165,6 +176,16 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
                 with compile_cache(cache):
                     return run(cfg, run_dir, stop=stop, say=say, progress=progress, devices=devices,
                                stop_after=stop_after, restore_step=restore_step)
+            except INPUT_ERRORS:
+                # Found after the run wrote its files (a bad token id at the first read): with no
+                # checkpoint there is nothing to resume, so what this invocation wrote goes again,
+                # while it still holds the lock; what was there before it stays.
+                # A run that already trained (records written) keeps them: only an error before the
+                # first record leaves nothing behind.
+                if lock is not None and before is not None and not steps_on_disk(run_dir) \
+                        and not read_records(os.path.join(run_dir, "metrics.jsonl")):
+                    remove_new_files(run_dir, before, dirs=(TB_DIR,))
+                raise
             finally:
                 if lock is not None:
                     lock.release()

@@ -138,7 +138,7 @@ class CheckedTokens:
             return
         i = int(np.flatnonzero((piece < 0) | (piece >= self.vocab_size))[0])
         token = self.start + first + i * step
-        hint = (" ; set data.tokenizer to the tokenizer.json that produced these tokens"
+        hint = ("; set data.tokenizer to the tokenizer.json that produced these tokens"
                 if self.tokenizer == "byte" else "")
         raise DataError(f"tokens file {self.path!r}: id {int(piece[i])} at token {token} (byte offset "
                         f"{self.header_bytes + token * self.dtype.itemsize}) is outside [0, {self.vocab_size}) for "
