@@ -78,12 +78,29 @@ def _cpu_without_gpus() -> None:
         os.environ["JAX_PLATFORMS"] = "cpu"
 
 
+_started = [False]  # the training (or the launcher, or the cluster watch) has begun: its outcome stands
+
+
 def _stopped_before_start(signum, frame):
     """SIGINT / SIGTERM before ``train`` installs its own flag (while Python and JAX load): one line
-    and exit 130, not a KeyboardInterrupt traceback. Nothing was written yet."""
+    and exit 130, not a KeyboardInterrupt traceback. Nothing was written yet. After the training
+    returned (its outcome decided, this handler back in place) a late signal is ignored: the run
+    already stopped or finished, and ends with its own exit code."""
+    if _started[0]:
+        return
     print(f"\nedit-jax: stopped before training started (signal {signum}); nothing written", file=sys.stderr,
           flush=True)
     os._exit(EXIT_INTERRUPTED)
+
+
+def _ignore_late_signals() -> None:
+    """The run's outcome is decided and said: from here the process only exits. Python's shutdown
+    puts SIGINT / SIGTERM back to the system default (die by the signal) before the process ends,
+    and a JAX process spends a while there (its backend, a worker's shutdown barrier with the
+    others): a second Ctrl-C landing there ended the run with -2 instead of 130 (or, in one worker
+    of several, left the other aborting in the barrier: exit 5). Ignored signals stay ignored."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _train(argv: list[str]) -> int:
@@ -134,6 +151,7 @@ def _train(argv: list[str]) -> int:
     if args.distributed and os.environ.get("EDIT_JAX_DISTRIBUTED_CHILD") != "1":  # cluster_exit.ENV_CHILD
         from edit_jax.runtime.cluster_exit import watch  # the training runs in a child: its end -> retry/shrink/stop
 
+        _started[0] = True
         return watch(argv)
     from edit_jax.runtime import multihost
     from edit_jax.runtime.mesh import set_cpu_device_count
@@ -152,8 +170,14 @@ def _train(argv: list[str]) -> int:
                 return str(e)
             return None
 
-        return launch(argv, cfg.mesh.processes, cfg.mesh.shard, pin_cores=cfg.debug.pin_cores,
-                      run_dir=args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0]),
+        run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
+        if args.restore_step is None:  # a finished run: said once here, no worker started (they would say the same)
+            from edit_jax.training.train import finished_result
+
+            if finished_result(run_dir, cfg, lambda m: print(m, file=sys.stderr, flush=True)) is not None:
+                return EXIT_OK
+        _started[0] = True
+        return launch(argv, cfg.mesh.processes, cfg.mesh.shard, pin_cores=cfg.debug.pin_cores, run_dir=run_dir,
                       max_restarts=args.max_restarts, shrink_check=shrink_check if cfg.mesh.elastic else None)
     stdout_filter = None
     if cfg.mesh.processes > 1:  # a worker: its own devices, then meet the others
@@ -230,7 +254,10 @@ def _train_and_report(cfg, run_dir: str, args) -> int:
               "for it (e.g. pip install edit-jax[cuda]) or unset JAX_PLATFORMS", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        result = train(cfg, run_dir, progress=not args.no_progress, verbose=True, restore_step=args.restore_step)
+        try:
+            result = train(cfg, run_dir, progress=not args.no_progress, verbose=True, restore_step=args.restore_step)
+        finally:  # (until train holds its own flag, a signal stops the run before anything is written)
+            _started[0] = True
     except RunLockError as e:
         if not getattr(e, "quiet", False):
             print(f"edit-jax: {e}", file=sys.stderr)
@@ -255,8 +282,7 @@ def _train_and_report(cfg, run_dir: str, args) -> int:
 
     if cfg.mesh.processes > 1 and jax.process_index() != 0:
         return EXIT_INTERRUPTED if result.interrupted else EXIT_OK  # the summary is process 0's to print
-    if result.already_finished:
-        print(f"edit-jax: already finished at step {result.steps}; nothing done; run dir {run_dir}")
+    if result.already_finished:  # train said so (one line)
         return EXIT_OK
     print(summary_line(result, run_dir))
     return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
@@ -297,7 +323,16 @@ def summary_line(result, run_dir: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """The command line. Run as the program (``argv`` None: from ``sys.argv``), a ``train`` whose
+    outcome is decided ignores late signals while the process exits (``_ignore_late_signals``)."""
+    if argv is None and sys.argv[1:2] == ["train"]:
+        code = _main(sys.argv[1:])
+        _ignore_late_signals()
+        return code
+    return _main(sys.argv[1:] if argv is None else argv)
+
+
+def _main(argv: list[str]) -> int:
     _cpu_without_gpus()
     commands = {"train": _train, "placement": lambda a: __import__("edit_jax.placement.cli", fromlist=["main"]).main(a),
                 "sample": lambda a: __import__("edit_jax.tools.sample", fromlist=["main"]).main(a),

@@ -166,8 +166,9 @@ class DebugConfig:
     # record says step k + 1) worker W's rows of the global batch are uniform random token ids in
     # [0, model.vocab_size), fixed by (seed, step). For loss-spike tests (edit_jax/data/corrupt.py).
     corrupt: str = ""
-    # "A-B:FACTOR": the updates of inner steps A..B (0-based, both included) are multiplied by
-    # FACTOR, once per invocation: an injected loss spike (edit_jax/training/spike.py).
+    # "A-B:FACTOR": updates of the steps training on data batches A..B (0-based, inclusive; step k
+    # reads batch k + the batches rollbacks skipped; A-EDiT: each worker's own count) x FACTOR: an
+    # injected loss spike (training/spike.py), which a rollback past it or a rerun skips.
     lr_spike: str = ""
 
 
@@ -176,8 +177,8 @@ class SpikeConfig:
     """Loss-spike rollback (training/spike.py): the rule, its defaults and why are in BUILD_NOTES."""
 
     enabled: bool = True  # false: a finite spike is not noticed, a non-finite record exits 3 at once
-    window: int = 16  # records of healthy training loss the running median and MAD are taken over
-    mads: float = 6.0  # a spike is above the median by this many median absolute deviations ...
+    window: int = 64  # records of healthy training loss the running median and MAD are taken over
+    mads: float = 8.0  # a spike is above the median by this many median absolute deviations ...
     margin: float = 0.2  # ... and by this fraction of the median (both must hold)
     patience: int = 3  # records a spike may last and still settle; the next one rolls back
     max_rollbacks: int = 3  # rollbacks in one invocation before the run exits 3

@@ -15,7 +15,8 @@ part as its ``validate(cfg)``, next to what it checks against:
 - ``runtime.multihost``: ``mesh.processes`` and the multi-process rules, ``debug.slowdown``;
 - ``data.corrupt``: ``debug.corrupt``, ``debug.lr_spike``;
 - ``rundir.tensorboard``: ``log.tensorboard`` (tensorboardX installed);
-- ``rundir.wandb_log``: ``log.wandb`` (wandb installed), ``log.wandb_project``.
+- ``rundir.wandb_log``: ``log.wandb`` (wandb installed), ``log.wandb_project``;
+- ``runtime.compile_cache``: ``train.compile_cache`` and ``$EDIT_JAX_COMPILE_CACHE`` can be directories.
 
 ``validate`` runs ``check_fields`` first (so a part may assume ranges hold, e.g. ``mesh.replica
 > 0``), then each part in that order; the first broken rule raises ``ConfigError`` naming its key.
@@ -37,7 +38,7 @@ from edit_jax.localsgd import methods, rules
 from edit_jax.models import family
 from edit_jax.placement import validate as placement_rules
 from edit_jax.rundir import tensorboard, wandb_log
-from edit_jax.runtime import multihost
+from edit_jax.runtime import compile_cache, multihost
 
 
 def validate(cfg: Config) -> None:
@@ -53,6 +54,7 @@ def validate(cfg: Config) -> None:
     corrupt.validate(cfg)
     tensorboard.validate(cfg)
     wandb_log.validate(cfg)
+    compile_cache.validate(cfg)
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:

@@ -108,6 +108,54 @@ def test_checksum_catches_one_changed_element_and_swaps():
     assert checksum_mismatches(base, state_checksums(z)) == ["['a']"]
 
 
+def test_checksums_refuse_damage_that_leaves_every_value_finite(tmp_path):
+    """A restore is verified against the checksums saved with the checkpoint, not only for NaNs
+    (before, the suite caught a skipped verification only when the flipped bytes decoded to NaN).
+    Checkpoint 2: one array written again with other, finite values (a valid file, only its
+    recorded checksum is the old one). Checkpoint 3: the recorded checksum of one array changed,
+    the arrays intact. Both refused, naming the array; checkpoint 1, untouched, restores."""
+    import orbax.checkpoint as ocp
+
+    from edit_jax.localsgd.methods import plan_for
+    from edit_jax.localsgd.programs import StepPrograms
+    from edit_jax.rundir.checkpoint import UnreadableCheckpointError
+    from edit_jax.runtime.mesh import make_mesh
+
+    cfg = tiny_config(2, 2, steps=2)
+    programs = StepPrograms(plan_for(cfg), make_mesh(cfg.mesh, devs(cfg)))
+    state = programs.init_state(0)
+    ckpt = Checkpointer(str(tmp_path), keep=5)
+    try:
+        ckpt.save(1, state, {"step": 1}, cfg)
+        meta = ckpt.read_meta(1)
+        wk = state.params["layers"]["attn"]["wk"]
+        damaged = state.replace(params={**state.params, "layers": {**state.params["layers"], "attn": {
+            **state.params["layers"]["attn"], "wk": wk.at[0, 0, 0].add(0.25)}}})
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(damaged)
+                   if np.issubdtype(x.dtype, np.floating))
+        ckpt.manager.save(2, args=ocp.args.Composite(state=ocp.args.StandardSave(damaged),
+                                                     data=ocp.args.JsonSave({"step": 1}),
+                                                     meta=ocp.args.JsonSave({**meta, "step": 2})))
+        ckpt.manager.wait_until_finished()
+        ckpt.save(3, state, {"step": 1}, cfg)
+        path = tmp_path / "checkpoints" / "3" / "meta" / "metadata"
+        saved = json.loads(path.read_text())
+        key = ".params['layers']['mlp']['w_up']"
+        saved["checksums"][key] = (saved["checksums"][key] + 1) % 2**32
+        path.write_text(json.dumps(saved))
+        ckpt.reload()
+        for step, name in ((2, "['attn']['wk']"), (3, "['mlp']['w_up']")):
+            with pytest.raises(UnreadableCheckpointError, match=rf"checkpoints/{step} is damaged: the checksums of "
+                                                                rf"1 array\(s\) \(\.params\['layers'\]"):
+                ckpt.restore(step, programs.abstract_state())
+            with pytest.raises(UnreadableCheckpointError, match=re.escape(name)):
+                ckpt.restore(step, programs.abstract_state())
+        restored, data = ckpt.restore(1, programs.abstract_state())
+        assert data == {"step": 1}
+    finally:
+        ckpt.close()
+
+
 # ----------------------------------------------------------------------------- 3. the run dir lock
 
 
@@ -304,15 +352,20 @@ def test_second_run_on_a_run_dir_exits_4(tmp_path, processes):
 def test_ctrl_c_while_compiling_is_a_clean_stop(tmp_path, processes, signals):
     """SIGINT right after config.json is written (the state is being created and the first step
     compiled): one signal stops cleanly before the first step; a second exits at once; exit 130
-    either way, no traceback (a 2-process launcher passes the signal on to its workers)."""
+    either way, no traceback (a 2-process launcher passes the signal on to its workers). On a
+    loaded machine with a warm compile cache the first stop can be complete before the second
+    signal arrives (the 0.2 s apart can be seconds): then the run has ended already and the second
+    is ignored while the process exits, still 130 (before: -2, or exit 5 with a worker's SIGABRT;
+    test_quiet_faults.py::test_a_late_second_signal_still_exits_130 forces that case)."""
     code, out = interrupt_when(_cmd(tmp_path, processes, "steps=5", "method=edit"),
                                lambda: (tmp_path / "config.json").exists(), env=_cli_env(), signals=signals)
     assert code == 130, out[-3000:]
     _clean(out, processes)
+    stopped = "stopped before the first step" in out or "checkpoint saved" in out
     if signals == 1:
-        assert "stopped before the first step" in out or "checkpoint saved" in out, out
+        assert stopped, out
     else:
-        assert "second signal" in out, out
+        assert "second signal" in out or (stopped and "stopped at step" in out), out
 
 
 @pytest.mark.parametrize("processes", [1, 2])
@@ -336,6 +389,7 @@ def test_rerunning_a_finished_run_writes_nothing(tmp_path, processes):
     before = {name: open(tmp_path / name, "rb").read() for name in ("metrics.jsonl", "config.json")}
     code, out = _cli(tmp_path, processes, "steps=2")
     assert code == 0 and "already finished at step 2" in out and "warning" not in out, out[-3000:]
+    assert out.count("already finished") == 1 and "started 2 worker" not in out, out[-3000:]  # said once, no worker
     assert {name: open(tmp_path / name, "rb").read() for name in before} == before
     _clean(out, processes)
     if processes == 1:  # another config on this run dir (a README example without its own --run-dir)

@@ -118,9 +118,11 @@ def corrupt_batch(batch: np.ndarray, spec: CorruptSpec | None, step: int, num_re
 
 @dataclass(frozen=True)
 class LrSpike:
-    """``debug.lr_spike="A-B:F"``: the updates of inner steps A..B (0-based, both included) are
-    multiplied by F, the first time the run takes them in this invocation (a transient fault: a
-    rollback past them does not bring it back)."""
+    """``debug.lr_spike="A-B:F"``: the updates of the steps that train on data batches A..B
+    (0-based, both included) are multiplied by F. Batch, not step: step k reads the stream's batch
+    k + the batches rollbacks skipped (``ReplicaStreams.offset``; in A-EDiT's asynchronous phase k is
+    the worker's own step count), so a rollback past the spike, or a rerun from the checkpoint it
+    left, does not bring it back, as with a spike the data caused."""
 
     first: int
     last: int

@@ -15,9 +15,12 @@ never deleted before a newer one exists. Checkpoints that fail verification are 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import time
 import zlib
@@ -30,6 +33,7 @@ import orbax.checkpoint as ocp
 from edit_jax.config import Config, to_dict
 from edit_jax.localsgd.state import STATE_FORMAT
 from edit_jax.rundir.integrity import checksum_mismatches, state_checksums
+from edit_jax.runtime.restarts import ENV_DEBUG
 
 # Keys whose change makes a checkpoint's arrays unusable (their shapes or structure depend on them).
 # mesh.replica is absent on purpose: the number of workers may change across a restart (elastic).
@@ -66,7 +70,106 @@ def data_checksum(data_state: dict) -> int:
 
 class UnreadableCheckpointError(CheckpointError):
     """A checkpoint cannot be read or its arrays do not match their checksums (damaged on disk).
-    Unlike an incompatible config, an older checkpoint may still be good: callers may fall back."""
+    Unlike an incompatible config, an older checkpoint may still be good: callers may fall back.
+    ``why``: what is wrong, in a few words (the fallback's one line); ``details``: the libraries'
+    whole report, for ``--debug``."""
+
+    def __init__(self, message: str, why: str | None = None, details: str | None = None):
+        super().__init__(message)
+        self.why, self.details = why, details
+
+
+def debug_enabled() -> bool:
+    """``--debug`` / ``EDIT_JAX_DEBUG=1``: the libraries' own reports are shown too."""
+    return os.environ.get(ENV_DEBUG, "") not in ("", "0")
+
+
+def _causes(e: BaseException) -> list[BaseException]:
+    """``e`` and the exceptions it was raised from (or while handling), outermost first."""
+    out, seen = [], set()
+    while e is not None and id(e) not in seen and len(out) < 20:
+        out.append(e)
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return out
+
+
+# TensorStore's own report of a failed read, deep in orbax's exception chain (orbax's wrapper
+# around it carries the whole TensorStore spec: kilobytes of JSON):
+#   OUT_OF_RANGE: Error reading "params.layers.attn.wo/0.0.0.3" in OCDBT database at local file
+#   "/run/checkpoints/4/state/": Requested byte range [849462, 864722) is not valid for value of size 477814
+_TS_READ = re.compile(r'Error reading "([^"]*)" in \S+ database at local file "[^"]*": (.*)')
+_TS_STATUS = re.compile(r"^[A-Z][A-Z_]+: (.*)")
+
+
+def _read_failure(e: BaseException, limit: int = 50) -> str:
+    """A failed array read in a few words: the array and TensorStore's reason (its first clause,
+    at most ``limit`` characters), else the innermost status message, else ``_brief``."""
+    def cut(text: str) -> str:
+        text = text.split("; ")[0].strip()
+        return text if len(text) <= limit else text[:limit].rstrip() + "..."
+
+    texts = [" ".join(str(c).split()) for c in _causes(e)]
+    for text in texts:
+        m = _TS_READ.search(text)
+        if m:
+            array = m[1].split("/")[0] or m[1]
+            return f"{array}: {cut(m[2])}"
+    for text in reversed(texts):  # innermost first: a status without the spec dumps
+        m = _TS_STATUS.match(text)
+        if m and "TensorStore(" not in text:
+            return cut(m[1])
+    return _brief(e, limit)
+
+
+DRAIN_SECONDS = 10.0  # cancelled reads end within moments; one that ignores its cancellation is closed after this
+
+
+class _DrainingLoop(asyncio.SelectorEventLoop):
+    """An event loop that, closed while tasks of it are still pending, first cancels them and runs
+    them to their end (as ``asyncio.run`` does). orbax runs a restore in a fresh loop that it only
+    closes (``asyncio_utils._run_sync_via_new_loop``): when one array read fails, the reads of the
+    other arrays still pending stay behind, and each, collected later, prints an "Exception
+    ignored in: <coroutine object _read_array_index_and_device_put>" traceback with its array's
+    whole TensorStore spec (orbax turns the GeneratorExit of the collection into an Exception): up
+    to hundreds, as many as were pending at that moment. Ended here instead, their errors retrieved."""
+
+    def close(self) -> None:
+        if not self.is_running() and not self.is_closed():
+            pending = [t for t in asyncio.all_tasks(self) if not t.done()]
+            if pending:
+                for task in pending:
+                    task.cancel()
+                self.run_until_complete(asyncio.wait(pending, timeout=DRAIN_SECONDS))
+                for task in pending:
+                    if task.done():
+                        if not task.cancelled():
+                            task.exception()  # retrieved: asyncio does not log it
+                    else:  # one that ignored its cancellation: closed here, where what it raises is dropped
+                        try:
+                            task.get_coro().close()
+                        except BaseException:  # noqa: BLE001
+                            pass
+        super().close()
+
+
+@contextlib.contextmanager
+def _reads_end_with_the_restore():
+    """While inside, every new asyncio event loop (orbax makes one per restore, with
+    ``asyncio.new_event_loop``) ends the tasks still pending when it is closed (``_DrainingLoop``):
+    a failed restore leaves no reads behind. (Event loop policies are deprecated from Python 3.14:
+    where they are gone, nothing changes.)"""
+    base = getattr(asyncio, "DefaultEventLoopPolicy", None)
+    if base is None or not hasattr(asyncio, "set_event_loop_policy"):
+        yield
+        return
+    policy = type("_DrainingPolicy", (base,), {"_loop_factory": _DrainingLoop})()
+    before = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(policy)
+    try:
+        yield
+    finally:
+        asyncio.set_event_loop_policy(before)
 
 
 def _brief(e: BaseException, limit: int = 300) -> str:
@@ -75,14 +178,27 @@ def _brief(e: BaseException, limit: int = 300) -> str:
     return f"{type(e).__name__}: {text[:limit]}{' ...' if len(text) > limit else ''}"
 
 
+def _details(e: BaseException) -> str:
+    """The whole report, for ``--debug``: every exception of the chain, outermost first."""
+    return " <- ".join(_brief(c, 100_000) for c in _causes(e))
+
+
+def _restore_failed(path: str, e: BaseException) -> UnreadableCheckpointError:
+    """The error for a checkpoint whose arrays could not be read: the array and TensorStore's reason
+    in a few words; orbax's report with the TensorStore spec only as ``details`` (``--debug``)."""
+    why = _read_failure(e)
+    return UnreadableCheckpointError(f"checkpoint {path} could not be restored: {why}. It was left untouched; "
+                                     "move it away to start over.", why=why, details=_details(e))
+
+
 def check_checksums(path: str, saved: dict[str, int], now: dict[str, int]) -> None:
     """Raises ``UnreadableCheckpointError`` naming checkpoint ``path`` if the checksums of the arrays
     read (``now``) differ from those ``saved`` with it."""
     bad = checksum_mismatches(saved, now)
     if bad:
-        raise UnreadableCheckpointError(
-            f"checkpoint {path} is damaged: the checksums of {len(bad)} array(s) "
-            f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}) differ from those recorded when it was saved")
+        why = (f"the checksums of {len(bad)} array(s) ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}) "
+               "differ from those recorded when it was saved")
+        raise UnreadableCheckpointError(f"checkpoint {path} is damaged: {why}", why=why)
 
 
 def steps_on_disk(run_dir: str) -> list[int]:
@@ -243,7 +359,8 @@ class Checkpointer:
         if saved is not None and saved != data_checksum(data_state):
             raise UnreadableCheckpointError(
                 f"checkpoint {os.path.join(self.directory, str(step))} is damaged: its data-stream state "
-                f"{json.dumps(data_state, sort_keys=True)[:200]} differs from the one recorded when it was saved")
+                f"{json.dumps(data_state, sort_keys=True)[:200]} differs from the one recorded when it was saved",
+                why="its data-stream state differs from the one recorded when it was saved")
 
     def set_aside(self, step: int, where: str = "checkpoints.bad", move: bool = True) -> str:
         """Moves checkpoint ``step`` to ``RUN_DIR/<where>/<step>`` (never deletes it); returns the new
@@ -269,7 +386,9 @@ class Checkpointer:
             return out["meta"]
         except Exception as e:  # noqa: BLE001 - orbax raises many types; report them all the same way
             raise UnreadableCheckpointError(f"checkpoint {path} is unreadable (metadata): {_brief(e)}. "
-                                            "It was left untouched; move it away to start over.") from e
+                                            "It was left untouched; move it away to start over.",
+                                            why=f"its metadata is unreadable ({_read_failure(e)})",
+                                            details=_details(e)) from e
 
     def check_compatible(self, meta: dict, cfg: Config, step: int) -> None:
         saved, now = meta.get("config", {}), to_dict(cfg)
@@ -285,11 +404,11 @@ class Checkpointer:
     def restore(self, step: int, abstract_state: Any, meta: dict | None = None) -> tuple[Any, dict]:
         path = os.path.join(self.directory, str(step))
         try:
-            out = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+            with _reads_end_with_the_restore():
+                out = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001
-            raise UnreadableCheckpointError(f"checkpoint {path} could not be restored: {_brief(e)}. "
-                                            "It was left untouched; move it away to start over.") from e
+            raise _restore_failed(path, e) from e
         meta = self.read_meta(step) if meta is None else meta  # read once for both checks
         self.verify(step, out["state"], meta)
         self.verify_data(step, out["data"], meta)
@@ -304,12 +423,12 @@ class Checkpointer:
         reader = ocp.CheckpointManager(self.directory, item_names=("state", "data", "meta"),
                                        options=ocp.CheckpointManagerOptions(create=False, read_only=True))
         try:
-            out = reader.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args),
-                data=ocp.args.JsonRestore()))
+            with _reads_end_with_the_restore():
+                out = reader.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args),
+                    data=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001
-            raise UnreadableCheckpointError(f"checkpoint {path} could not be restored: {_brief(e)}. "
-                                            "It was left untouched; move it away to start over.") from e
+            raise _restore_failed(path, e) from e
         finally:
             reader.close()
         meta = self.read_meta(step) if meta is None else meta  # read once for both checks

@@ -6,7 +6,8 @@ with ``mesh.shard`` CPU devices of its own and the coordinator address in its en
 sync and evaluation records; every worker appends its own training records.
 
 Watching: a Ctrl-C or SIGTERM here is passed on to every worker (they stop together at their next
-meeting and checkpoint) as a line on the worker's stdin, not as a signal (``follow_launcher``): a
+meeting and checkpoint; after a second one the run ends at once with 130, however the workers end:
+``_stopped_now``) as a line on the worker's stdin, not as a signal (``follow_launcher``): a
 Ctrl-C in a terminal reaches the workers directly too (one process group), and that second
 arrival of the same Ctrl-C must not count as the second Ctrl-C that ends a worker at once without
 a checkpoint. In a launched worker the launcher alone counts: a signal sent to the worker
@@ -26,9 +27,10 @@ and re-running the same command resumes from the last one.
 
 The workers' output passes through here (``relay``): a message every worker prints (they all
 reach the same verdict) is shown once, and the runtime's own chatter (gloo's connection lines,
-absl log lines, the native stack dump of an aborting coordination client) and a worker's Python
-traceback (a survivor's gloo error once its peer is gone; a crash) are left out unless
-``EDIT_JAX_DEBUG=1``: the launcher's own line names the cause, and counts what it left out.
+also when another line cut one in two, ``gloo_fragment``; absl log lines, the native stack dump
+of an aborting coordination client) and a worker's Python traceback (a survivor's gloo error once
+its peer is gone; a crash) are left out unless ``EDIT_JAX_DEBUG=1``: the launcher's own line
+names the cause, and counts what it left out.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ import time
 from edit_jax.runtime.cluster import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from edit_jax.runtime.restarts import ENV_DEBUG, EXIT_WORKER_LOST, supervise, survivors_note
 
-NORMAL_EXITS = (0, 130)  # done; stopped by a signal with a checkpoint
+EXIT_INTERRUPTED = 130
+NORMAL_EXITS = (0, EXIT_INTERRUPTED)  # done; stopped by a signal with a checkpoint
+STOP_NOW_GRACE_S = 5.0  # after a second signal: how long the workers have to leave by themselves
 PASSED_ON_EXITS = (2, 3, 4)  # cli.py: bad input, diverged, run dir locked
 FINISH_GRACE_S = 60.0
 PASS_ON_GRACE_S = 10.0  # the others usually end with the same message within moments
@@ -60,6 +64,28 @@ SETTLE_S = 1.0
 _CHATTER = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d")
 _FATAL = re.compile(r"^(F\d{4} \d\d:\d\d:\d\d|\*\*\* |Fatal Python error|Check failure stack trace|"
                     r"Terminating process because)")
+# gloo writes its connection line in pieces ("[Gloo] Rank ", "1", " is connected to ", ...): a line
+# the worker's Python printed meanwhile lands inside it, which cuts it in two. The head ends up
+# before that line ("[Gloo] Rank edit-jax: ..."), the rest is a line of its own ("1 is connected
+# to 1 peer ranks. Expected number ..."; 4 of ~45 launcher logs showed one). Both are recognised.
+GLOO_LINE = "[Gloo] Rank N is connected to N peer ranks. Expected number of connected peer ranks is : N"
+_GLOO_HEAD = re.compile(r"\[Gloo\] Rank (?:\d+(?: is connected to (?:\d+(?: peer ranks\. ?(?:Expected number of "
+                        r"connected peer ranks is : ?(?:\d+)?)?)?)?)?)?")
+
+
+def gloo_fragment(line: str) -> bool:
+    """Whether ``line`` is the rest of a gloo connection line cut in the middle (a non-empty tail of
+    ``GLOO_LINE``, its numbers any)."""
+    tail = re.sub(r"\d+", "N", line.strip())
+    return bool(tail) and GLOO_LINE.endswith(tail)
+
+
+def without_gloo_head(line: str) -> str | None:
+    """``line`` less a gloo connection line's head that another line cut off (None: nothing of it
+    left to show)."""
+    m = _GLOO_HEAD.match(line)
+    rest = line[m.end():] if m else ""
+    return rest if rest.strip() else None
 
 
 class Relay:
@@ -84,7 +110,12 @@ class Relay:
                     self.dumping.add(worker)
                     self.suppressed += 1
                     return
-                if line.startswith("[Gloo]"):
+                if line.startswith("[Gloo]"):  # its own line, or its head with another line after it
+                    rest = without_gloo_head(line)
+                    if rest is None or rest.startswith("[Gloo]"):
+                        return
+                    line, text = rest, rest + text[len(text.rstrip("\r\n")):]
+                if gloo_fragment(line):
                     return
                 if self._traceback_line(worker, line):
                     self.suppressed += 1
@@ -263,6 +294,7 @@ class Attempt:
     def __init__(self):
         self.procs: list[subprocess.Popen] = []
         self.lost: tuple[int, int, str, int] | None = None  # + lines of diagnostics left out
+        self.stop_now = False  # a second Ctrl-C / SIGTERM was passed on: the run ends now, with 130
 
 
 def run_workers(attempt: Attempt, train_argv: list[str], n: int, shard: int, pin_cores: bool, say,
@@ -301,6 +333,8 @@ def run_workers(attempt: Attempt, train_argv: list[str], n: int, shard: int, pin
         if any(c is not None and c not in NORMAL_EXITS for c in codes):
             time.sleep(SETTLE_S)  # the cause may show after its consequence (lost_worker)
             codes = [p.poll() for p in procs]
+        if attempt.stop_now:
+            return _stopped_now(procs, stop_all)
         if all(c is not None for c in codes) and all(c in NORMAL_EXITS for c in codes):
             for t in pumps:
                 t.join(timeout=5)
@@ -326,6 +360,22 @@ def run_workers(attempt: Attempt, train_argv: list[str], n: int, shard: int, pin
         time.sleep(0.1)
 
 
+def _stopped_now(procs: list[subprocess.Popen], stop_all) -> int:
+    """A second signal was passed on (exit now, without a checkpoint): the workers leave at once
+    (``train._StopFlag``), or ignore it when their run already ended (``cli._ignore_late_signals``).
+    Either way the run ends with 130, however each worker ends: one that leaves first takes the
+    coordination service (process 0) or a collective with it, and a worker still in JAX's shutdown
+    barrier or in a compile then aborts (SIGABRT). That is the stop asked for, not a lost worker
+    (before: exit 5, "worker 1 was ended by signal 6"). Those still running after
+    ``STOP_NOW_GRACE_S`` are killed; a run all of whose workers had finished keeps its 0."""
+    deadline = time.monotonic() + STOP_NOW_GRACE_S
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    codes = [p.poll() for p in procs]
+    stop_all()
+    return 0 if all(c == 0 for c in codes) else EXIT_INTERRUPTED
+
+
 def launch(train_argv: list[str], n: int, shard: int, pin_cores: bool = False,
            say=lambda m: print(m, file=sys.stderr, flush=True), run_dir: str | None = None,
            max_restarts: int = 0, shrink_check=None) -> int:
@@ -339,6 +389,8 @@ def launch(train_argv: list[str], n: int, shard: int, pin_cores: bool = False,
 
     def forward(signum, frame):
         received[0] += 1
+        if received[0] > 1:
+            current[0].stop_now = True
         for p in list(current[0].procs):
             if p.poll() is None:
                 try:  # (os.write: one small write to a pipe is atomic, and not a buffered

@@ -64,6 +64,9 @@ class Advance:
     sync: dict | None = None  # the metrics of a sync that ran (process 0 writes its record)
     sync_extra: dict = field(default_factory=dict)  # more fields for that record
     skipped: dict | None = None  # an A-EDiT meeting that skipped its sync: its record
+    # What the spike rule judges besides ``records`` (not written): at each A-EDiT meeting every
+    # worker's newest loss, the same in every process (training/spike.py)
+    watched: list[dict] = field(default_factory=list)
     loss: float | None = None  # the workers' mean training loss of the newest record
     diverged: str | None = None  # the run cannot recover (message)
 
@@ -101,7 +104,7 @@ class LockStep:
         self.own_local_times: list[float] = []  # this worker's own local step times since the last record
         self.figures = StepFigures(self.cfg, self.cfg.mesh.replica * self.cfg.mesh.shard, jax.devices()[0].device_kind)
         self.record_next = False  # the loop asks for a record after a checkpoint (it vouches for it: spike.py)
-        self.lr_spike, self.spiked = parse_lr_spike(self.cfg.debug.lr_spike), set()
+        self.lr_spike = parse_lr_spike(self.cfg.debug.lr_spike)
 
     def global_state(self, state):
         return state
@@ -184,11 +187,8 @@ class LockStep:
         return adv
 
     def _spikes(self, k: int) -> bool:
-        """debug.lr_spike covers step ``k`` and this invocation has not taken it yet."""
-        if self.lr_spike is None or not self.lr_spike.active(k) or k in self.spiked:
-            return False
-        self.spiked.add(k)
-        return True
+        """debug.lr_spike covers the batch step ``k`` trains on (k + the batches rollbacks skipped)."""
+        return self.lr_spike is not None and self.lr_spike.active(k + self.stream.offset)
 
     def _pace(self, t0: float) -> None:
         """debug.slowdown: sleep (slow - 1) x the step's own time; not the first local step (it compiled)."""
@@ -272,6 +272,7 @@ class AsyncWorkers:
         self.last_record = (time.perf_counter(), self.steps.done)
         self.rows = cfg.batch_size // self.n
         self.figures = StepFigures(cfg, cfg.mesh.shard, jax.devices()[0].device_kind)  # this worker's devices
+        self.lr_spike = parse_lr_spike(cfg.debug.lr_spike)
 
     def enter(self, global_state):
         """The global state (after the warmup) as this worker's local state."""
@@ -288,6 +289,16 @@ class AsyncWorkers:
         k = self.steps.done  # the corrupted worker's own step count decides (it may run ahead)
         return corrupt_rows(self.stream.replica_batch(self.me, k), self.corrupt, k, self.me,
                             self.cfg.model.vocab_size, self.cfg.seed)
+
+    def _spiked(self, step, state):
+        """``step(state)`` (a local step); debug.lr_spike: its update x factor when it trains on a
+        batch in the knob's range (this worker's own step count + the batches rollbacks skipped)."""
+        k = self.steps.done + self.stream.offset
+        if self.lr_spike is None or not self.lr_spike.active(k):
+            return step(state)
+        before = _copy(state.params)  # the step donates its input
+        state, *rest = step(state)
+        return (state.replace(params=_scaled_update(before, state.params, self.lr_spike.factor)), *rest)
 
     def _pace(self, t0: float) -> None:
         """Testing knob (debug.slowdown): this worker's local steps take ``slow`` x as long (it
@@ -313,7 +324,8 @@ class AsyncWorkers:
         loss, gnorm, ran = float("nan"), float("nan"), 0
         while True:  # local steps until this worker's timer says the next meeting is due
             t0 = time.perf_counter()
-            state, metrics = self.loc.step_fn(LOCAL)(state, self.loc.put_batch(self._rows()))
+            state, metrics = self._spiked(lambda s: self.loc.step_fn(LOCAL)(s, self.loc.put_batch(self._rows())),
+                                          state)
             m = jax.device_get(metrics)
             loss, gnorm = float(m["loss"][0]), float(m["grad_norm"][0])
             self._pace(t0)
@@ -351,7 +363,9 @@ class AsyncWorkers:
         if decision.run:
             own.append(self._record(schedule.sync_kind(), loss, gnorm, decision.mean_step, force=True))
         adv.state, adv.own_records = state, own
-        adv.loss = float(np.nanmean(multihost.exchange_floats([loss])[:, 0]))  # the workers' mean, as one program's
+        losses = multihost.exchange_floats([loss])[:, 0]
+        adv.loss = float(np.nanmean(losses))  # the workers' mean, as one program's
+        adv.watched = [{"step": decision.mean_step, "loss": adv.loss, "replica_loss": [float(x) for x in losses]}]
         self.last_meeting = time.monotonic()
         self.last_record = (time.perf_counter(), self.steps.done)  # meeting time is not step time
         return adv

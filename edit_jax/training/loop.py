@@ -16,12 +16,16 @@ The hooks, in order (what every mode must guarantee):
 - ``records``: the advance's training, sync and skipped-sync records (``rundir/sink.py`` writes
   ``metrics.jsonl``, TensorBoard, W&B);
 - ``progress``: the progress bar;
+- ``spike``: each training record, and in A-EDiT's asynchronous phase each meeting, through the
+  loss-spike rule (spike.py); a spike that does not settle rolls back in-process (``roll_back``),
+  or ends the run (exit 3) where it cannot;
 - ``stop checks``: a non-finite record stops the run (``DivergedError``); A-EDiT's token budget;
   a signal or ``stop_after`` (agreed by every process before it acts: checkpoint, exit 130);
   ``max_seconds``;
 - ``evaluate`` every ``eval_every`` and ``checkpoint`` every ``checkpoint_every`` steps (a state is
   checked finite before every save, resume.check_before_save, so no non-finite checkpoint is ever
-  written).
+  written; a save at a step whose checkpoint exists with another data position, a stop right at a
+  rollback's checkpoint, replaces it: ``Training.to_write``).
 
 With several processes (one per worker) every process runs this loop; process 0 writes the
 files (config.json, the run's records, checkpoint directories moved aside) and the others only
@@ -46,7 +50,7 @@ from edit_jax.data.corrupt import CorruptSpec, parse_corrupt
 from edit_jax.hf.load import initial_params
 from edit_jax.localsgd.methods import MethodPlan, plan_for
 from edit_jax.localsgd.programs import StepPrograms
-from edit_jax.rundir.checkpoint import Checkpointer, CheckpointError
+from edit_jax.rundir.checkpoint import Checkpointer, CheckpointError, data_checksum
 from edit_jax.rundir.records import replace_file
 from edit_jax.rundir.sink import RunRecords
 from edit_jax.rundir.trained import store_run_tokenizer
@@ -288,16 +292,21 @@ class Training:
         non-finite record, or one still under way at the last step) rolls back."""
         if not self.cfg.train.spike.enabled:  # the old rule: a non-finite record ends the run
             return End(interrupted=True, diverged=adv.diverged) if adv.diverged is not None else None
-        for i, rec in enumerate(adv.records):
-            last = i == len(adv.records) - 1
+        judged = adv.records + adv.watched  # A-EDiT's asynchronous phase: every worker's loss at each meeting
+        for i, rec in enumerate(judged):
+            last = i == len(judged) - 1
             verdict = self.watch.observe(rec["step"], rec, nonfinite=last and adv.diverged is not None)
+            # The console hears of a spike once it outlasts one record (and then of its end); a
+            # one-record blip that settles is only its spike_settled record.
             if verdict.settled is not None:
                 self.sink.event({"step": rec["step"], "spike_settled": verdict.settled}, self.elapsed())
-                self.say(f"edit-jax: step {rec['step']}: the loss spike from step {verdict.settled} settled")
-            elif verdict.spike and self.watch.spike_records == 1 and not verdict.roll_back:
-                self.say(f"edit-jax: step {rec['step']}: loss spike ({verdict.loss:.4g} > {verdict.threshold:.4g}); "
-                         f"rolling back unless it settles within {self.cfg.train.spike.patience} records")
-            if verdict.roll_back or (verdict.spike and last and now >= self.cfg.steps):
+                if verdict.records > 1:
+                    self.say(f"edit-jax: step {rec['step']}: the loss spike from step {verdict.settled} settled")
+            elif verdict.spike and verdict.records == 2 and not verdict.roll_back:
+                self.say(f"edit-jax: step {rec['step']}: loss spike since step {self.watch.spike_since} "
+                         f"({verdict.loss:.4g} > {verdict.threshold:.4g}); rolling back unless it settles within "
+                         f"{self.cfg.train.spike.patience} records")
+            if verdict.roll_back or (verdict.spike and last and (now >= self.cfg.steps or adv.finished)):
                 why = adv.diverged.removesuffix("; stopping") if adv.diverged is not None and last else (
                     f"loss spike from step {self.watch.spike_since} (loss {verdict.loss:.4g} at step {rec['step']}, "
                     f"threshold {verdict.threshold:.4g})")
@@ -329,6 +338,7 @@ class Training:
         skipped = [step + stream.offset, now + stream.offset]  # the stream's batches [a, b) the spike consumed
         stream.skip(now - step)
         self.state, self.k, self.rollbacks = state, step, self.rollbacks + 1
+        self.last_loss = self.loss_at(step, data_state)  # not the spike's: a stop here reports this one
         self.watch.rewound(data_state.get("spike_history", ()), step)
         self.driver.mark(step)
         self.sink.event({"step": step, "rollback": {"from_step": now, "to_step": step, "skipped_batches": skipped,
@@ -338,6 +348,15 @@ class Training:
         if self.bar is not None:
             self.bar.n = step
         return Rewind()
+
+    def loss_at(self, step: int, data_state: dict) -> float:
+        """The run's training loss as of checkpoint ``step``: its newest record at or before it in
+        this invocation, else the newest healthy loss the checkpoint's spike window holds."""
+        for rec in reversed(self.history):
+            if "loss" in rec and "worker" not in rec and rec["step"] <= step:
+                return float(rec["loss"])
+        window = data_state.get("spike_history") or ()
+        return float(window[-1]) if window else float("nan")
 
     # -- evaluation and checkpoints --------------------------------------------------------------
 
@@ -358,11 +377,36 @@ class Training:
             # A streamed corpus keeps each replica's position in the process that trains it: the
             # processes exchange them here (every process saves), so the checkpoint has them all.
             data = stream.get_state(gather=multihost.exchange_floats if self.multi else None)
-            ckpt.save(step, global_state, {**data, **self.driver.data_extra(), "spike_history": self.watch.state()},
-                      self.cfg, healthy=self.watch.healthy)
+            data = {**data, **self.driver.data_extra(), "spike_history": self.watch.state()}
+            if self.to_write(step, data):
+                ckpt.save(step, global_state, data, self.cfg, healthy=self.watch.healthy)
         else:
             self.say(f"edit-jax: step {step}: some workers are non-finite (they are rolled back at their next sync); "
                      f"checkpoint skipped, the last one ({ckpt.latest_step()}) is kept")
+
+    def to_write(self, step: int, data: dict) -> bool:
+        """Whether a save of ``step`` is to be written: yes when no checkpoint ``step`` exists;
+        when one does (a stop or the end right after a periodic save, or right at the checkpoint a
+        rollback restored), only if it holds another data position than ``data``. After a rollback
+        it is the position from before the spike: resuming it would train on the batches the
+        rollback skipped, so it is moved to ``checkpoints.aside/`` (not deleted) and this save
+        takes its place."""
+        ckpt = self.setup.ckpt
+        ckpt.finish()  # a background save of this step counts first
+        if step not in ckpt.all_steps():
+            return True
+        try:
+            same = ckpt.read_meta(step).get("data_checksum") == data_checksum(data)
+        except CheckpointError:
+            same = False  # unreadable: replaced by a good one (the old one is kept aside)
+        if same:
+            return False
+        dest = ckpt.set_aside(step, "checkpoints.aside", move=jax.process_index() == 0)
+        multihost.barrier()
+        ckpt.reload()
+        self.say(f"edit-jax: checkpoint {step} holds the data position from before the rollback; moved it to "
+                 f"{dest} (not deleted) and saving step {step} at the new one")
+        return True
 
     def guarded_save(self, step: int, final: bool) -> str | None:
         """``save``, with a divergence as its message (the loop cleans up before raising it)."""

@@ -26,7 +26,7 @@ import jax
 from edit_jax.config import Config, ConfigError
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.state import TrainState, state_shapes_of_format
-from edit_jax.rundir.checkpoint import Checkpointer, CheckpointError, UnreadableCheckpointError
+from edit_jax.rundir.checkpoint import Checkpointer, CheckpointError, UnreadableCheckpointError, debug_enabled
 from edit_jax.rundir.integrity import finite_report, nonfinite_parts
 
 
@@ -78,12 +78,12 @@ def restore_verified(ckpt: Checkpointer, cfg: Config, programs: StepPrograms, sa
             bad.append(step)
             errors.append(e)
             continue
-        moves = [(b, "checkpoints.bad", str(err).split(". It was left untouched")[0]) for b, err in zip(bad, errors)]
+        moves = [(b, "checkpoints.bad", err) for b, err in zip(bad, errors)]
         moves += [(newer, "checkpoints.aside", None) for newer in steps if newer > step and newer not in bad]
-        for victim, where, reason in moves:
+        for victim, where, err in moves:
             dest = ckpt.set_aside(victim, where, move=lead)
-            if reason is not None:
-                say(f"edit-jax: {reason}. Moved it to {dest} (not deleted); falling back to step {step}")
+            if err is not None:
+                say(_fallback_line(ckpt, victim, err, dest, step))
             else:
                 say(f"edit-jax: --restore-step {step}: moved newer checkpoint {victim} to {dest}")
         if moves:
@@ -93,12 +93,45 @@ def restore_verified(ckpt: Checkpointer, cfg: Config, programs: StepPrograms, sa
             say(f"edit-jax: elastic restart: checkpoint {step} has mesh.replica={old_n}, this run {cfg.mesh.replica}; "
                 "every worker restarts from the outer params, inner optimizer moments are the old workers' mean")
         return state, data_state, step
+    way_out = _spike_way_out(ckpt) if restore_step is None else ""
     if len(errors) == 1:
-        raise errors[0]
+        if not way_out:
+            raise errors[0]
+        raise UnreadableCheckpointError(f"{errors[0]}{way_out}", why=errors[0].why,
+                                        details=errors[0].details) from errors[0]
     if errors:
         raise CheckpointError(f"no checkpoint in {ckpt.directory} verifies (tried {', '.join(map(str, bad))}); "
-                              "all were left untouched. Move them away to start over.")
+                              f"all were left untouched. Move them away to start over.{way_out}")
     return None, None, None
+
+
+def _spike_way_out(ckpt: Checkpointer) -> str:
+    """When no checkpoint in ``checkpoints/`` verifies: the ones a loss spike set aside in
+    ``checkpoints.spike/`` are the way on (a rollback's target that is damaged, and nothing older,
+    would otherwise exit 2 on every rerun). "" when there are none."""
+    spike_dir = os.path.join(os.path.dirname(ckpt.directory), "checkpoints.spike")
+    held = sorted((int(d) for d in (os.listdir(spike_dir) if os.path.isdir(spike_dir) else []) if d.isdigit()),
+                  reverse=True)
+    if not held:
+        return ""
+    newest = held[0]
+    return (f" {spike_dir} holds checkpoint(s) {', '.join(map(str, held))}, written during a loss spike: to go on "
+            f"from {newest}, move {os.path.join(spike_dir, str(newest))} back into {ckpt.directory} and rerun with "
+            f"--restore-step {newest} (perhaps with a lower optim.lr)")
+
+
+def _fallback_line(ckpt: Checkpointer, victim: int, err: UnreadableCheckpointError, dest: str, step: int) -> str:
+    """One short line for a damaged checkpoint set aside: which one (its path in the run dir, which
+    names its step), what is wrong in a few words (the array and TensorStore's reason, or the
+    checksums), where it went and the step the run falls back to. ``--debug`` adds the libraries'
+    whole report (orbax's error with the TensorStore spec) as a second line."""
+    run_dir = os.path.dirname(ckpt.directory)
+    why = err.why or str(err).split(". It was left untouched")[0]
+    line = (f"edit-jax: {os.path.relpath(os.path.join(ckpt.directory, str(victim)), run_dir)} is damaged: {why}; "
+            f"moved to {os.path.relpath(dest, run_dir)}, falling back to step {step}")
+    if err.details and debug_enabled():
+        line += f"\nedit-jax: (--debug) checkpoint {victim}: {err.details}"
+    return line
 
 
 def _skip_unhealthy(ckpt: Checkpointer, steps: list[int], say, lead: bool, barrier) -> list[int]:

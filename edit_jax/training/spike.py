@@ -14,6 +14,10 @@ keep going"):
 - a spike that lasts more than ``patience`` records (or a non-finite record of the run, which
   cannot settle) asks for a rollback.
 
+The records are the lock-step driver's training records, and in A-EDiT's asynchronous phase one
+per meeting (``drivers.Advance.watched``: every worker's newest loss, the sync's where one ran);
+there the loop cannot roll back in-process, so a spike that does not settle ends the run (exit 3).
+
 Which checkpoints are trusted: a training record at step r is the loss of the params of step
 r - 1 (computed in that step's forward pass), so a healthy record at r vouches for checkpoint
 r - 1 and older. ``trusted_through`` is the newest step so vouched for (the resumed checkpoint
@@ -40,6 +44,7 @@ class Verdict:
     settled: int | None = None  # a spike that began at this step just settled (no rollback)
     threshold: float = math.inf  # what the loss was compared with
     loss: float = math.nan  # the record's loss as the rule sees it
+    records: int = 0  # the spike's records so far (settled: how many it lasted)
 
 
 def record_loss(record: dict) -> float:
@@ -83,15 +88,16 @@ class SpikeWatch:
             return Verdict(spike=nonfinite, roll_back=False, threshold=limit, loss=loss)
         spike = nonfinite or not math.isfinite(loss) or loss > limit
         if not spike:
-            settled, self.spike_since, self.spike_records = self.spike_since, None, 0
+            settled, lasted = self.spike_since, self.spike_records
+            self.spike_since, self.spike_records = None, 0
             self.history.append(loss)
             self.trusted_through = step - 1
-            return Verdict(spike=False, roll_back=False, settled=settled, threshold=limit, loss=loss)
+            return Verdict(spike=False, roll_back=False, settled=settled, threshold=limit, loss=loss, records=lasted)
         if self.spike_since is None:
             self.spike_since = step
         self.spike_records += 1
         return Verdict(spike=True, roll_back=nonfinite or not math.isfinite(loss) or self.spike_records > self.patience,
-                       threshold=limit, loss=loss)
+                       threshold=limit, loss=loss, records=self.spike_records)
 
     def rewound(self, history, trusted_through: int) -> None:
         """After a rollback to checkpoint ``trusted_through``: its history, no spike under way."""

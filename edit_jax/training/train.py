@@ -120,14 +120,15 @@ def _config_changes(run_dir: str, cfg: Config) -> list[str]:
             if k not in ignore and not k.startswith(("log.", "train.")) and old.get(k) != new.get(k)]
 
 
-def _finished_result(run_dir: str, cfg: Config, say) -> TrainResult | None:
+def finished_result(run_dir: str, cfg: Config, say) -> TrainResult | None:
     """A result saying "nothing to do" when ``run_dir`` already has a checkpoint at ``cfg.steps``
-    or later (a rerun of a finished run writes nothing)."""
+    or later (a rerun of a finished run writes nothing), said in one line (and a warning when the
+    config differs). The launcher of ``mesh.processes > 1`` asks this before it starts workers."""
     steps = steps_on_disk(run_dir)
     if not steps or steps[-1] < cfg.steps:
         return None
-    say(f"edit-jax: run dir {run_dir} already finished (checkpoint at step {steps[-1]}, steps={cfg.steps}); "
-        "nothing to do. Raise steps= to train further.")
+    say(f"edit-jax: already finished at step {steps[-1]} (steps={cfg.steps}); nothing to do, nothing written; "
+        f"run dir {run_dir}. Raise steps= to train further.")
     changed = _config_changes(run_dir, cfg)
     if changed:  # e.g. a README example run on the demo's run dir: nothing of what was asked ran
         shown = ", ".join(changed[:6]) + (f" and {len(changed) - 6} more" if len(changed) > 6 else "")
@@ -169,7 +170,7 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
             lock = _take_lock(run_dir, say, lead, multi) if run_dir else None
             try:
                 if run_dir and restore_step is None:  # every process sees the same answer on disk
-                    done = _finished_result(run_dir, cfg, say)
+                    done = finished_result(run_dir, cfg, say)
                     if done is not None:
                         return done
                 # Every worker runs this: each reads the cache (process 0 writes it, JAX's rule).
@@ -214,4 +215,4 @@ def _take_lock(run_dir: str, say, lead: bool, multi: bool) -> RunLock | None:
     return lock
 
 
-__all__ = ["train", "TrainResult", "CheckpointError", "DivergedError"]
+__all__ = ["train", "finished_result", "TrainResult", "CheckpointError", "DivergedError"]
