@@ -166,9 +166,8 @@ class DebugConfig:
     # record says step k + 1) worker W's rows of the global batch are uniform random token ids in
     # [0, model.vocab_size), fixed by (seed, step). For loss-spike tests (edit_jax/data/corrupt.py).
     corrupt: str = ""
-    # "A-B:FACTOR": updates of the steps training on data batches A..B (0-based, inclusive; step k
-    # reads batch k + the batches rollbacks skipped; A-EDiT: each worker's own count) x FACTOR: an
-    # injected loss spike (training/spike.py), which a rollback past it or a rerun skips.
+    # "A-B:FACTOR": updates of steps on data batches A..B (0-based, inclusive; rollbacks' skips counted;
+    # A-EDiT: each worker's own steps) x FACTOR: an injected loss spike (training/spike.py, README).
     lr_spike: str = ""
 
 
