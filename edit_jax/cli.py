@@ -155,6 +155,7 @@ def _train(argv: list[str]) -> int:
         return watch(argv)
     from edit_jax.runtime import multihost
     from edit_jax.runtime.mesh import set_cpu_device_count
+    run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
 
     if cfg.mesh.processes > 1 and multihost.launched_worker() is None and not args.distributed:
         from edit_jax.runtime.launch import launch  # one process per worker on this machine, watched from here
@@ -170,7 +171,6 @@ def _train(argv: list[str]) -> int:
                 return str(e)
             return None
 
-        run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
         if args.restore_step is None:  # a finished run: said once here, no worker started (they would say the same)
             from edit_jax.training.train import finished_result
 
@@ -209,7 +209,6 @@ def _train(argv: list[str]) -> int:
     else:
         set_cpu_device_count(cfg.mesh.replica * cfg.mesh.shard)
 
-    run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
     try:
         code = _train_and_report(cfg, run_dir, args)
     finally:
