@@ -286,20 +286,21 @@ def test_long_unlogged_run_does_not_deadlock(tmp_path):
 # ----------------------------------------------------------------------------- checkpoints of older formats
 
 
-def test_legacy_checkpoint_resumes(tmp_path):
-    """A checkpoint written before the outer state held an optax state (format 1: `outer.trace`)
-    resumes and reproduces the losses the old code computed without interruption."""
+def _resumes_like_the_old_code(tmp_path, fixture: str):
+    """Resumes ``fixture``'s ``checkpoints/4`` (an 8-step run of an older state format, on
+    legacy_edit_run's corpus) with today's code: steps 5 to 8 and the final validation loss are the
+    old code's uninterrupted run's (``expected.json``), and what it saved is the current format."""
     import shutil
 
     from edit_jax.config import from_dict
 
-    src = os.path.join(REPO, "tests", "fixtures", "legacy_edit_run")
     run = tmp_path / "run"
-    shutil.copytree(os.path.join(src, "checkpoints"), run / "checkpoints")
-    with open(os.path.join(src, "expected.json")) as f:
+    shutil.copytree(os.path.join(fixture, "checkpoints"), run / "checkpoints")
+    with open(os.path.join(fixture, "expected.json")) as f:
         expected = json.load(f)
     cfg = from_dict(expected["config"])
-    cfg.data.paths = (os.path.join(src, "corpus.txt"),)  # the same text wherever the tests run from
+    # the same text wherever the tests run from
+    cfg.data.paths = (os.path.join(REPO, "tests", "fixtures", "legacy_edit_run", "corpus.txt"),)
     result = train(cfg, str(run), progress=False, devices=jax.devices()[:4])
     assert result.resumed_from == 4 and result.steps == 8
     got = {r["step"]: r["loss"] for r in result.history}
@@ -310,9 +311,14 @@ def test_legacy_checkpoint_resumes(tmp_path):
     for k in got:
         np.testing.assert_allclose(got[k], want[k], rtol=tol, err_msg=f"step {k}")
     np.testing.assert_allclose(result.final_val_loss, expected["final_val_loss"], rtol=tol)
-    # and what it saved now is the current format
     meta = json.load(open(run / "checkpoints" / "8" / "meta" / "metadata"))
     assert meta["state_format"] == STATE_FORMAT
+
+
+def test_legacy_checkpoint_resumes(tmp_path):
+    """A checkpoint written before the outer state held an optax state (format 1: `outer.trace`)
+    resumes and reproduces the losses the old code computed without interruption."""
+    _resumes_like_the_old_code(tmp_path, os.path.join(REPO, "tests", "fixtures", "legacy_edit_run"))
 
 
 @pytest.mark.parametrize("case", ["co2", "edit_int8_ef"])
@@ -320,25 +326,4 @@ def test_format2_checkpoint_resumes(tmp_path, case):
     """A checkpoint of state format 2 (the error-feedback residuals and CO2's in-flight pseudo
     gradients as fields of OuterState; now the rule's own subtree, ``outer.extra``) resumes and
     reproduces the losses the old code computed without interruption."""
-    import shutil
-
-    from edit_jax.config import from_dict
-
-    src = os.path.join(REPO, "tests", "fixtures", "format2_run")
-    run = tmp_path / "run"
-    shutil.copytree(os.path.join(src, case, "checkpoints"), run / "checkpoints")
-    with open(os.path.join(src, case, "expected.json")) as f:
-        expected = json.load(f)
-    cfg = from_dict(expected["config"])
-    cfg.data.paths = (os.path.join(REPO, "tests", "fixtures", "legacy_edit_run", "corpus.txt"),)
-    result = train(cfg, str(run), progress=False, devices=jax.devices()[:4])
-    assert result.resumed_from == 4 and result.steps == 8
-    got = {r["step"]: r["loss"] for r in result.history}
-    want = {int(k): v for k, v in expected["losses"].items()}
-    assert sorted(got) == [5, 6, 7, 8]
-    tol = 0.0 if jax.__version__ == expected["jax"] else 1e-4
-    for k in got:
-        np.testing.assert_allclose(got[k], want[k], rtol=tol, err_msg=f"step {k}")
-    np.testing.assert_allclose(result.final_val_loss, expected["final_val_loss"], rtol=tol)
-    meta = json.load(open(run / "checkpoints" / "8" / "meta" / "metadata"))
-    assert meta["state_format"] == STATE_FORMAT
+    _resumes_like_the_old_code(tmp_path, os.path.join(REPO, "tests", "fixtures", "format2_run", case))
