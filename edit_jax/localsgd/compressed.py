@@ -15,9 +15,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from edit_jax.localsgd.rule import RuleWrapper, Span, SyncRule, SyncSpec
+from edit_jax.localsgd.rule import RuleWrapper, Span, SyncRule, SyncSpec, worker_zeros
 
 
 class Compressed(RuleWrapper):
@@ -34,13 +33,16 @@ class Compressed(RuleWrapper):
 
     # -- the residuals ---------------------------------------------------------------------------
 
+    @staticmethod
+    def _inner(extra):
+        """The wrapped rule's part of ``extra`` (all but the residuals), None when empty."""
+        return {k: v for k, v in extra.items() if k != "residual"} or None
+
     def _split(self, outer):
         """(the outer state as the wrapped rule sees it, this wrapper's residual or None)."""
-        extra = outer.extra
         if not self.error_feedback:
             return outer, None
-        inner = {k: v for k, v in extra.items() if k != "residual"} or None
-        return outer.replace(extra=inner), extra["residual"]
+        return outer.replace(extra=self._inner(outer.extra)), outer.extra["residual"]
 
     def _join(self, outer, residual):
         if not self.error_feedback:
@@ -60,15 +62,14 @@ class Compressed(RuleWrapper):
     def reset_extra(self, extra):
         if not self.error_feedback:
             return self.rule.reset_extra(extra)
-        inner = self.rule.reset_extra({k: v for k, v in extra.items() if k != "residual"} or None)
+        inner = self.rule.reset_extra(self._inner(extra))
         return {**(inner or {}), "residual": extra["residual"]}  # residuals survive the initialising sync
 
     def remap_extra(self, extra, n: int):
         if not self.error_feedback:
             return self.rule.remap_extra(extra, n)
-        inner = self.rule.remap_extra({k: v for k, v in extra.items() if k != "residual"} or None, n)
-        zeros = jax.tree.map(lambda x: np.zeros((n,) + np.shape(x)[1:], np.asarray(x).dtype), extra["residual"])
-        return {**(inner or {}), "residual": zeros}  # residuals are per worker: every worker starts at 0
+        inner = self.rule.remap_extra(self._inner(extra), n)
+        return {**(inner or {}), "residual": worker_zeros(extra["residual"], n)}  # residuals are per worker: every worker starts at 0
 
     def extra_from_format2(self, residual, pending):
         inner = self.rule.extra_from_format2(None, pending)
@@ -77,7 +78,7 @@ class Compressed(RuleWrapper):
     def extra_as_format2(self, extra):
         if not self.error_feedback:
             return self.rule.extra_as_format2(extra)
-        inner = self.rule.extra_as_format2({k: v for k, v in extra.items() if k != "residual"} or None)
+        inner = self.rule.extra_as_format2(self._inner(extra))
         return {**inner, "residual": extra["residual"]}
 
     # -- the sync, delegated ---------------------------------------------------------------------

@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
+import numpy as np
 import optax
 
 from edit_jax.config import Config
@@ -120,6 +122,12 @@ class SyncRule:
         raise NotImplementedError(f"rule {self.name} has no whole-model sync")
 
 
+def worker_zeros(tree: Any, n: int) -> Any:
+    """Host zeros for ``n`` workers shaped like the per-worker ``tree`` ([old N, ...]): a rule's
+    per-worker subtree after an elastic resume, where every worker starts afresh."""
+    return jax.tree.map(lambda x: np.zeros((n,) + np.shape(x)[1:], np.asarray(x).dtype), tree)
+
+
 class NoSync(SyncRule):
     """Synchronous HSDP (the Baseline): gradients cross ``replica`` every step; no outer state."""
 
@@ -170,4 +178,4 @@ class RuleWrapper(SyncRule):
         return self.rule.flush(*args, **kw)
 
 
-__all__ = ["SyncRule", "SyncSpec", "NoSync", "RuleWrapper", "Span"]
+__all__ = ["SyncRule", "SyncSpec", "NoSync", "RuleWrapper", "Span", "worker_zeros"]

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from edit_jax.config import Config, SyncConfig, require
 from edit_jax.localsgd.outer import sgd_trace, stale_outer_step
-from edit_jax.localsgd.rule import Span, SyncRule, SyncSpec
+from edit_jax.localsgd.rule import Span, SyncRule, SyncSpec, worker_zeros
 from edit_jax.localsgd.sharding import REPLICA, SHARD
 from edit_jax.localsgd.sync import as_varying, local_blocks, sync_metrics, unit_sq_sums, with_replica_dim
 
@@ -115,8 +114,7 @@ class StaleSync(SyncRule):
         return {"pending": jax.tree.map(jnp.zeros_like, extra["pending"])}
 
     def remap_extra(self, extra, n: int):  # another worker count: the old round is dropped
-        return {"pending": jax.tree.map(lambda x: np.zeros((n,) + np.shape(x)[1:], np.asarray(x).dtype),
-                                        extra["pending"])}
+        return {"pending": worker_zeros(extra["pending"], n)}
 
     def extra_from_format2(self, residual, pending):
         return {"pending": pending}
