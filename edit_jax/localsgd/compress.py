@@ -33,7 +33,10 @@ Error feedback (``sync.error_feedback``): each worker adds its residual e_i (wha
 quantization dropped) before quantizing, x_i = Δ_i + e_i, and keeps e_i <- x_i - deq(q(x_i)).
 Over syncs the worker's transmitted values then sum to Σ Δ_i − e_i (final): nothing is lost for
 good. The residual covers the per-worker quantization; the requantization of the reduced chunk in
-the all-to-all pattern (N >= 3) is shared by all workers and carries no residual.
+the all-to-all pattern (N >= 3) is shared by all workers and carries no residual. With
+``sync.ef_decay`` = β < 1 the residual enters as β·e_i (the wire name carries it: ``sparse.wire_name``).
+
+``topk2`` / ``topk4``: sparse, 2- or 4-bit, packed into uint8 and all-gathered (``sparse.py``).
 """
 
 from __future__ import annotations
@@ -45,10 +48,11 @@ import jax
 import jax.numpy as jnp
 
 from edit_jax.localsgd.sharding import REPLICA
+from edit_jax.localsgd.sparse import bits_per_param, is_sparse, parse, sparse_exchange, sparse_send
 
 BLOCK = 256  # elements per int8 scale
 INT8_MAX = 127.0
-WIRE_DTYPE = {"bf16": "u16", "int8": "s8"}  # HLO element type of the payload on the wire
+WIRE_DTYPE = {"bf16": "u16", "int8": "s8", "topk2": "u8", "topk4": "u8"}  # HLO element type of the payload on the wire
 
 
 def exchange_pattern(n: int) -> str:
@@ -57,7 +61,24 @@ def exchange_pattern(n: int) -> str:
 
 
 def wire_bytes_per_element(compress: str) -> float:
-    return {"none": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}[compress]
+    if is_sparse(compress):
+        return bits_per_param(compress) / 8.0
+    return {"none": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}[parse(compress)[0]]
+
+
+def ring_bits_per_param(wire: str, sizes: list[int], n: int) -> float:
+    """Bits one device sends across ``replica`` at a full sync per parameter it holds, as the config
+    implies it (ring counts, as ``tools/hlo.py`` counts the program's): ``sizes`` are the flattened
+    vectors per unit on one device (their padding included). The plan checks its HLO figure on it."""
+    if n <= 1:
+        return 0.0
+    if wire == "none":  # the float32 all-reduce
+        return 2.0 * (n - 1) / n * 32.0
+    if is_sparse(wire):  # the all-gather of packed chunks
+        return (n - 1) * bits_per_param(wire, sizes)
+    padded = sum(-(-m // (n * BLOCK)) * n * BLOCK for m in sizes)
+    b = 8.0 * wire_bytes_per_element(wire) * padded / sum(sizes)
+    return (n - 1) * b if exchange_pattern(n) == "all_gather" else 2.0 * (n - 1) / n * b
 
 
 # ----------------------------------------------------------------------------- encode / decode
@@ -126,10 +147,17 @@ def compressed_weighted_sum(delta: Any, w_all: jax.Array, compress: str, residua
     error-feedback state) the residual is added before quantization and the new residual is
     returned (else None). The sum is identical on every replica (typed invariant over ``replica``).
     """
+    if is_sparse(compress):  # sparse.py: all-gather of packed uint8, decoded and summed locally
+        chunk = parse(compress)[1]["chunk"]
+        flat, unflatten = flatten_unit(delta, chunk)
+        total, new_e = sparse_exchange(flat, None if residual is None else flatten_unit(residual, chunk)[0],
+                                       w_all, compress)
+        return unflatten(total), (None if new_e is None else unflatten(new_e))
+    compress, decay = parse(compress)[0], parse(compress)[1]["decay"]  # "int8;decay=0.9"
     n = jax.lax.axis_size(REPLICA)
     pattern = pattern or exchange_pattern(n)
     flat, unflatten = flatten_unit(delta, n * BLOCK)
-    x = flat if residual is None else flat + flatten_unit(residual, n * BLOCK)[0]
+    x = flat if residual is None else flat + decay * flatten_unit(residual, n * BLOCK)[0]
     blocks = x.reshape(-1, BLOCK)
     payload = encode(blocks, compress)
     new_residual = None
@@ -157,19 +185,25 @@ def stacked_compressed_sum(delta: Any, w_all: jax.Array, compress: str, residual
     and the receivers' float32 sum Σ_i w_i·deq(q_i) is the all-gather pattern's (one
     quantization). Returns (the sum, the stacked new residuals or None)."""
     n = w_all.shape[0]
+    wire, (compress, opts) = compress, parse(compress)
+    multiple = opts["chunk"] if is_sparse(wire) else n * BLOCK
 
-    def send(d, e):  # one worker: its blocks as they cross the wire, decoded, and its new residual
-        flat, unflatten = flatten_unit(d, n * BLOCK)
-        x = flat if e is None else flat + flatten_unit(e, n * BLOCK)[0]
+    def send(d, e):  # one worker: its vector as it crosses the wire, decoded, and its new residual
+        flat, unflatten = flatten_unit(d, multiple)
+        ef = None if e is None else flatten_unit(e, multiple)[0]
+        if is_sparse(wire):
+            got, new_e = sparse_send(flat, ef, wire)
+            return got, (None if e is None else unflatten(new_e))
+        x = flat if e is None else flat + opts["decay"] * ef
         blocks = x.reshape(-1, BLOCK)
         got = decode(encode(blocks, compress), compress)
-        return got, (None if e is None else unflatten((blocks - got).reshape(-1)))
+        return got.reshape(-1), (None if e is None else unflatten((blocks - got).reshape(-1)))
 
-    got, new_residual = jax.vmap(send)(delta, residual)  # [N, nb, B]
-    total = jnp.sum(w_all.reshape((n, 1, 1)) * got, axis=0)
-    _, unflatten = flatten_unit(jax.tree.map(lambda x: x[0], delta), n * BLOCK)
+    got, new_residual = jax.vmap(send)(delta, residual)  # [N, padded]
+    total = jnp.sum(w_all.reshape((n, 1)) * got, axis=0)
+    _, unflatten = flatten_unit(jax.tree.map(lambda x: x[0], delta), multiple)
     return unflatten(total.reshape(-1)), new_residual
 
 
-__all__ = ["BLOCK", "stacked_compressed_sum", "exchange_pattern", "wire_bytes_per_element", "quantize_int8", "dequantize_int8", "encode",
+__all__ = ["BLOCK", "stacked_compressed_sum", "exchange_pattern", "wire_bytes_per_element", "ring_bits_per_param", "quantize_int8", "dequantize_int8", "encode",
            "decode", "flatten_unit", "compressed_weighted_sum"]

@@ -1,6 +1,6 @@
 """The compressed variant of any sync rule (``Compressed(rule)``; ``sync.compress``,
-``sync.error_feedback``): the pseudo gradients cross ``replica`` as bf16 or int8 (``compress.py``),
-everything before and after the exchange stays float32.
+``sync.error_feedback``): the pseudo gradients cross ``replica`` as bf16 or int8 (``compress.py``)
+or sparse and 2/4-bit (``sparse.py``); everything before and after the exchange stays float32.
 
 The wrapper owns what compression adds and nothing else: the dtype on the wire (it hands the rule
 a ``SyncSpec`` with ``compress`` set) and, with error feedback, each worker's quantization residual
@@ -16,17 +16,39 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from edit_jax.config import SyncConfig, require
 from edit_jax.localsgd.rule import RuleWrapper, Span, SyncRule, SyncSpec, worker_zeros
+from edit_jax.localsgd.sparse import BITS, CHUNK, wire_name
 
 
 class Compressed(RuleWrapper):
-    """``rule`` with its pseudo gradients crossing ``replica`` in ``compress`` ("bf16" | "int8"),
-    and with ``error_feedback`` each worker's residual carried to its next sync."""
+    """``rule`` with its pseudo gradients crossing ``replica`` in ``compress`` ("bf16" | "int8" |
+    "topk2" | "topk4"), and with ``error_feedback`` each worker's residual carried to its next sync.
+    ``compress`` is the wire name (``sparse.wire_name``: the kind with its chunk, k and decay)."""
 
     def __init__(self, rule: SyncRule, compress: str, error_feedback: bool = False):
         super().__init__(rule)
         self.compress, self.error_feedback = compress, error_feedback
         self.name = f"compressed({rule.name})"
+
+    @staticmethod
+    def of(rule: SyncRule, s: SyncConfig) -> Compressed:
+        return Compressed(rule, wire_name(s.compress, s.sparse_chunk, s.sparse_k, s.ef_decay), s.error_feedback)
+
+    @staticmethod
+    def validate_fields(s: SyncConfig) -> None:
+        """The compression fields (whatever the method)."""
+        require(not s.error_feedback or s.compress != "none", "sync.error_feedback",
+                "needs a lossy sync.compress (bf16, int8, topk2, topk4); with compress=none there is no residual")
+        require(0.0 < s.ef_decay <= 1.0, "sync.ef_decay", f"must be in (0, 1], got {s.ef_decay}")
+        require(s.ef_decay == 1.0 or s.error_feedback, "sync.ef_decay", "decays the residual: needs sync.error_feedback=true")
+        require(s.compress not in BITS or s.error_feedback, "sync.error_feedback",
+                f"sync.compress={s.compress} sends {s.sparse_k} of every {s.sparse_chunk} values: without the "
+                "residual the rest is lost for good; set sync.error_feedback=true")
+        require(0 < s.sparse_chunk <= CHUNK, "sync.sparse_chunk", f"must be in [1, {CHUNK}] (12-bit indices), got {s.sparse_chunk}")
+        require(0 < s.sparse_k <= s.sparse_chunk and s.sparse_k % 4 == 0, "sync.sparse_k",
+                f"must be a positive multiple of 4 (whole bytes of 2-bit codes and 12-bit index pairs) "
+                f"<= sync.sparse_chunk={s.sparse_chunk}, got {s.sparse_k}")
 
     def _spec(self, spec: SyncSpec) -> SyncSpec:
         return dataclasses.replace(spec, compress=self.compress)

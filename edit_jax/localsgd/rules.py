@@ -36,7 +36,7 @@ def rule_for(plan: Plan, sync: SyncConfig) -> SyncRule:
     for name in reversed(wrappers):
         rule = WRAPPERS[name](rule)
     if sync.compress != "none" and rule.keeps_outer:
-        rule = Compressed(rule, sync.compress, sync.error_feedback)
+        rule = Compressed.of(rule, sync)
     return rule
 
 
@@ -45,6 +45,7 @@ def validate(cfg: Config) -> None:
     for a method that does not use it is a mistake), the method's own rule's relations with the rest
     of the config only for that method."""
     StaleSync.validate_fields(cfg.sync)
+    Compressed.validate_fields(cfg.sync)
     Timed.validate_fields(cfg.sync)
     m = METHODS.get(cfg.sync.method)
     if m is None:
