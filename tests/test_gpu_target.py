@@ -22,6 +22,9 @@ needs_cuda = pytest.mark.skipif(cuda_plugin_missing() is not None,
                                 reason="the CUDA plugin (pip install -e '.[cuda]') is not installed")
 GPU_CFG = dict(method="edit", sync={"warmup_steps": 1, "tau": 4}, seq_len=128,
                model={"remat": True, "scan_unroll": 1, "n_layers": 3, "compute_dtype": "bfloat16"})
+# The sync in flight under most of the layer's GEMM FLOPs and its attention (issue 40: >= 80% at the
+# 1B / 7B presets, where it is 100%; this tiny layer, d 64, gets 3 of its 4 GEMMs, 78%; 33% before)
+WINDOW_GEMM_SHARE = 0.75
 WIDE_CFG = {**GPU_CFG, "seq_len": 1024, "model": {**GPU_CFG["model"], "d_model": 256, "ffn_dim": 768,
                                                   "vocab_size": 4096, "loss_chunk": 256}}
 
@@ -83,18 +86,46 @@ def test_sync_step_crosses_replica_once_per_unit(h100_sync_step):
     programs, _, report = h100_sync_step
     o = report["sync_overlap"]
     assert o["units"] == programs.cfg.model.n_layers + 1
-    # each unit's elements once; XLA combines the root's all-reduce with layer 0's (both before the loop)
-    assert o["once_per_unit"] and o["units"] - 1 <= o["replica_tensor_collectives_per_step"] <= o["units"], o
-    assert all(c["async"] for c in o["collectives"] if c["in_loop"]), o["collectives"]
+    # each unit's elements once (XLA may split a layer's all-reduce in pieces, xla_options; and
+    # combine the root's with layer 0's, both before the loop), and the bytes no more than that
+    assert o["once_per_unit"] and o["elements_moved"] <= 1.05 * o["unit_elements"], o
+    assert o["replica_tensor_collectives_per_step"] >= o["units"] - 1, o
+    assert any(c["async"] and c["compute_between"] > 0 for c in o["collectives"] if c["in_loop"]), o["collectives"]
 
 
 @needs_cuda
-def test_sync_all_reduce_overlaps_the_layer_compute(h100_sync_step):
+def test_sync_window_holds_the_layer_gemms_and_attention(h100_sync_step):
     """The layer loop issues layer l+1's sync in iteration l (llama ``_pipelined_layers``): its
-    all-reduce across ``replica`` is async with layer l's GEMMs / attention between start and done."""
-    o = h100_sync_step[2]["sync_overlap"]
-    assert o["overlapped"] and o["in_loop"] >= 1, o["collectives"]
-    assert all(c["compute_between"] > 0 for c in o["collectives"] if c["in_loop"]), o["collectives"]
+    all-reduce across ``replica`` is async, and the GEMMs and cuDNN attention issued while it is in
+    flight (``gpu_window.sync_window``) are most of the layer's forward compute (issue 40)."""
+    w = h100_sync_step[2]["sync_window"]
+    assert w["layer_gemms"] >= 4 and w["layer_attention_calls"] == 1 and w["pieces"] >= 2, w
+    assert w["gemm_share"] >= WINDOW_GEMM_SHARE and w["attention_inside"], w
+    assert w["window_flops"] <= w["layer_flops"] and w["bare_pieces"] < w["pieces"], w
+
+
+@needs_cuda
+def test_sync_window_flops_and_verdict_against_numpy(h100_sync_step):
+    """The layer's GEMM FLOPs from the program equal the model's (NumPy: 2 x tokens x each weight
+    matrix's size per device), and the verdict's times follow from the window and the link."""
+    import numpy as np
+
+    from edit_jax.tools import gpu_window
+
+    programs, _, report = h100_sync_step
+    w, m = report["sync_window"], programs.cfg.model
+    tokens = programs.cfg.batch_size // programs.n * programs.cfg.data.seq_len // programs.s
+    kv = m.n_kv_heads * (m.d_model // m.n_heads)
+    weights = np.array([m.d_model * m.d_model, m.d_model * kv, m.d_model * kv, m.d_model * m.d_model,
+                        3 * m.d_model * m.ffn_dim], dtype=np.float64)
+    assert w["layer_gemm_flops"] == pytest.approx(2.0 * tokens * weights.sum(), rel=1e-6), w
+    v = gpu_window.window_verdict(w, 0.001, gpu_window.H100_BF16_PEAK_FLOPS)
+    assert v["sync_ms"] == pytest.approx(w["sync_ring_bytes_per_layer"] * 8 / 1e6 * 1e3)
+    bare = w["bare_ring_bytes_per_layer"] * 8 / 1e6 * 1e3
+    assert not v["hidden"] and v["exposed_ms_per_layer"] == pytest.approx(
+        bare + max(0.0, v["sync_ms"] - bare - v["window_ms_at_mfu"]))
+    fast = gpu_window.window_verdict({**w, "bare_ring_bytes_per_layer": 0.0}, 1e9, gpu_window.H100_BF16_PEAK_FLOPS)
+    assert fast["verdict"] == "hidden" and fast["exposed_ms_per_layer"] == 0.0
 
 
 @needs_cuda
@@ -135,13 +166,16 @@ def test_missing_cuda_plugin_is_one_line_exit_2():
     assert "CUDA plugin" in proc.stderr and "pip install -e '.[cuda]'" in proc.stderr
 
 
-def test_gpu_programs_get_the_scheduler_unless_xla_flags_set_it():
-    from edit_jax.localsgd.xla_options import GPU_OVERLAP, compiler_options
+def test_gpu_programs_get_the_overlap_options_unless_xla_flags_set_them():
+    from edit_jax.localsgd.xla_options import COMBINE, GPU_OVERLAP, SYNC_PIECES, compiler_options
 
-    assert compiler_options("gpu", "") == GPU_OVERLAP and GPU_OVERLAP["xla_gpu_enable_latency_hiding_scheduler"]
-    assert compiler_options("gpu", "--xla_gpu_enable_latency_hiding_scheduler=false --x=1") == \
-        {k: v for k, v in GPU_OVERLAP.items() if k != "xla_gpu_enable_latency_hiding_scheduler"}
-    assert compiler_options("cpu", "") == {}
+    assert compiler_options("gpu", "") == GPU_OVERLAP
+    # a layer's sync of 100 MB per device crosses replica in SYNC_PIECES all-reduces of at most 25 MB
+    opts = compiler_options("gpu", "", layer_sync_bytes=100_000_001)
+    assert opts[COMBINE] == 25_000_001 and SYNC_PIECES * opts[COMBINE] >= 100_000_001
+    assert COMBINE not in compiler_options("gpu", f"--{COMBINE}=1 --x=1", layer_sync_bytes=100)
+    assert "xla_disable_hlo_passes" not in compiler_options("gpu", "--xla_disable_hlo_passes=foo", 100)
+    assert compiler_options("cpu", "", 100) == {}
 
 
 @pytest.mark.parametrize("kind", ["binary", "missing", "directory", "unreadable"])
@@ -175,3 +209,13 @@ def test_target_file_that_cannot_be_a_description_is_one_line_exit_2(tmp_path, m
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith("edit-jax: plan error: --target-file"), err
     assert str(path) in err and "GpuTargetConfigProto" in err and "gpu_targets/h100.txtpb" in err, err
+
+
+@pytest.mark.parametrize("rate", ["0", "-5", "nan"])
+def test_link_gbps_must_be_positive_one_line_exit_2(monkeypatch, capsys, rate):
+    from edit_jax.tools import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "plan", lambda *a, **k: pytest.fail("compiled with a bad --link-gbps"))
+    code = plan_mod.main(["--config", os.path.join(REPO, "configs", "tiny.py"), "--link-gbps", rate])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--link-gbps must be a positive number" in err, err

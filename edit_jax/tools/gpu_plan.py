@@ -3,8 +3,9 @@
 Per step kind: XLA:GPU's memory per device (``memory_analysis()``: arguments, temporaries,
 output, aliasing; peak = arguments + output - aliased + temporaries) beside ``plan``'s analytic
 estimate (state + ``gpu_estimate``); the collectives per mesh axis, async and synchronous; and
-for EDiT's sync step the overlap verdict (``hlo_overlap.sync_overlap``): inside the layer loop,
-every ``replica`` all-reduce async with GEMM / attention between its start and done, one per unit.
+for EDiT's sync step whether each unit crosses ``replica`` once (``hlo_overlap.sync_overlap``) and
+the sync's window (``gpu_window``: the layer's GEMMs and attention issued while its all-reduce is in
+flight) with the verdict at a link rate between workers: hidden, or exposed by X ms per layer.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 import jax
 
 from edit_jax.localsgd.methods import StepKind
-from edit_jax.tools import hlo_overlap
+from edit_jax.tools import gpu_window, hlo_overlap
 
 GIB = 1024 ** 3
 
@@ -37,19 +38,25 @@ def sync_units(programs, kind: str) -> tuple[int, int]:
     return int(root_in) + hi - lo, n + (elements(params["layers"], hi - lo) if hi > lo else 0)
 
 
-def step_report(compiled, kind: str, programs, estimate_bytes: float) -> dict:
-    """The XLA:GPU figures of one compiled step (``estimate_bytes``: plan's state + estimate)."""
+def step_report(compiled, kind: str, programs, estimate_bytes: float, link_gbps: float = gpu_window.DEFAULT_LINK_GBPS,
+                mfu: float = gpu_window.DEFAULT_MFU) -> dict:
+    """The XLA:GPU figures of one compiled step (``estimate_bytes``: plan's state + estimate; a
+    sync step's window judged at ``link_gbps`` Gbit/s between workers and ``mfu``)."""
     mem = compiled.memory_analysis()
     fields = {k: float(getattr(mem, f"{k}_size_in_bytes", 0.0) or 0.0)
               for k in ("argument", "output", "alias", "temp")}
     peak = fields["argument"] + fields["output"] - fields["alias"] + fields["temp"]
     cfg = programs.cfg
-    schedule = hlo_overlap.collective_schedule(compiled.as_text(), (programs.n, programs.s), cfg.model.n_layers)
+    text = compiled.as_text()
+    schedule = hlo_overlap.collective_schedule(text, (programs.n, programs.s), cfg.model.n_layers)
     out = {"memory": {**{f"{k}_bytes": v for k, v in fields.items()}, "peak_bytes": peak,
                       "estimate_bytes": estimate_bytes, "estimate_over_xla": estimate_bytes / peak if peak else None},
            "collectives_by_axis": hlo_overlap.by_axis(schedule)}
     if kind.startswith("sync_forward"):
         out["sync_overlap"] = hlo_overlap.sync_overlap(schedule, *sync_units(programs, kind))
+        window = gpu_window.sync_window(text, schedule)
+        flops = gpu_window.peak_flops(programs.mesh.devices.flat[0].device_kind)
+        out["sync_window"] = window and {**window, **gpu_window.window_verdict(window, link_gbps, flops, mfu)}
     return out
 
 
@@ -70,11 +77,11 @@ def report_lines(p: dict) -> list[str]:
                      f"{ratio:>9}  {rep or '-'}")
         if "sync_overlap" in g:
             o = g["sync_overlap"]
-            lines.append(f"  EDiT sync overlap: {'YES' if o['overlapped'] else 'NO'} - each unit's pseudo gradient crosses "
-                         f"replica {'once' if o['once_per_unit'] else 'NOT once'} ({o['elements_moved'] / o['unit_elements']:.3f} x "
-                         f"its elements, in {o['replica_tensor_collectives_per_step']:g} collectives for {o['units']} units); "
-                         "in the layer loop "
-                         f"{o['in_loop_async_with_compute']} of {o['in_loop']} async with compute between start and done")
+            lines.append(f"  EDiT sync: each unit's pseudo gradient crosses replica {'once' if o['once_per_unit'] else 'NOT once'} "
+                         f"({o['elements_moved'] / o['unit_elements']:.3f} x its elements, in "
+                         f"{o['replica_tensor_collectives_per_step']:g} collectives for {o['units']} units); in the layer "
+                         f"loop {o['in_loop_async_with_compute']} of {o['in_loop']} async with compute between start and done")
+            lines.append(gpu_window.report_line(g.get("sync_window"), g.get("sync_window")))
     fits = p["xla_gpu_fits"]
     lines.append(f"XLA:GPU: {'fits' if fits else 'does NOT fit'}: largest peak {p['xla_gpu_max_peak_bytes'] / GIB:.2f} GiB "
                  f"of {p['device_memory_gb']:g} GiB")

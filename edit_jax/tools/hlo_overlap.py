@@ -4,9 +4,10 @@ XLA:GPU's optimized HLO is scheduled (``is_scheduled=true``): a computation's in
 the order they are issued. An async collective is a ``*-start`` / ``*-done`` pair; what is issued
 between them runs while the collective is in flight. ``collective_schedule`` lists, for every
 collective, its mesh axis, whether it is async and the compute issued between its start and done
-(GEMMs: cuBLAS calls and XLA's GEMM fusions; cuDNN's attention); ``sync_overlap`` is the verdict
-on EDiT's sync: inside the layer loop, every tensor-sized all-reduce across ``replica`` is async
-with compute between its start and done, one per unit and sync step.
+(GEMMs: cuBLAS calls and XLA's GEMM fusions; cuDNN's attention); ``sync_overlap`` says whether
+EDiT's sync crosses ``replica`` once per unit and sync step and how many of its in-loop all-reduces
+are async with compute between start and done (how much compute, and whether that hides the sync
+at a link rate: ``gpu_window``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def by_axis(schedule: list[dict]) -> dict:
 
 
 def sync_overlap(schedule: list[dict], units: int, unit_elements: int) -> dict:
-    """The verdict on EDiT's sync in a ``sync_forward`` program of ``units`` units (root + layers of
+    """The shape of EDiT's sync in a ``sync_forward`` program of ``units`` units (root + layers of
     the due group) holding ``unit_elements`` param elements on this device: each unit's pseudo
     gradient crosses ``replica`` once (the tensor-sized collectives across it move those elements
     once per step, within 5%: XLA may split a unit's all-reduce in pieces or combine two units'), and
@@ -80,7 +81,6 @@ def sync_overlap(schedule: list[dict], units: int, unit_elements: int) -> dict:
         "replica_tensor_collectives_per_step": per_step, "units": units, "elements_moved": moved,
         "unit_elements": unit_elements, "once_per_unit": bool(once),
         "in_loop": len(loop), "in_loop_async_with_compute": len(hidden),
-        "overlapped": bool(loop) and len(hidden) == len(loop) and once,
         "collectives": [{k: r[k] for k in ("name", "op", "async", "compute_between", "runs_per_step", "in_loop",
                                            "operands")} for r in tensors],
     }
