@@ -36,6 +36,17 @@ def test_method_fixes_are_written_as_they_take_effect():
         assert plan_for(cpu(name)).changed == (), name
 
 
+def test_only_fields_the_user_set_are_announced():
+    # The demo (EDiT) run as DiLoCo: layerwise/anomaly/... were never set by the user (defaults).
+    quiet = plan_for(load_config(os.path.join(REPO, "configs/demo.py"), ["method=diloco"]))
+    assert quiet.changed and quiet.user_changes() == ()
+    # outer_lr=0.5 (an override) and the demo file's outer_momentum=0.5 are not the defaults (0.8,
+    # 0.85) and Post Local SGD fixes them: said; its other fixes (defaults) are not.
+    said = plan_for(load_config(os.path.join(REPO, "configs/demo.py"), ["method=post_local_sgd", "sync.outer_lr=0.5"]))
+    assert set(said.user_changes()) == {("sync.outer_lr", 0.5, 1.0), ("sync.outer_momentum", 0.5, 0.0)}
+    assert len(said.changed) > 2
+
+
 def test_run_dir_config_says_what_ran(tmp_path):
     cfg = tiny_config(2, 2, method="diloco", steps=2, sync={"layerwise": True, "anomaly": True})
     train(cfg, str(tmp_path), progress=False, devices=jax.devices()[:4])

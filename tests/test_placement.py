@@ -32,8 +32,8 @@ from edit_jax.placement.topology import load_topology, make_topology, scenario
 
 
 def _load_script(name):
-    """A module of scripts/ by file path (importing it does not run its main)."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    """A module of benchmarks/ by file path (importing it does not run its main)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"_scripts_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -143,12 +143,34 @@ def test_killed_tokenize_resumes_to_the_same_shards(inputs, shard_dir, tmp_path,
     assert _files(out) == _files(shard_dir)
 
 
+def test_tokenize_a_handful_of_files_holds_one_out(tmp_path):
+    docs = [f"document {i}: " + "some text " * (i + 3) for i in range(4)]
+    paths = []
+    for i, d in enumerate(docs):
+        (tmp_path / f"f{i}.txt").write_text(d)
+        paths.append(str(tmp_path / f"f{i}.txt"))
+    keys = [int.from_bytes(hashlib.sha256(d.encode()).digest()[:8], "little") for d in docs]  # the split rule
+    assert min(keys) >= 0.005 * 2**64  # the default fraction alone would hold out none of them
+    index = T.tokenize(paths, str(tmp_path / "out"), progress=False)
+    assert index["documents"] == {"train": 3, "val": 1}
+    held = docs[int(np.argmin(keys))]  # the document of the smallest key, with its EOS
+    val = np.fromfile(tmp_path / "out" / index["splits"]["val"][0]["file"], dtype=index["dtype"])
+    assert val.tolist() == list(held.encode()) + [index["eos_id"]]
+    assert not os.path.exists(tmp_path / "out" / T.PARTS)
+    with pytest.raises(D.DataError, match=r"--val-fraction 0.001 holds out none of the 4 .*pass --val-fraction"):
+        T.tokenize(paths, str(tmp_path / "set"), val_fraction=0.001, progress=False)  # the user's: not overridden
+    assert not os.path.exists(tmp_path / "set")
+    with pytest.raises(D.DataError, match="is empty"):  # one file: nothing to hold out; nothing left behind
+        T.tokenize(paths[:1], str(tmp_path / "one"), progress=False)
+    assert not os.path.exists(tmp_path / "one")
+
+
 def test_tokenize_errors_name_the_file(inputs, tmp_path, capsys):
     with pytest.raises(D.DataError, match=r"part0\.parquet.*no column 'body'"):
         T.tokenize(inputs[0][:1], str(tmp_path / "a"), text_column="body", progress=False)
     with pytest.raises(D.DataError, match="val split is empty"):
         T.tokenize(inputs[0][3:], str(tmp_path / "b"), val_fraction=1e-9, progress=False)
-    assert not [n for n in os.listdir(tmp_path / "b") if n.endswith(".bin")]  # refused before writing shards
+    assert not os.path.exists(tmp_path / "b")  # refused before writing shards; no .parts/ left behind
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"body": "no text"}\n')
     with pytest.raises(D.DataError, match=r"bad\.jsonl' line 2.*'text'"):

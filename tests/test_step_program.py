@@ -136,3 +136,14 @@ def test_fused_gather_one_collective_per_unit():
     n_units, n_leaves = 1 + 2, 3 + 2 * 9  # root: embed, final_norm, lm_head; a layer: 9 params
     assert runs[True]["all-gather"] == n_units and runs[True]["reduce-scatter"] == n_units
     assert runs[False]["all-gather"] == n_leaves and runs[False]["reduce-scatter"] == n_leaves
+
+
+def test_public_lowering_from_shapes_alone():
+    """``lowered(kind)`` with no arrays (the abstract state and batch) lowers the very program a
+    real state and batch do (lowering only: nothing compiles here)."""
+    cfg = tiny_config(2, 2, method="edit")
+    m = StepPrograms.for_config(cfg, mesh_for(cfg))
+    state, batch = m.abstract_state(), m.put_batch(random_batch(cfg))
+    assert m.abstract_batch().shape == batch.shape and m.abstract_batch().sharding == batch.sharding
+    for kind in ("local", "sync_forward"):
+        assert m.lowered(kind).as_text() == m.lowered(kind, state, batch).as_text()

@@ -13,7 +13,7 @@ equals the global step except in A-EDiT after its warmup.
 The garbage is a pure function of (seed, step, worker): runs are reproducible, and a resumed run
 sees the same garbage as an uninterrupted one. Only the batch handed to the step is changed,
 never the stream or its state (``TrainStream`` recomputes batch k from k alone), so checkpoints
-and resumes stay exact. Used to test loss-spike suppression (scripts/spike_experiment.py): a
+and resumes stay exact. Used to test loss-spike suppression (benchmarks/spike_experiment.py): a
 worker with corrupted data should produce anomalous pseudo gradients that EDiT's detector flags.
 ``validate`` checks the knob with the rest of the config, before any work.
 """

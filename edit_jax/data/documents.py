@@ -19,11 +19,15 @@ from edit_jax.data.errors import DataError
 SPLITS = ("train", "val")
 
 
-def is_val(key: bytes, val_fraction: float) -> bool:
+def val_key(key: bytes) -> int:
+    """The split key of ``key`` in [0, 2^64): the document is in val when it is < val_fraction * 2^64."""
     # sha256 of a stable key (not Python's salted hash()) so the split is identical on every machine,
     # in every process and regardless of the order files are listed in.
-    h = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
-    return h < val_fraction * 2.0**64
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
+
+
+def is_val(key: bytes, val_fraction: float) -> bool:
+    return val_key(key) < val_fraction * 2.0**64
 
 
 def pyarrow_parquet(who: str = "") -> object:
@@ -165,5 +169,5 @@ def split_and_pack(tok, docs: list[tuple[str, bytes]], val_fraction: float, dtyp
     return out
 
 
-__all__ = ["SPLITS", "is_val", "pyarrow_parquet", "parquet_row_groups", "row_range_documents",
+__all__ = ["SPLITS", "is_val", "val_key", "pyarrow_parquet", "parquet_row_groups", "row_range_documents",
            "split_and_pack"]

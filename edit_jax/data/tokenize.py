@@ -21,9 +21,11 @@ same shards byte for byte.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob as globlib
 import hashlib
 import json
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -33,13 +35,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edit_jax.data.documents import BATCH_TEXT_BYTES, parquet_row_groups, row_range_documents, split_and_pack
+from edit_jax.data.documents import (BATCH_TEXT_BYTES, parquet_row_groups, row_range_documents, split_and_pack,
+                                     val_key)
 from edit_jax.data.errors import DataError
 from edit_jax.data.shards import (INDEX_FORMAT, INDEX_NAME, INDEX_VERSION, SPLITS, dtype_for_vocab, shard_name,
                                   tokenizer_identity)
 from edit_jax.data.tokenizers import cached_tokenizer, make_tokenizer
 
 PARTS = ".parts"
+DEFAULT_VAL_FRACTION = 0.005  # --val-fraction left out: this, but at least one document (a handful of files)
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MiB of uint16 per shard
 JSONL_BATCH_BYTES = 64 << 20  # a jsonl unit is tokenized in batches of about this much text
 COPY_TOKENS = 1 << 24  # tokens copied at a time while assembling shards
@@ -155,6 +159,7 @@ def tokenize_unit(unit: Unit, job: Job) -> dict:
     counts = {s: 0 for s in SPLITS}
     docs = {s: 0 for s in SPLITS}
     text_hash = hashlib.sha256()
+    key_min = 2**64  # the smallest split key of its documents: what --val-fraction holds one out (auto)
     files = {s: open(f"{stem}.{s}.bin.tmp", "wb") for s in SPLITS}
     try:
         for batch in _documents(unit, job):
@@ -163,6 +168,7 @@ def tokenize_unit(unit: Unit, job: Job) -> dict:
             for _, raw in batch:
                 text_hash.update(len(raw).to_bytes(8, "little"))
                 text_hash.update(raw)
+                key_min = min(key_min, val_key(raw))
             for split, (packed, ndocs) in split_and_pack(tok, batch, job.val_fraction, dtype).items():
                 if ndocs:
                     files[split].write(packed.tobytes())
@@ -174,7 +180,8 @@ def tokenize_unit(unit: Unit, job: Job) -> dict:
     for split in SPLITS:
         os.replace(f"{stem}.{split}.bin.tmp", f"{stem}.{split}.bin")
     summary = {"unit": unit.index, "path": unit.path, "row_group": unit.row_group, "tokens": counts,
-               "documents": docs, "text_sha256": text_hash.hexdigest(), "bytes": os.path.getsize(unit.path)}
+               "documents": docs, "text_sha256": text_hash.hexdigest(), "bytes": os.path.getsize(unit.path),
+               "val_key_min": key_min}
     _atomic_write_json(f"{stem}.json", summary)  # last: its presence says the unit is done
     return summary
 
@@ -227,20 +234,36 @@ def _assemble_split(out: str, parts_dir: str, split: str, summaries: list[dict],
 
 
 def tokenize(inputs: list[str], out: str, tokenizer: str = "byte", text_column: str = "text",
-             text_field: str = "text", val_fraction: float = 0.005, shard_tokens: int = DEFAULT_SHARD_TOKENS,
+             text_field: str = "text", val_fraction: float | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS,
              workers: int = 1, progress: bool = True, stop_after_units: int | None = None) -> dict:
     """Writes the shards and index.json of ``inputs`` into ``out``; returns the index.
-    ``stop_after_units`` (tests: a kill) returns None after tokenizing that many new units."""
-    if not 0.0 < val_fraction < 1.0:
+    ``val_fraction`` None (the default, "auto"): ``DEFAULT_VAL_FRACTION``, but at least one
+    document held out when that leaves the val split empty (a handful of files). A bad input or an
+    empty split leaves nothing behind (``.parts/``, an ``out`` this call made); a kill leaves the
+    parts for the re-run to resume. ``stop_after_units`` (tests: a kill) returns None after
+    tokenizing that many new units."""
+    if val_fraction is not None and not 0.0 < val_fraction < 1.0:
         raise DataError(f"tokenize: --val-fraction must be in (0, 1), got {val_fraction}")
     if shard_tokens <= 0 or workers <= 0:
         raise DataError(f"tokenize: --shard-tokens and --workers must be positive, got {shard_tokens}, {workers}")
+    made_out = not os.path.isdir(out)
+    try:
+        return _tokenize(inputs, out, tokenizer, text_column, text_field, val_fraction, shard_tokens, workers,
+                         progress, stop_after_units)
+    except DataError:
+        shutil.rmtree(os.path.join(out, PARTS), ignore_errors=True)
+        if made_out and os.path.isdir(out) and not os.listdir(out):
+            os.rmdir(out)
+        raise
+
+
+def _tokenize(inputs, out, tokenizer, text_column, text_field, val_fraction, shard_tokens, workers, progress,
+              stop_after_units) -> dict | None:
     tok = make_tokenizer(tokenizer)
     files = expand_inputs(inputs)
     units = plan_units(files, text_column)
     ident = tokenizer_identity(tok)
     dtype = np.dtype(dtype_for_vocab(tok.vocab_size))
-    os.makedirs(out, exist_ok=True)
     settings = {"tokenizer_sha256": ident["sha256"], "val_fraction": val_fraction, "shard_tokens": shard_tokens,
                 "text_column": text_column, "text_field": text_field,
                 "inputs": [[u.path, u.row_group, os.path.getsize(u.path)] for u in units]}
@@ -252,7 +275,51 @@ def tokenize(inputs: list[str], out: str, tokenizer: str = "byte", text_column: 
             return old  # finished before with the same inputs and settings: nothing to do
         raise DataError(f"tokenize: {out!r} already holds shards of other inputs or settings ({index_file}); "
                         f"use another --out or remove it")
+    os.makedirs(out, exist_ok=True)
     parts_dir = os.path.join(out, PARTS)
+    fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
+    job = Job(tokenizer, text_column, text_field, fraction, parts_dir, dtype.name)
+    summaries, seconds = _tokenize_units(out, units, job, settings, workers, progress, stop_after_units)
+    if summaries is None:
+        return None
+    ordered = [summaries[u.index] for u in units]
+    docs = {split: sum(s["documents"][split] for s in ordered) for split in SPLITS}
+    key_min = min((s.get("val_key_min", 2**64) for s in ordered), default=2**64)
+    if not docs["val"] and docs["train"] >= 2 and key_min < 2**64:
+        # Hold out the document of the smallest key: the same hash rule, at the smallest fraction
+        # that takes one (float spacing at 2^64 scale is finer than any gap worth caring about).
+        fit = math.nextafter(key_min / 2.0**64, 1.0)
+        if val_fraction is None:
+            job = dataclasses.replace(job, val_fraction=fit)
+            summaries, more = _tokenize_units(out, units, job, settings, workers, progress, None)
+            seconds += more
+            ordered = [summaries[u.index] for u in units]
+            docs = {split: sum(s["documents"][split] for s in ordered) for split in SPLITS}
+        else:
+            raise DataError(f"tokenize: --val-fraction {val_fraction:g} holds out none of the {docs['train']} "
+                            f"documents; pass --val-fraction {fit:.3g} (holds out one) or leave it out (auto)")
+    for split in SPLITS:
+        if not docs[split]:  # before any shard is written
+            raise DataError(f"tokenize: the {split} split is empty ({docs['train']} train / {docs['val']} val "
+                            f"documents from {len(files)} inputs); add documents or change --val-fraction")
+    splits = {split: _assemble_split(out, parts_dir, split, ordered, dtype, shard_tokens) for split in SPLITS}
+    inputs_hash = hashlib.sha256("".join(s["text_sha256"] for s in ordered).encode()).hexdigest()
+    index = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "dtype": dtype.name, "vocab_size": tok.vocab_size,
+             "eos_id": tok.eos_id, "tokenizer": ident, "inputs_sha256": inputs_hash, "documents": docs,
+             "tokens": {split: sum(e["tokens"] for e in splits[split]) for split in SPLITS},
+             "shard_tokens": shard_tokens, "val_fraction": job.val_fraction, "splits": splits, "settings": settings}
+    _atomic_write_json(index_file, index)
+    shutil.rmtree(parts_dir)
+    index["_seconds"] = seconds  # not written: for the caller's report
+    return index
+
+
+def _tokenize_units(out: str, units: list[Unit], job: Job, settings: dict, workers: int, progress: bool,
+                    stop_after_units: int | None) -> tuple[dict | None, float]:
+    """Phase 1: each unit not done yet (by parts of these settings and ``job.val_fraction``) to
+    its parts; ({unit: summary}, seconds), or (None, s) when ``stop_after_units`` stopped it."""
+    parts_dir = job.parts_dir
+    settings = {**settings, "effective_val_fraction": job.val_fraction}
     os.makedirs(parts_dir, exist_ok=True)
     settings_file = os.path.join(parts_dir, "settings.json")
     if os.path.isfile(settings_file):
@@ -276,7 +343,6 @@ def tokenize(inputs: list[str], out: str, tokenizer: str = "byte", text_column: 
             summaries[u.index] = s
     if stop_after_units is not None:
         todo = todo[:stop_after_units]
-    job = Job(tokenizer, text_column, text_field, val_fraction, parts_dir, dtype.name)
     bar = _progress(len(units), len(summaries), progress)
     start, new_tokens = time.perf_counter(), 0
 
@@ -301,24 +367,8 @@ def tokenize(inputs: list[str], out: str, tokenizer: str = "byte", text_column: 
         bar.close()
     seconds = time.perf_counter() - start
     if stop_after_units is not None and len(summaries) < len(units):
-        return None
-
-    ordered = [summaries[u.index] for u in units]
-    docs = {split: sum(s["documents"][split] for s in ordered) for split in SPLITS}
-    for split in SPLITS:
-        if not docs[split]:  # before any shard is written
-            raise DataError(f"tokenize: the {split} split is empty ({docs['train']} train / {docs['val']} val "
-                            f"documents from {len(files)} inputs); add documents or change --val-fraction")
-    splits = {split: _assemble_split(out, parts_dir, split, ordered, dtype, shard_tokens) for split in SPLITS}
-    inputs_hash = hashlib.sha256("".join(s["text_sha256"] for s in ordered).encode()).hexdigest()
-    index = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "dtype": dtype.name, "vocab_size": tok.vocab_size,
-             "eos_id": tok.eos_id, "tokenizer": ident, "inputs_sha256": inputs_hash, "documents": docs,
-             "tokens": {split: sum(e["tokens"] for e in splits[split]) for split in SPLITS},
-             "shard_tokens": shard_tokens, "val_fraction": val_fraction, "splits": splits, "settings": settings}
-    _atomic_write_json(index_file, index)
-    shutil.rmtree(parts_dir)
-    index["_seconds"] = seconds  # not written: for the caller's report
-    return index
+        return None, seconds
+    return summaries, seconds
 
 
 def _progress(total: int, initial: int, enabled: bool):
@@ -338,8 +388,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokenizer", default="byte", help="'byte' (default) or a path to a tokenizer.json")
     parser.add_argument("--text-column", default="text", help="parquet column holding the documents")
     parser.add_argument("--text-field", default="text", help="jsonl field holding the documents")
-    parser.add_argument("--val-fraction", type=float, default=0.005,
-                        help="fraction of documents held out for validation (by the hash of their text)")
+    parser.add_argument("--val-fraction", type=float, default=None,
+                        help=f"fraction of documents held out for validation (by the hash of their text); default "
+                             f"{DEFAULT_VAL_FRACTION:g}, and at least one document when that holds out none")
     parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
     parser.add_argument("--workers", type=int, default=1, help="worker processes (over files and row groups)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -288,6 +288,13 @@ class MethodPlan:
     changed: tuple[tuple[str, Any, Any], ...]  # (key, configured value, value that took effect)
     schedule: Schedule
 
+    def user_changes(self) -> tuple[tuple[str, Any, Any], ...]:
+        """The ``changed`` entries whose configured value is not ``SyncConfig``'s default, i.e.
+        what the user set (an override, a config file) and the method overrode: the only ones worth
+        saying. The others (a default the method does not use) show only in ``config.json``."""
+        defaults = SyncConfig()
+        return tuple(c for c in self.changed if c[1] != getattr(defaults, c[0].removeprefix("sync.")))
+
     def asynchronous_at(self, k: int) -> bool:
         """Step ``k`` (before it runs) is in the asynchronous phase: each worker at its own pace
         (A-EDiT after its warmup); the loop then drives the workers apart (drivers.AsyncWorkers)."""

@@ -44,7 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec as P
 
 from edit_jax.config import Config
-from edit_jax.localsgd.fragments import fragment_layers, fragment_of_unit
+from edit_jax.localsgd.fragments import fragment_layers, fragment_of_unit, unit_param_counts
 from edit_jax.localsgd.methods import STEP_KINDS, MethodPlan, StepKind, plan_for
 from edit_jax.localsgd.sharding import BATCH_SPEC, REPLICA, SHARD, gather_unit, named, shard_sq_norm
 from edit_jax.localsgd.rule import Span
@@ -82,8 +82,16 @@ class StepPrograms:
         if hasattr(self.model, "attention_impl"):
             impl = self.model.attention_impl(self.cfg.model, mesh.devices.flat[0].platform)
             self.model_cfg = dataclasses.replace(self.cfg.model, attention=impl)
-        # XLA options for the mesh's platform: on GPUs the latency-hiding scheduler (xla_options.py)
-        self.compiler_options = compiler_options(mesh.devices.flat[0].platform)
+        # XLA options for the mesh's platform: on GPUs, a layer's sync in about four all-reduces
+        # (xla_options.py: the widest window under the layer's compute); f32 per device
+        platform = mesh.devices.flat[0].platform
+        layer_sync = 4 * unit_param_counts(self.cfg)[1] // self.cfg.mesh.shard \
+            if platform != "cpu" and self.cfg.model.n_layers else None
+        self.compiler_options = compiler_options(platform, layer_sync_bytes=layer_sync)
+        # The layer loop issues each layer's sync one layer ahead (family.SplitHook) on GPUs only:
+        # XLA:CPU runs independent collectives concurrently and their rendezvous collide. A test
+        # may set it on a one-device mesh (no collective), before the first step is compiled.
+        self.pipelined_layers = platform == "gpu"
         self.state_specs, self.state_shardings = lay.state_specs, lay.state_shardings
         # Streaming sync: group of each unit (None: one group, every unit syncs together).
         self.rule = lay.rule  # the method's sync rule (rule.py): every sync below is its
@@ -124,7 +132,7 @@ class StepPrograms:
             metric_specs = {"loss": P(REPLICA), "grad_norm": P(REPLICA)}
             if syncs_here:
                 metric_specs.update({k: P() for k in SYNC_METRICS})
-            mapped = jax.shard_map(partial(self._local_step, kind=kind), mesh=self.mesh,
+            mapped = jax.shard_map(partial(self.local_step, kind=kind), mesh=self.mesh,
                                    in_specs=(specs, BATCH_SPEC, P()), out_specs=(specs, metric_specs))
 
             def step(state: TrainState, batch, shares=None):
@@ -162,9 +170,18 @@ class StepPrograms:
             self._compiled[key] = jax.jit(lambda st, b: mapped(st.replace(outer=None), b))
         return self._compiled[key]
 
-    def lowered(self, kind: StepKind | str, state, batch):
-        """The lowered (not executed) step, for HLO inspection and memory analysis."""
-        return self.step_fn(kind).lower(state, batch)
+    def abstract_batch(self) -> jax.ShapeDtypeStruct:
+        """The global batch's shape, dtype and sharding (``put_batch``'s result, without data)."""
+        shape = (self.cfg.batch_size, self.cfg.data.seq_len + 1)
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=named(self.mesh, BATCH_SPEC))
+
+    def lowered(self, kind: StepKind | str, state=None, batch=None):
+        """The lowered (not executed) step ``kind``, for HLO inspection, memory analysis and
+        compile timing (``.compile()``): the public lowering entry point. ``state`` and ``batch``
+        may be real arrays or shapes (``jax.ShapeDtypeStruct``); left out, the abstract state and
+        batch of this config (``abstract_state``, ``abstract_batch``): nothing is allocated."""
+        state = self.abstract_state() if state is None else state
+        return self.step_fn(kind).lower(state, self.abstract_batch() if batch is None else batch)
 
     # -- the step body (per device, under shard_map) ---------------------------------------------
 
@@ -196,10 +213,9 @@ class StepPrograms:
 
         # On GPUs in two halves, so that the family issues a layer's sync one layer ahead of its
         # gather and compute, where the all-reduce can overlap the previous layer (family.SplitHook;
-        # BUILD_NOTES section 14, "Overlap"). Not on XLA:CPU: its runtime runs independent
-        # collectives concurrently and their rendezvous collide (a check failure, or wrong sums).
+        # BUILD_NOTES sections 14 and 19). Not on XLA:CPU (``pipelined_layers``).
         hook = SplitHook(sync_part, gather_part)
-        if self.mesh.devices.flat[0].platform != "gpu":
+        if not self.pipelined_layers:
             hook = hook.__call__
 
         def loss_fn(params):
@@ -227,10 +243,17 @@ class StepPrograms:
         (loss, grads), _ = jax.lax.scan(body, (loss, grads), micro_batches)
         return loss, grads
 
-    def _local_step(self, state: TrainState, batch: jax.Array, shares=None, *, kind: StepKind | str):
+    def local_step(self, state: TrainState, batch: jax.Array, shares=None, *, kind: StepKind | str):
         """One step of ``kind`` on this device's blocks: forward and backward (EDiT's sync inside
         the forward for ``sync_forward``), the gradient mean over replicas for ``hsdp``, the inner
-        AdamW update, and the sync after it for ``local_then_sync``."""
+        AdamW update, and the sync after it for ``local_then_sync``.
+
+        The per-device body ``step_fn`` maps over the mesh; public for experiments that build
+        their own program from it (``benchmarks/bench_step.py``: one program for both of EDiT's
+        kinds). Call it under ``jax.shard_map(mesh=self.mesh)`` with in_specs ``(state_specs,
+        BATCH_SPEC, P())`` (a kind without a sync: ``state_specs.replace(outer=None)`` and a state
+        whose ``outer`` is None) and out_specs ``(state specs, {"loss": P(REPLICA), "grad_norm":
+        P(REPLICA)}`` plus ``P()`` for each of ``SYNC_METRICS`` when the kind syncs)."""
         kind = StepKind.parse(kind)
         lay, span, rule = self.layout, self._span(kind), self.rule
         sync_in_forward = kind.name == "sync_forward"

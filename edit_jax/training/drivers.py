@@ -69,6 +69,7 @@ class Advance:
     watched: list[dict] = field(default_factory=list)
     loss: float | None = None  # the workers' mean training loss of the newest record
     diverged: str | None = None  # the run cannot recover (message)
+    data_s: float = 0.0  # time spent building this advance's batches (the loop's timing record)
 
 
 def loss_divergence(loss: np.ndarray, grad_norm: np.ndarray, all_must_be_finite: bool, step: int) -> str | None:
@@ -144,7 +145,9 @@ class LockStep:
         self.kinds_since_record.add(kind)
         t0 = time.perf_counter()
         before = _copy(state.params) if self._spikes(k) else None  # the step donates its input
-        state, metrics = self.m.step_fn(kind)(state, self.batch(k))
+        batch = self.batch(k)
+        data_s = time.perf_counter() - t0
+        state, metrics = self.m.step_fn(kind)(state, batch)
         if before is not None:  # debug.lr_spike: this step's update x factor
             state = state.replace(params=_scaled_update(before, state.params, self.lr_spike.factor))
         # At most MAX_IN_FLIGHT steps dispatched ahead of the host: XLA:CPU's collectives deadlock
@@ -158,7 +161,7 @@ class LockStep:
             self._pace(t0)
             self.own_local_times.append(time.perf_counter() - t0)
         k += 1
-        adv = Advance(state, k, ran=1)
+        adv = Advance(state, k, ran=1, data_s=data_s)
         if not (k % cfg.log_every == 0 or kind.syncs or k == cfg.steps or self.record_next):
             return adv
         self.record_next = False

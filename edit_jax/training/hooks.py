@@ -15,6 +15,7 @@ that returns ``Rewind`` (it rolled the state back) ends this advance's hooks.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -53,6 +54,7 @@ class Hooks:
     def __init__(self, last_step: int):
         self.last_step = last_step
         self.hooks: list[Hook] = []
+        self.seconds: dict[str, float] = {}
 
     def add(self, name: str, fn: Callable[..., End | None], every: int | None = None) -> None:
         self.hooks.append(Hook(name, fn, every))
@@ -65,9 +67,12 @@ class Hooks:
     def run(self, adv, before: int, now: int) -> End | Rewind | None:
         """Runs the due hooks after an advance from ``before`` to ``now``; the first ``End`` or
         ``Rewind`` wins."""
+        self.seconds = {}  # each hook that ran: its time (the loop's timing record)
         for hook in self.hooks:
             if self.due(hook, adv.cadence, before, now):
+                t0 = time.perf_counter()
                 end = hook.fn(adv, before, now)
+                self.seconds[hook.name] = time.perf_counter() - t0
                 if end is not None:
                     return end
         return None

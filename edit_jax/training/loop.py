@@ -1,5 +1,4 @@
-"""The training loop: one for every method and mode, read as set up, then for each advance the due
-hooks.
+"""The training loop: one for every method and mode, read as set up, then for each advance the due hooks.
 
     result = run(cfg, run_dir, stop=stop_flag, say=print_to_stderr)
 
@@ -38,7 +37,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import jax
@@ -60,25 +59,8 @@ from edit_jax.training.drivers import Advance, AsyncWorkers, LockStep, Wants
 from edit_jax.training.evaluate import Evaluator
 from edit_jax.training.hooks import End, Hooks, Rewind
 from edit_jax.training.resume import DivergedError, check_before_save, restore_verified, set_aside_untrusted
+from edit_jax.training.result import TrainResult, announce
 from edit_jax.training.spike import SpikeWatch
-
-
-@dataclass
-class TrainResult:
-    steps: int
-    final_loss: float
-    final_val_loss: float | None
-    final_val_ppl: float | None
-    tokens: int
-    seconds: float
-    run_dir: str | None
-    interrupted: bool = False
-    resumed_from: int | None = None
-    history: list[dict] = field(default_factory=list)  # training records of this invocation
-    rollbacks: int = 0  # loss-spike rollbacks in this invocation
-    already_finished: bool = False  # the run dir's checkpoint was already at cfg.steps: nothing done
-
-
 
 
 @dataclass
@@ -98,7 +80,8 @@ class Setup:
     description: str  # the data, as the start-up line says it
 
 
-def _set_up(cfg: Config, run_dir: str | None, say, devices: list | None, restore_step: int | None) -> Setup:
+def _set_up(cfg: Config, run_dir: str | None, say, devices: list | None, restore_step: int | None,
+            on_timing=None) -> Setup:
     """The method plan, mesh, programs, data, state (restored, or new) and the records sink;
     whatever was opened is closed again when a later part fails."""
     method_plan = plan_for(cfg)
@@ -137,7 +120,7 @@ def _set_up(cfg: Config, run_dir: str | None, say, devices: list | None, restore
             state = programs.init_state(cfg.seed, start)
             if cfg.model.init_from:
                 say(f"edit-jax: params from model.init_from={cfg.model.init_from}")
-        sink = RunRecords.open(run_dir, resumed_from, lead, cfg)
+        sink = RunRecords.open(run_dir, resumed_from, lead, cfg, on_timing)
     except Exception:
         if ckpt is not None:
             ckpt.close()
@@ -146,18 +129,6 @@ def _set_up(cfg: Config, run_dir: str | None, say, devices: list | None, restore
     multihost.barrier()  # the log is truncated (process 0) before any worker appends to it
     return Setup(method_plan, programs, stream, val, corrupt, ckpt, state, data_state, resumed_from, sink,
                  corpus.description)
-
-
-def _announce(setup: Setup, run_dir: str | None, say) -> None:
-    cfg, method_plan = setup.method_plan.cfg, setup.method_plan
-    devices = (f"{cfg.mesh.processes} worker processes x {cfg.mesh.shard}" if cfg.mesh.processes > 1 else
-               f"replica={cfg.mesh.replica} x shard={cfg.mesh.shard}")
-    say(f"edit-jax: {cfg.sync.method} on mesh {devices} ({jax.devices()[0].platform}); data {setup.description}")
-    if method_plan.changed:
-        say(f"edit-jax: method {cfg.sync.method} fixes " + ", ".join(
-            f"{key}={v} (config had {old})" for key, old, v in method_plan.changed))
-    if setup.resumed_from is not None:
-        say(f"edit-jax: resumed from {os.path.join(run_dir, 'checkpoints', str(setup.resumed_from))}")
 
 
 class Training:
@@ -190,9 +161,9 @@ class Training:
         self.hooks.add("evaluate", self.evaluate_on_cadence, every=self.cfg.eval_every)
         self.hooks.add("checkpoint", self.checkpoint_on_cadence, every=self.cfg.checkpoint_every)
         if setup.ckpt is not None and not self.multi:  # a background save that is written counts now
-            self.hooks.add("checkpoint written", lambda adv, before, now: setup.ckpt.poll())
+            self.hooks.add("checkpoint written", lambda adv, before, now: self.finish_save(poll=True))
 
-    def elapsed(self) -> float:
+    def elapsed(self) -> float:  # since this invocation started (the sink adds the earlier invocations')
         return time.perf_counter() - self.t_start
 
     # -- the loop ------------------------------------------------------------------------------
@@ -208,10 +179,15 @@ class Training:
                     self.driver = AsyncWorkers(self.programs, self.setup.stream, self.setup.corrupt, self.k,
                                                self.setup.data_state)
                     self.state, self.workers_apart = self.driver.enter(self.state), True
+            t0 = time.perf_counter()
             adv = self.driver.advance(self.state, self.k, self._wants())
+            t1 = time.perf_counter()
             before, self.state, self.k = self.k, adv.state, adv.step
             self.done_here += adv.ran
             end = self.hooks.run(adv, before, self.k)
+            self.sink.timing({"timing": "advance", "step": self.k, "at": t1 - self.t_start, "advance_s": t1 - t0,
+                              "data_s": adv.data_s, "hooks_s": dict(self.hooks.seconds),
+                              "includes_compile": any(r.get("includes_compile", False) for r in adv.records)})
             if isinstance(end, End):
                 return end
 
@@ -318,7 +294,7 @@ class Training:
         consumed; after ``train.spike.max_rollbacks`` (or with nothing to go back to) exit 3."""
         ckpt, cfg, lead = self.setup.ckpt, self.cfg, jax.process_index() == 0
         if ckpt is not None:
-            ckpt.finish()  # a background save counts (or fails) before the checkpoints are judged
+            self.finish_save()  # a background save counts (or fails) before the checkpoints are judged
         trusted = self.watch.trusted_through
         target = [s for s in (ckpt.all_steps() if ckpt else []) if trusted is not None and s <= trusted]
         cannot = ("no run dir" if ckpt is None else
@@ -379,7 +355,12 @@ class Training:
             data = stream.get_state(gather=multihost.exchange_floats if self.multi else None)
             data = {**data, **self.driver.data_extra(), "spike_history": self.watch.state()}
             if self.to_write(step, data):
+                t0 = time.perf_counter()
                 ckpt.save(step, global_state, data, self.cfg, healthy=self.watch.healthy)
+                self.sink.timing({"timing": "save", "step": step, "at": t0 - self.t_start,
+                                  "save_s": time.perf_counter() - t0, "final": final})
+                if ckpt.pending is None:  # a synchronous save is written when it returns
+                    self.sink.timing({"timing": "written", "step": step, "at": self.elapsed()})
         else:
             self.say(f"edit-jax: step {step}: some workers are non-finite (they are rolled back at their next sync); "
                      f"checkpoint skipped, the last one ({ckpt.latest_step()}) is kept")
@@ -392,7 +373,7 @@ class Training:
         rollback skipped, so it is moved to ``checkpoints.aside/`` (not deleted) and this save
         takes its place."""
         ckpt = self.setup.ckpt
-        ckpt.finish()  # a background save of this step counts first
+        self.finish_save()  # a background save of this step counts first
         if step not in ckpt.all_steps():
             return True
         try:
@@ -407,6 +388,14 @@ class Training:
         self.say(f"edit-jax: checkpoint {step} holds the data position from before the rollback; moved it to "
                  f"{dest} (not deleted) and saving step {step} at the new one")
         return True
+
+    def finish_save(self, poll: bool = False) -> None:
+        """``ckpt.finish()`` (``poll``: only if written already); a finished write is a timing record."""
+        ckpt = self.setup.ckpt
+        pending = ckpt.pending[0] if ckpt.pending is not None else None
+        ckpt.poll() if poll else ckpt.finish()
+        if pending is not None and ckpt.pending is None:
+            self.sink.timing({"timing": "written", "step": int(pending), "at": self.elapsed()})
 
     def guarded_save(self, step: int, final: bool) -> str | None:
         """``save``, with a divergence as its message (the loop cleans up before raising it)."""
@@ -426,16 +415,18 @@ class Training:
 
 
 def run(cfg: Config, run_dir: str | None, *, stop, say: Callable[[str], None], progress: bool,
-        devices: list | None = None, stop_after: int | None = None, restore_step: int | None = None) -> TrainResult:
-    """Trains ``cfg`` (validated) to ``cfg.steps``; ``stop`` is the signal flag (``.signal``)."""
-    setup = _set_up(cfg, run_dir, say, devices, restore_step)
+        devices: list | None = None, stop_after: int | None = None, restore_step: int | None = None,
+        on_timing: Callable[[dict], None] | None = None) -> TrainResult:
+    """Trains ``cfg`` (validated) to ``cfg.steps``; ``stop`` is the signal flag (``.signal``);
+    ``on_timing`` receives the loop's timing records (``result.TIMING_KINDS``)."""
+    setup = _set_up(cfg, run_dir, say, devices, restore_step, on_timing)
     try:
-        _announce(setup, run_dir, say)
+        announce(setup, run_dir, say)
         training = Training(setup, stop=stop, say=say, progress=progress, stop_after=stop_after)
         end = training.loop()
         diverged = training.finish(end)
         if setup.ckpt is not None:
-            setup.ckpt.finish()  # the last save is written (or its failure raised) before the run returns
+            training.finish_save()  # the last save is written (or its failure raised) before the run returns
     finally:
         if setup.ckpt is not None:
             setup.ckpt.close()

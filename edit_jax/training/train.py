@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import sys
+from typing import Callable
 
 import jax
 
@@ -39,7 +40,7 @@ from edit_jax.training.resume import DivergedError
 from edit_jax.validate import validate
 
 # Bad input (exit 2): found after the run dir was written to, what this invocation wrote is removed
-# when no checkpoint exists (README, "Exit codes": nothing written). A save or record that cannot be
+# when no checkpoint exists (docs/guides/restarts.md: nothing written). A save or record that cannot be
 # written (CheckpointError, RunDirError) keeps what the run wrote, as a divergence or a signal does.
 INPUT_ERRORS = (ConfigError, DataError, MeshError, PlacementError)
 
@@ -139,12 +140,15 @@ def finished_result(run_dir: str, cfg: Config, say) -> TrainResult | None:
 
 
 def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, devices: list | None = None,
-          stop_after: int | None = None, verbose: bool | None = None, restore_step: int | None = None) -> TrainResult:
+          stop_after: int | None = None, verbose: bool | None = None, restore_step: int | None = None,
+          on_timing: Callable[[dict], None] | None = None) -> TrainResult:
     """Trains ``cfg`` to ``cfg.steps`` (resuming from ``run_dir``'s newest checkpoint that verifies).
 
     ``stop_after`` stops (with a checkpoint) after that many steps of this invocation, as a signal
     would: for tests and for splitting a run into chunks. ``restore_step`` resumes from that
     checkpoint instead of the newest (newer ones are moved to ``checkpoints.aside/``).
+    ``on_timing`` receives the loop's own timing records (advance: data, step, hooks; save;
+    written; ``training/result.py``): how benchmarks time the loop without patching it.
 
     With ``mesh.processes > 1`` this runs in each of the worker processes (started by launch.py or
     a cluster launcher); process 0 holds the run dir's lock and writes the run's files.
@@ -176,7 +180,7 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
                 # Every worker runs this: each reads the cache (process 0 writes it, JAX's rule).
                 with compile_cache(cache):
                     return run(cfg, run_dir, stop=stop, say=say, progress=progress, devices=devices,
-                               stop_after=stop_after, restore_step=restore_step)
+                               stop_after=stop_after, restore_step=restore_step, on_timing=on_timing)
             except INPUT_ERRORS:
                 # Found after the run wrote its files (a bad token id at the first read): with no
                 # checkpoint there is nothing to resume, so what this invocation wrote goes again,

@@ -1,8 +1,8 @@
 """Loss-spike suppression: one worker trains on garbage for a window of steps.
 
-    python scripts/spike_experiment.py                      # 6 runs of the CPU demo, ~10 min on 2 busy cores
-    python scripts/spike_experiment.py --steps 200 --window 100-129
-    python scripts/spike_experiment.py --skip-run           # replot / re-tabulate runs/spike/results.json
+    python benchmarks/spike_experiment.py                      # 6 runs of the CPU demo, ~10 min on 2 busy cores
+    python benchmarks/spike_experiment.py --steps 200 --window 100-129
+    python benchmarks/spike_experiment.py --skip-run           # replot / re-tabulate runs/spike/results.json
 
 The CPU demo setup (``edit_jax.presets.cpu(method)``: demo model, 2 x 4 mesh, W = 20 synchronous
 steps, tau = 10, anomaly_warmup K = 3, alpha = 0.02, delta = 3) with the outer Nesterov lr 0.8 /
@@ -27,18 +27,25 @@ down). An excess below them is within noise. Writes the table, JSON
 (``OUT_DIR/results.json``) and ``docs/spike.png`` (validation loss with the window shaded;
 per-worker whole-model pseudo-gradient norms of the corrupted EDiT and DiLoCo runs, flagged syncs
 marked).
+
+``--smoke`` (CI): the first three runs (clean, twin, corrupted EDiT: every figure of the table is
+computed) on the tiny model (one layer) on a 2 x 1 mesh, 12 steps, tau = 2 from the start, steps
+4-7 corrupted, an evaluation every 4 steps; the plot goes beside results.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
 import sys
 import time
 
-import _bench_common as common
+if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import harness as common  # noqa: E402
 
 WORKER = 1  # the corrupted worker
 RUNS = (  # name, method, corrupted, extra overrides
@@ -60,9 +67,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--window", default="150-179", help="corrupted inner steps A-B (0-based, both included)")
     p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--plot", default=os.path.join(common.REPO, "docs", "spike.png"))
+    p.add_argument("--plot", default=None, help="default docs/spike.png (--smoke: OUT_DIR/spike.png)")
     p.add_argument("--skip-run", action="store_true", help="only re-tabulate and replot OUT_DIR/results.json")
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help="three of the runs at tiny size, 12 steps each (CI)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.steps, args.window, args.eval_every = 12, "4-7", 4
+    args.plot = args.plot or (os.path.join(args.out_dir, "spike.png") if args.smoke
+                              else os.path.join(common.REPO, "docs", "spike.png"))
+    return args
+
+
+SMOKE_OVERRIDES = ["model.n_layers=1", "mesh.shard=1", "batch_size=4", "data.seq_len=32", "eval_batches=1",
+                   "sync.warmup_steps=0", "sync.tau=2", "optim.warmup_steps=0"]
 
 
 def window_bounds(text: str) -> tuple[int, int]:
@@ -76,6 +93,7 @@ def window_bounds(text: str) -> tuple[int, int]:
 def run_one(args, name: str, method: str, corrupted: bool, extra: list[str]) -> dict:
     """One ``train`` run in a fresh run dir; its records as plain lists."""
     from edit_jax.config import apply_overrides  # noqa: PLC0415 - after ensure_cpu_devices
+    from edit_jax.models.llama import preset
     from edit_jax.presets import cpu
     from edit_jax.training.train import train
     from edit_jax.validate import validate
@@ -86,12 +104,17 @@ def run_one(args, name: str, method: str, corrupted: bool, extra: list[str]) -> 
                  "sync.outer_lr=0.8", "sync.outer_momentum=0.85", *extra]
     if corrupted:
         overrides.append(f"debug.corrupt=worker={WORKER},steps={args.window}")
-    cfg = apply_overrides(cpu(method, steps=args.steps), overrides)
+    base = cpu(method, steps=args.steps)
+    if getattr(args, "smoke", False):  # (--skip-run re-tabulates without it)
+        base = dataclasses.replace(base, model=preset("tiny"))
+        overrides = overrides + SMOKE_OVERRIDES
+    cfg = apply_overrides(base, overrides)
     validate(cfg)
     run_dir = os.path.join(args.out_dir, name)
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not a resume of an older one
     t0 = time.perf_counter()
-    result = train(cfg, run_dir=run_dir, progress=False, verbose=False)
+    devices = common.pick_devices(cfg.mesh.replica * cfg.mesh.shard)  # (a process may have more, e.g. the tests')
+    result = train(cfg, run_dir=run_dir, progress=False, verbose=False, devices=devices)
     wall = time.perf_counter() - t0
     recs = read_records(os.path.join(run_dir, "metrics.jsonl"))
     print(f"{name}: final val {result.final_val_loss:.4f}, {wall:.0f} s", file=sys.stderr, flush=True)
@@ -241,7 +264,7 @@ def main(argv=None) -> list[dict]:
         a, b = window_bounds(args.window)
         if not 0 <= a <= b < args.steps:
             raise SystemExit(f"--window {args.window}: expected 0 <= A <= B < --steps={args.steps}")
-        results = [run_one(args, *spec) for spec in RUNS]
+        results = [run_one(args, *spec) for spec in (RUNS[:3] if args.smoke else RUNS)]
     noise = table(results, args)
     if not args.skip_run:
         common.write_json(path, {"experiment": "spike", "env": common.env_info(), "args": vars(args), "noise": noise,

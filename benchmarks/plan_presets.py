@@ -1,7 +1,7 @@
 """`edit-jax plan` over the paper presets: does each fit an 80 GB GPU, and how close is the
 analytic GPU estimate to a compiled figure?
 
-    python scripts/plan_presets.py [--sizes 350m 1b 3b 7b] [--methods baseline diloco edit] [--json plan_presets.json]
+    python benchmarks/plan_presets.py [--sizes 350m 1b 3b 7b] [--methods baseline diloco edit] [--json plan_presets.json]
 
 Table 1: per preset (8 x 8 mesh, batch 1024 x 4096, bf16, remat, the preset's grad_accum): state
 per device, the CPU compile's largest temporaries, the analytic GPU estimate, FLOPs of the local
@@ -18,15 +18,9 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _bench_common as common  # noqa: E402
-
-common.ensure_cpu_devices(64)
-
-from edit_jax.config import apply_overrides  # noqa: E402
-from edit_jax.presets import paper  # noqa: E402
-from edit_jax.tools.plan import GIB, plan  # noqa: E402
-from edit_jax.validate import validate  # noqa: E402
+if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import harness as common  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -34,8 +28,16 @@ def main(argv=None) -> dict:
     p.add_argument("--sizes", nargs="*", default=["350m", "1b", "3b", "7b"])
     p.add_argument("--methods", nargs="+", default=["baseline", "diloco", "edit"])
     p.add_argument("--check-sizes", nargs="*", default=["350m", "1b"])
-    p.add_argument("--json", default="plan_presets.json")
+    p.add_argument("--json", default=os.path.join(common.DEFAULT_JSON_DIR, "plan_presets.json"))
+    p.add_argument("--smoke", action="store_true", help="the argument and report path only: no preset planned (CI)")
     args = p.parse_args(argv)
+    if args.smoke:  # a preset needs 64 devices and minutes of compiling
+        args.sizes, args.check_sizes = [], []
+    common.ensure_cpu_devices(64)
+    from edit_jax.config import apply_overrides
+    from edit_jax.presets import paper
+    from edit_jax.tools.plan import GIB, plan
+    from edit_jax.validate import validate
 
     rows, out = [], {"env": common.env_info(), "presets": {}, "checks": {}}
     for size in args.sizes:

@@ -1,6 +1,6 @@
 """Cost of the pre-save finite check and the checkpoint checksums (issue 13) on the demo state:
 
-    PYTHONPATH=. python scripts/measure_integrity.py
+    PYTHONPATH=. python tools/measure_integrity.py
 """
 import os, time, shutil
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"

@@ -7,7 +7,7 @@ itself under --hf-python to load the export with `LlamaForCausalLM.from_pretrain
 compare; it prints the max |logit difference| and exits 1 if it exceeds --tol.
 
     python3 -m venv /tmp/hfvenv && /tmp/hfvenv/bin/pip install torch==2.13.0 transformers safetensors numpy
-    PYTHONPATH=$PWD python scripts/check_hf_export.py --run-dir runs/demo --hf-python /tmp/hfvenv/bin/python
+    PYTHONPATH=$PWD python tools/check_hf_export.py --run-dir runs/demo --hf-python /tmp/hfvenv/bin/python
 """
 
 from __future__ import annotations

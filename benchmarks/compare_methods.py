@@ -1,7 +1,7 @@
 """All five methods at equal tokens on the embedded corpus, after an outer-optimizer sweep.
 
-    python scripts/compare_methods.py                  # about an hour on 2 cores
-    python scripts/compare_methods.py --report-only    # table and plot from the finished runs
+    python benchmarks/compare_methods.py                  # about an hour on 2 cores
+    python benchmarks/compare_methods.py --report-only    # table and plot from the finished runs
 
 The setup is the demo's (`edit_jax.presets.cpu`: demo model, 2 workers, batch 16 x 128, inner
 AdamW lr 3e-3, 20 synchronous warmup steps) on a 2 x 1 mesh (`--shard 1`: FSDP within a worker
@@ -32,15 +32,11 @@ import statistics
 import sys
 import time
 
-# The mesh needs exactly 2 x shard devices (make_mesh takes them all): set before JAX starts.
-_shard = int(sys.argv[sys.argv.index("--shard") + 1]) if "--shard" in sys.argv else 1
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={2 * _shard}")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO) if REPO not in sys.path else None
+if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import harness as common  # noqa: E402
 
-from edit_jax.presets import cpu  # noqa: E402
-from edit_jax.training.train import DivergedError, train  # noqa: E402
-from edit_jax.validate import validate  # noqa: E402
+REPO = common.REPO
 
 METHODS = ("baseline", "post_local_sgd", "diloco", "edit", "co2")
 SWEPT = ("diloco", "edit", "co2")
@@ -60,11 +56,31 @@ def parse_args(argv=None):
     p.add_argument("--run-root", default=os.path.join(REPO, "runs", "compare"))
     p.add_argument("--plot", default=os.path.join(REPO, "docs", "compare_methods.png"))
     p.add_argument("--report-only", action="store_true", help="no training: report the runs already in RUN_ROOT")
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help="CI: the tiny model (one layer), 8 steps (sweep: 4), tau 2, "
+                   "one seed, one outer setting: 3 sweep runs and 5 final ones; the plot goes into RUN_ROOT")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.steps, args.sweep_steps, args.tau, args.seeds, args.lrs, args.momenta = 8, 4, 2, [0], [0.5], [0.5]
+        args.eval_every, args.plot = 4, os.path.join(args.run_root, "compare_methods.png")
+    return args
 
 
-def config(method: str, steps: int, seed: int, tau: int, eval_every: int, outer: dict | None = None, shard: int = 1):
+# --smoke: the demo's setup made tiny (its model and 20 synchronous warm-up steps would be minutes)
+SMOKE_SIZES = {"model": {"n_layers": 1}, "batch_size": 4, "seq_len": 32, "warmup_steps": 2}
+
+
+def config(method: str, steps: int, seed: int, tau: int, eval_every: int, outer: dict | None = None, shard: int = 1,
+           smoke: bool = False):
+    from edit_jax.models.llama import preset
+    from edit_jax.presets import cpu
+    from edit_jax.validate import validate
+
     cfg = cpu(method, steps=steps)
+    if smoke:
+        cfg = dataclasses.replace(cfg, model=preset("tiny", **SMOKE_SIZES["model"]), batch_size=SMOKE_SIZES["batch_size"],
+                                  data=dataclasses.replace(cfg.data, seq_len=SMOKE_SIZES["seq_len"]),
+                                  optim=dataclasses.replace(cfg.optim, warmup_steps=SMOKE_SIZES["warmup_steps"]),
+                                  sync=dataclasses.replace(cfg.sync, warmup_steps=SMOKE_SIZES["warmup_steps"]))
     cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, shard=shard))
     sync = dataclasses.replace(cfg.sync, tau=tau, **(outer or {}))
     cfg = dataclasses.replace(cfg, sync=sync, seed=seed, data=dataclasses.replace(cfg.data, seed=seed),
@@ -83,9 +99,12 @@ def run(args, name: str, cfg, report_only: bool) -> dict:
     if report_only:
         raise SystemExit(f"{name}: no finished run in {run_dir}")
     print(f"compare_methods: {name} ...", file=sys.stderr, flush=True)
+    from edit_jax.training.train import DivergedError, train
+
     t0 = time.perf_counter()
     try:
-        res = train(cfg, run_dir, progress=False, verbose=False)
+        devices = common.pick_devices(cfg.mesh.replica * cfg.mesh.shard)  # (a process may have more: the tests')
+        res = train(cfg, run_dir, progress=False, verbose=False, devices=devices)
         out = {"val_loss": res.final_val_loss, "val_ppl": res.final_val_ppl, "tokens": res.tokens,
                "seconds": time.perf_counter() - t0, "diverged": False}
     except DivergedError as e:
@@ -102,13 +121,15 @@ def run(args, name: str, cfg, report_only: bool) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
+    common.ensure_cpu_devices(2 * args.shard)  # the preset's 2 workers x --shard (before JAX starts)
     os.makedirs(args.run_root, exist_ok=True)
     sweep, best = [], {}
     for method in SWEPT:
         for lr in args.lrs:
             for mom in args.momenta:
                 outer = dict(outer_lr=lr, outer_momentum=mom)
-                cfg = config(method, args.sweep_steps, args.sweep_seed, args.tau, args.eval_every, outer, args.shard)
+                cfg = config(method, args.sweep_steps, args.sweep_seed, args.tau, args.eval_every, outer, args.shard,
+                             args.smoke)
                 sweep.append(run(args, f"sweep_{method}_lr{lr}_m{mom}", cfg, args.report_only))
         mine = [r for r in sweep if r["method"] == method]
         pick = min(mine, key=lambda r: r["val_loss"])
@@ -117,7 +138,8 @@ def main(argv=None):
     final = []
     for method in METHODS:
         for seed in args.seeds:
-            cfg = config(method, args.steps, seed, args.tau, args.eval_every, best.get(method), args.shard)
+            cfg = config(method, args.steps, seed, args.tau, args.eval_every, best.get(method), args.shard,
+                         args.smoke)
             final.append(run(args, f"{method}_s{seed}", cfg, args.report_only))
 
     rows = []
@@ -131,7 +153,7 @@ def main(argv=None):
     by = {r["method"]: r["val_mean"] for r in rows}
     checks = {"edit <= diloco": by["edit"] <= by["diloco"], "co2 <= post_local_sgd": by["co2"] <= by["post_local_sgd"],
               "edit within 1% of baseline (or better)": by["edit"] <= 1.01 * by["baseline"]}
-    lines = [f"tau={args.tau}, {args.steps} steps ({(args.steps - 20) // args.tau} syncs), seeds {args.seeds}; "
+    lines = [f"tau={args.tau}, {args.steps} steps ({(args.steps - (SMOKE_SIZES['warmup_steps'] if args.smoke else 20)) // args.tau} syncs), seeds {args.seeds}; "
              f"sweep: {args.sweep_steps} steps, seed {args.sweep_seed}, lr {args.lrs} x momentum {args.momenta}", "",
              "| method | outer lr / momentum (sweep) | final val loss (mean ± half-range) | val ppl | tokens | wall s |",
              "|---|---|---|---|---|---|"]
@@ -147,7 +169,7 @@ def main(argv=None):
     with open(os.path.join(args.run_root, "table.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(args.run_root, "results.json"), "w") as f:
-        json.dump({"args": vars(args), "sweep": sweep, "best": best, "final": final, "rows": rows, "checks": checks},
+        json.dump({"env": common.env_info(), "args": vars(args), "sweep": sweep, "best": best, "final": final, "rows": rows, "checks": checks},
                   f, indent=1)
     try:
         from edit_jax.tools.plot import plot_runs  # noqa: PLC0415

@@ -16,6 +16,12 @@ S steps, wall time from the launcher's start to its end, both runs cold (a new r
 per fault the time from the kill to the next new training record in metrics.jsonl after the
 launcher's restart line, and the steps lost (from that line); the final loss of both runs and
 whether every step's loss is equal (lockstep methods resume exactly on CPU).
+
+``--smoke`` (CI): the same path at its smallest: 2 workers of one device, ``method=baseline`` (one
+training program; ``--method`` picks another), one layer, 6 steps, a checkpoint every 2, no
+calibration; the fault-free run goes to its end, and the faulty run gets exactly one SIGKILL, once
+a training record past step 2 appears (then it resumes from its checkpoint); worker 1 sleeps 4x
+its step time after each step (``debug.slowdown=1:5``) so the run outlasts the poll.
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ import sys
 import threading
 import time
 
-import _bench_common as common
+if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import harness as common  # noqa: E402
 
 RESTART = re.compile(r"restart (\d+) of \d+.*?(?:resuming from step (\d+)|starting from step 0).*?\((\d+) steps lost\)")
 
@@ -48,12 +56,18 @@ def add_args(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="kill: which worker is killed when")
 
 
+SMOKE_STEPS, SMOKE_EVERY = 6, 2
+# (smoke: worker 1 sleeps 4x its step time after each step, so that on a fast machine the run is
+# still going when the kill comes; sleeping costs no CPU)
+SMOKE_OVERRIDES = ["model.n_layers=1", "eval_batches=1", "debug.slowdown=1:5"]
+
+
 def _overrides(args, steps: int, every: int) -> list[str]:
     w = args.workers
     return ["--config", args.kill_config, "--no-progress", f"method={args.kill_method}", f"mesh.replica={w}",
             f"mesh.processes={w}", f"mesh.shard={args.shard}", f"batch_size={4 * w}", "data.seq_len=32",
             "log_every=1", "eval_every=0", "optim.decay_steps=100000", f"steps={steps}", f"checkpoint_every={every}",
-            "mesh.heartbeat_seconds=5"]
+            "mesh.heartbeat_seconds=5", *(SMOKE_OVERRIDES if args.smoke else [])]
 
 
 def _records(run_dir: str) -> list[dict]:
@@ -72,8 +86,7 @@ class Run:
         shutil.rmtree(run_dir, ignore_errors=True)
         self.run_dir, self.lines, self.seen = run_dir, [], []  # (time, line); (time, step) of new records
         self.t0 = time.monotonic()
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        env["PYTHONPATH"] = os.pathsep.join([common.REPO, env.get("PYTHONPATH", "")])
+        env = common.child_env()
         self.proc = subprocess.Popen([sys.executable, "-m", "edit_jax", "train", "--run-dir", run_dir, *argv, *extra],
                                      cwd=common.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
@@ -121,13 +134,17 @@ def _calibrate(args) -> int:
 
 def part_kill(args) -> dict:
     root = os.path.join(args.run_root, "kill")
-    every = args.checkpoint_every or _calibrate(args)
+    if args.smoke:  # the smallest real run: no calibration, a fixed length, one kill
+        args.workers, args.shard, args.duration = 2, 1, 300.0
+    every = SMOKE_EVERY if args.smoke else args.checkpoint_every or _calibrate(args)
     print(f"kill: checkpoint_every={every}", flush=True)
     # Fault-free: stopped after --duration (SIGINT: the launcher forwards it, the workers checkpoint)
-    free = Run(os.path.join(root, "fault_free"), _overrides(args, 10**6, every), ["--max-restarts", "0"])
+    free = Run(os.path.join(root, "fault_free"), _overrides(args, SMOKE_STEPS if args.smoke else 10**6, every),
+               ["--max-restarts", "0"])
     while free.proc.poll() is None and time.monotonic() - free.t0 < args.duration:
         time.sleep(0.2)
-    os.kill(free.proc.pid, signal.SIGINT)
+    if free.proc.poll() is None:  # (a smoke run ends by itself; its pid may be gone)
+        os.kill(free.proc.pid, signal.SIGINT)
     free_wall = free.wait()
     free_losses = {r["step"]: r["loss"] for r in _records(free.run_dir)}
     steps = max(free_losses)
@@ -135,10 +152,11 @@ def part_kill(args) -> dict:
     rng = random.Random(args.seed)
     faulty = Run(os.path.join(root, "faulty"), _overrides(args, steps, every), ["--max-restarts", "100000"])
     kills = []
-    while faulty.proc.poll() is None:
+    while faulty.proc.poll() is None and not (args.smoke and kills):
         gap = rng.expovariate(1 / args.mtbf) if args.exponential else args.mtbf
         target = time.monotonic() + gap
-        while faulty.proc.poll() is None and time.monotonic() < target:
+        while faulty.proc.poll() is None and (time.monotonic() < target if not args.smoke else
+                                              not any(step > every for _, step in faulty.seen)):
             time.sleep(0.05)
         if faulty.proc.poll() is not None or time.monotonic() - faulty.t0 > args.duration:
             break

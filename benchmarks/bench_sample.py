@@ -1,7 +1,7 @@
 """Sampling speed on one device: tokens/s of `edit-jax sample`'s KV-cache generation, against
 re-running the whole window for every token (no cache; what nanoGPT's sample.py does).
 
-    PYTHONPATH=$PWD python scripts/bench_sample.py --run-dir runs/demo [--tokens 200] [--out runs/bench_sample.json]
+    PYTHONPATH=$PWD python benchmarks/bench_sample.py --run-dir runs/demo [--tokens 200] [--out runs/bench_sample.json]
 
 Every figure is the best of --repeats runs after a warm-up run (compilation excluded). "tokens/s"
 counts generated tokens after the first (the first comes from the prompt's prefill, timed apart),
@@ -17,19 +17,44 @@ import platform
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import harness as common  # noqa: E402
 
 
-def main() -> int:
+def _smoke_run_dir() -> str:
+    """A run dir of configs/tiny.py (one layer, 4 x 32 tokens a step) trained 2 steps (the smoke run
+    samples from it)."""
+    import tempfile
+
+    from edit_jax.training.train import train
+    from edit_jax.validate import load_config
+
+    run_dir = os.path.join(tempfile.mkdtemp(prefix="bench_sample_"), "run")
+    cfg = load_config(os.path.join(common.REPO, "configs", "tiny.py"),
+                      ["steps=2", "method=baseline", "eval_every=0", "checkpoint_every=0", "mesh.replica=1",
+                       "mesh.shard=1", "model.n_layers=1", "batch_size=4", "data.seq_len=32", "eval_batches=1"])
+    train(cfg, run_dir, progress=False, verbose=False, devices=common.pick_devices(1))
+    return run_dir
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--run-dir", default=None, help="a trained run dir (required unless --smoke)")
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="runs/bench_sample.json")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="a 2-step tiny run, 4 tokens, batch 1, 1 repeat (CI)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.tokens, args.batches, args.repeats = 4, "1", 1
+        args.run_dir = args.run_dir or _smoke_run_dir()
+    if args.run_dir is None:
+        parser.error("--run-dir is required")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
 
     from edit_jax.models import llama as model_lib
     from edit_jax.tools.sample import Sampler, choose
@@ -85,7 +110,7 @@ def main() -> int:
     params_m = model_lib.count_params(model.params) / 1e6
     info = {"run_dir": args.run_dir, "step": model.step, "params_M": round(params_m, 3), "context": w,
             "device": str(jax.devices()[0]), "cpu_count": os.cpu_count(), "load_avg": os.getloadavg(),
-            "python": platform.python_version(), "jax": jax.__version__, "rows": rows}
+            "python": platform.python_version(), "jax": jax.__version__, "rows": rows, "env": common.env_info()}
     print(f"model {params_m:.2f} M params, context {w}, {info['device']}, {os.cpu_count()} cores, "
           f"load {info['load_avg'][0]:.1f}")
     print(f"{'mode':34s} {'batch':>5s} {'prefill ms':>10s} {'tokens/s':>10s}")

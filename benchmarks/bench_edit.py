@@ -28,9 +28,9 @@ e. Streaming and compressed sync (EDiT): for sync.fragments F in {1, 2, 4} and s
    largest single sync step), bytes per token over a tau window, and the validation loss after
    the same tokens (``train()``, tau = --stream-tau, which F must divide).
 
-    python scripts/bench_edit.py                 # everything, demo model on a 2 x 4 CPU mesh
-    python scripts/bench_edit.py --only a,b      # compile-only sections (about a minute)
-    python scripts/bench_edit.py --only d --steps 600
+    python benchmarks/bench_edit.py                 # everything, demo model on a 2 x 4 CPU mesh
+    python benchmarks/bench_edit.py --only a,b      # compile-only sections (about a minute)
+    python benchmarks/bench_edit.py --only d --steps 600
 """
 
 from __future__ import annotations
@@ -39,9 +39,12 @@ import argparse
 import dataclasses
 import os
 import statistics
+import sys
 import time
 
-import _bench_common as common
+if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import harness as common  # noqa: E402
 from edit_jax.tools import hlo  # no jax import: safe before the device count is set
 
 SECTIONS = ("a", "b", "c", "d", "e")
@@ -80,7 +83,12 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None,
                    help="where to write the JSON result; default runs/bench/bench_edit.json (all sections) or "
                         "runs/bench/bench_edit_<sections>.json with --only (e.g. bench_edit_ab.json)")
+    p.add_argument("--smoke", action="store_true", help="section c on the tiny model (one layer), 2 x 1 mesh, one repetition (CI)")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.only, args.model, args.replica, args.shard, args.batch, args.seq = "c", "tiny", 2, 1, 4, 16
+        args.tau, args.warmup_steps, args.reps, args.steps_per_rep = 2, 0, 1, 1
+        args.overrides = args.overrides + ["model.n_layers=1"]  # five programs to compile: one layer each
     args.sections = [s.strip() for s in args.only.split(",") if s.strip()]
     bad = [s for s in args.sections if s not in SECTIONS]
     if bad:

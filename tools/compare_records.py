@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Do two sets of runs write the same records? For a refactor that must change no behaviour.
 
-    python scripts/compare_records.py RUNS_BEFORE RUNS_AFTER [--per-worker]
+    python tools/compare_records.py RUNS_BEFORE RUNS_AFTER [--per-worker]
 
 Each argument is a folder of run dirs (``NAME/metrics.jsonl``); runs of the same NAME are compared
 record by record with the timing fields left out (throughput, step and wall times, MFU, whether a

@@ -1,8 +1,8 @@
 """Data pipeline benchmark: what a real corpus costs at start, in memory and in throughput.
 
-    python scripts/bench_data.py                       # shards of 1, 4 and 16 GB (needs ~22 GB of disk)
-    python scripts/bench_data.py --sizes-gb 1 4 --parquet-mb 64 --work-dir /tmp/bench_data
-    python scripts/bench_data.py --cases stdlib loose one-row-group --work-dir /tmp/bench_data   # issue 30
+    python benchmarks/bench_data.py                       # shards of 1, 4 and 16 GB (needs ~22 GB of disk)
+    python benchmarks/bench_data.py --sizes-gb 1 4 --parquet-mb 64 --work-dir /tmp/bench_data
+    python benchmarks/bench_data.py --cases stdlib loose one-row-group --work-dir /tmp/bench_data   # issue 30
 
 For each corpus, a tiny training run (``edit-jax train --config configs/tiny.py steps=4``) in a
 child process: its wall time, its peak RSS (``os.wait4``'s ``ru_maxrss`` of that child) and the time
@@ -41,7 +41,9 @@ import time
 
 import numpy as np
 
-from _bench_common import REPO, loadavg, print_table, write_json
+if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.harness import REPO, child_env, env_info, loadavg, print_table, write_json  # noqa: E402
 
 H100_BF16_FLOPS = 989e12  # dense bf16, SXM
 ASSUMED_MFU = 0.40
@@ -180,7 +182,7 @@ def child_run(args: list[str], env: dict | None = None) -> dict:
     """Runs a child to completion: wall seconds, its peak RSS, exit code, last stderr line."""
     start = time.perf_counter()
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**child_env(), **(env or {})})  # (this process's device count left out)
     out, err = proc.communicate()
     seconds = time.perf_counter() - start
     # communicate() reaped it; resource.getrusage(RUSAGE_CHILDREN) would be a max over all children
@@ -327,7 +329,7 @@ def tokenize_rate(inputs: list[str], out: str, tokenizer: str, workers: int) -> 
     return r
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes-gb", type=float, nargs="+", default=[1, 4, 16], help="generated shard sets")
     ap.add_argument("--parquet-mb", type=float, default=64, help="MB of text in the generated parquet files")
@@ -342,17 +344,24 @@ def main() -> None:
     ap.add_argument("--loose-gb", type=float, nargs="+", default=[1, 4, 16], help="loose .bin sets (GB)")
     ap.add_argument("--big-files", type=int, default=2, help="parquet files with one row group each")
     ap.add_argument("--big-docs", type=int, default=100_000, help="documents per one-row-group file")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="the stdlib reference run only, smaller still (CI)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.cases = ["stdlib"]
     work = os.path.abspath(args.work_dir)
     os.makedirs(work, exist_ok=True)
-    result = {"command": " ".join(["python", "scripts/bench_data.py", *sys.argv[1:]]), "loadavg_at_start": loadavg(),
-              "host_cpus": os.cpu_count(), "runs": [], "stream": [], "tokenize": []}
+    result = {"command": " ".join(["python", "benchmarks/bench_data.py", *sys.argv[1:]]), "loadavg_at_start": loadavg(),
+              "host_cpus": os.cpu_count(), "runs": [], "stream": [], "tokenize": [], "env": env_info()}
 
     def want(case: str) -> bool:
         return "all" in args.cases or case in args.cases
 
     print("tiny runs (steps=4) ...", file=sys.stderr, flush=True)
-    result["runs"].append(tiny_run("stdlib", [], work))
+    # (--smoke: the tiny config made smaller still, one layer on 2 x 1 devices: its compile is most of the run)
+    smoke = ["model.n_layers=1", "mesh.shard=1", "batch_size=4", "data.seq_len=32", "eval_batches=1"]
+    result["runs"].append(tiny_run("stdlib", smoke if args.smoke else [], work))
+    if args.smoke and not result["runs"][0]["ok"]:
+        raise SystemExit(f"bench_data: the tiny run failed: {result['runs'][0]['error']}")
     parquet, tok_dir, bpe = [], os.path.join(work, "parquet_tokens"), None
     if want("parquet") or want("streams") or want("tokenize"):
         parquet = write_parquet_set(os.path.join(work, "parquet"), args.parquet_mb, args.parquet_files)

@@ -4,10 +4,10 @@ global batch on one device (mesh 1 x 1: the limit), and optionally another check
 timed interleaved in one run; plus where the time goes (a jax.profiler trace per kind, summarised
 per op category) and the compile time of each kind's first call.
 
-    python scripts/bench_step.py                          # demo model, 2 x 4 CPU mesh, EDiT kinds + 1 x 1
-    python scripts/bench_step.py --vs-src ../before       # the same kinds from another checkout, interleaved
-    python scripts/bench_step.py --model tiny --replica 8 --shard 8 --reps 2   # compile times on 8 x 8
-    python scripts/bench_step.py --model 1b --replica 1 --shard 1 --dtype bfloat16 --peak-tflops 989 --no-limit
+    python benchmarks/bench_step.py                          # demo model, 2 x 4 CPU mesh, EDiT kinds + 1 x 1
+    python benchmarks/bench_step.py --vs-src ../before       # the same kinds from another checkout, interleaved
+    python benchmarks/bench_step.py --model tiny --replica 8 --shard 8 --reps 2   # compile times on 8 x 8
+    python benchmarks/bench_step.py --model 1b --replica 1 --shard 1 --dtype bfloat16 --peak-tflops 989 --no-limit
 
 How: this checkout's R x S configuration ('mesh') and the comparison ('vs': another checkout,
 imported in this process under another package name, and/or other config overrides) run in this
@@ -36,7 +36,9 @@ import subprocess
 import sys
 import time
 
-import _bench_common as common
+if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import harness as common  # noqa: E402
 
 SCRIPT = os.path.abspath(__file__)
 SYNC_KINDS = ("sync_forward", "local_then_sync")
@@ -82,10 +84,17 @@ def parse_args(argv=None):
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for every configuration (repeatable), e.g. --set model.scan_unroll=2")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="tiny model, 2 x 2 mesh, one repetition (CI)")
     p.add_argument("--json", default=os.path.join(common.DEFAULT_JSON_DIR, "bench_step.json"),
                    help="where to write the JSON result; default runs/bench/bench_step.json")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: a worker's spec (JSON)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.smoke:  # every path once (the one-program experiment included), seconds not minutes
+        args.model, args.replica, args.shard, args.batch, args.seq = "tiny", 2, 1, 4, 16
+        args.overrides = args.overrides + ["model.n_layers=1"]
+        args.reps, args.steps_per_rep, args.resume_steps, args.profile_steps, args.limit = 1, 1, 0, 0, False
+        args.kinds = args.kinds or "local,one:local"  # one:local: the public StepPrograms.local_step
+    return args
 
 
 def default_kinds(method: str) -> list[str]:
@@ -125,6 +134,18 @@ def load_checkout(src: str, alias: str) -> str:
     return alias
 
 
+def _module(pkg: str, *names: str):
+    """The first of ``pkg.name`` for ``names`` that imports (module paths moved between checkouts)."""
+    import importlib
+
+    for name in names[:-1]:
+        try:
+            return importlib.import_module(f"{pkg}.{name}")
+        except ModuleNotFoundError:
+            continue
+    return importlib.import_module(f"{pkg}.{names[-1]}")
+
+
 class Steps:
     """One configuration on its devices: machinery, state, a fixed batch, and a timed step."""
 
@@ -134,10 +155,11 @@ class Steps:
         import jax
         import numpy as np
 
+        # this checkout's layout; a --vs-src checkout from before the package split has the old names
         config = importlib.import_module(f"{pkg}.config")
-        model_lib = importlib.import_module(f"{pkg}.model")
-        sharding = importlib.import_module(f"{pkg}.sharding")
-        step_mod = importlib.import_module(f"{pkg}.step")
+        model_lib = _module(pkg, "models.llama", "model")
+        mesh_mod = _module(pkg, "runtime.mesh", "sharding")
+        step_mod = _module(pkg, "localsgd.programs", "step")
         try:  # every check: edit_jax.validate, or config.validate in a tree from before it (--vs-src)
             validate = importlib.import_module(f"{pkg}.validate").validate
         except ModuleNotFoundError:
@@ -153,7 +175,7 @@ class Steps:
         self.spec, self.cfg, self.jax = spec, cfg, jax
         # A checkout from before StepPrograms.for_config took the config itself.
         make = getattr(step_mod.StepPrograms, "for_config", step_mod.StepPrograms)
-        self.machinery = make(cfg, sharding.make_mesh(cfg.mesh, devices))
+        self.machinery = make(cfg, mesh_mod.make_mesh(cfg.mesh, devices))
         self.state = self.machinery.init_state(cfg.seed)
         tokens = np.random.default_rng(spec["seed"]).integers(0, min(cfg.model.vocab_size, 257),
                                                               (cfg.batch_size, cfg.data.seq_len + 1), dtype=np.int32)
@@ -186,7 +208,7 @@ class Steps:
             import jax.numpy as jnp
             from jax.sharding import PartitionSpec as P
 
-            m = self.machinery
+            m = self.machinery  # its public per-device step body (StepPrograms.local_step), this checkout's
             step_mod = sys.modules[type(m).__module__]
             sharding = sys.modules[step_mod.__name__.rsplit(".", 1)[0] + ".sharding"]
             metric_specs = {"loss": P(sharding.REPLICA), "grad_norm": P(sharding.REPLICA),
@@ -194,10 +216,10 @@ class Steps:
 
             def body(state, batch, is_sync):
                 def sync(st):
-                    return m._local_step(st, batch, kind="sync_forward")
+                    return m.local_step(st, batch, kind="sync_forward")
 
                 def local(st):
-                    new, met = m._local_step(st.replace(outer=None), batch, kind="local")
+                    new, met = m.local_step(st.replace(outer=None), batch, kind="local")
                     shapes = jax.eval_shape(sync, st)[1]
                     zeros = {k: jnp.zeros(v.shape, v.dtype) for k, v in shapes.items()}
                     return new.replace(outer=st.outer), {**zeros, **met}

@@ -1,7 +1,7 @@
 """A-EDiT against step-based EDiT with and without a straggler, at the same wall-time budget.
 
-    python scripts/bench_straggler.py                       # demo model, 2 workers x 2 devices, 120 s per run
-    python scripts/bench_straggler.py --seconds 60 --slowdown 3
+    python benchmarks/bench_straggler.py                       # demo model, 2 workers x 2 devices, 120 s per run
+    python benchmarks/bench_straggler.py --seconds 60 --slowdown 3
 
 Four runs of `edit-jax train` with mesh.processes=2 (one process per worker, each pinned to a CPU
 core of its own, so a worker's step time is its own speed): EDiT (sync every tau steps) and
@@ -16,6 +16,11 @@ steps per worker, syncs, validation loss on θ̄ at the end, and the ideal throu
 the workers' own speeds (tokens per local step / median local step time of each worker, read
 from the same run's records). Writes a table, JSON (runs/bench/bench_straggler.json) and a plot of validation loss
 against wall time (docs/straggler.png).
+
+``--smoke`` (CI): the tiny config (one layer, no synchronous warm-up) on 2 workers of one device,
+12 steps, tau=2, two runs instead of four (EDiT without a straggler, whose step time sets
+tau_time, and A-EDiT with one): both summaries (lock-step and per-worker records), the table, the
+JSON and the plot.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ import subprocess
 import sys
 import time
 
-import _bench_common as common
+if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import harness as common  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -42,8 +49,17 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=40)
     p.add_argument("--run-root", default=os.path.join(common.REPO, "runs", "bench_straggler"))
     p.add_argument("--json", default=os.path.join(common.DEFAULT_JSON_DIR, "bench_straggler.json"))
-    p.add_argument("--plot", default=os.path.join(common.REPO, "docs", "straggler.png"))
-    return p.parse_args(argv)
+    p.add_argument("--plot", default=None, help="default docs/straggler.png (--smoke: beside --json)")
+    p.add_argument("--smoke", action="store_true", help="tiny config, 2 runs of 12 steps (CI)")
+    args = p.parse_args(argv)
+    args.extra = []
+    if args.smoke:
+        args.config, args.steps, args.tau, args.eval_every, args.seconds = "configs/tiny.py", 12, 2, 4, 120.0
+        args.extra = ["mesh.shard=1", "model.n_layers=1", "batch_size=4", "data.seq_len=32", "eval_batches=1",
+                      "sync.warmup_steps=0", "optim.warmup_steps=0"]
+    args.plot = args.plot or (os.path.join(os.path.dirname(os.path.abspath(args.json)), "straggler.png") if args.smoke
+                              else os.path.join(common.REPO, "docs", "straggler.png"))
+    return args
 
 
 def run(args, name, overrides):
@@ -52,9 +68,9 @@ def run(args, name, overrides):
     cmd = [sys.executable, "-m", "edit_jax", "train", "--config", args.config, "--run-dir", run_dir, "--no-progress",
            "mesh.replica=2", "mesh.shard=2", "mesh.processes=2", "debug.pin_cores=true", f"steps={args.steps}",
            f"max_seconds={args.seconds}", f"eval_every={args.eval_every}", "eval_batches=4", "checkpoint_every=0",
-           "log_every=1", *overrides]
+           "log_every=1", *args.extra, *overrides]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=common.REPO, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=common.REPO, env=common.child_env(), capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{name}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -119,16 +135,18 @@ def main(argv=None):
     results = []
     base = run(args, "edit", ["method=edit", f"sync.tau={args.tau}"])
     results.append(base)
-    tau_time = args.tau * statistics.median(base["local_step_s"].values())
+    tau_time = max(0.01, args.tau * statistics.median(base["local_step_s"].values()))  # (printed to 3 decimals)
     slow = f"debug.slowdown=1:{args.slowdown}"
-    results.append(run(args, "edit_straggler", ["method=edit", f"sync.tau={args.tau}", slow]))
-    results.append(run(args, "a_edit", ["method=a_edit", f"sync.tau_time={tau_time:.3f}"]))
+    if not args.smoke:
+        results.append(run(args, "edit_straggler", ["method=edit", f"sync.tau={args.tau}", slow]))
+        results.append(run(args, "a_edit", ["method=a_edit", f"sync.tau_time={tau_time:.3f}"]))
     results.append(run(args, "a_edit_straggler", ["method=a_edit", f"sync.tau_time={tau_time:.3f}", slow]))
     rows = [[r["name"], f"{r['tokens_per_s']:.0f}", f"{r['ideal_tokens_per_s']:.0f}",
              f"{r['tokens_per_s'] / r['ideal_tokens_per_s']:.2f}",
              " / ".join(str(r["steps_per_worker"][w]) for w in sorted(r["steps_per_worker"])), r["syncs"],
              f"{r['final_val_loss']:.4f}", f"{r['train_seconds']:.0f}"] for r in results]
-    common.print_table(f"A-EDiT vs EDiT, 2 workers x 2 devices (one core each), {args.seconds:g} s per run, "
+    shard = 1 if args.smoke else 2
+    common.print_table(f"A-EDiT vs EDiT, 2 workers x {shard} devices (one core each), {args.seconds:g} s per run, "
                        f"worker 1 at {args.slowdown}x in the straggler runs, tau={args.tau}, tau_time={tau_time:.2f} s",
                        ["run", "tokens/s", "ideal tokens/s", "ratio", "steps w0 / w1", "syncs", "val loss (θ̄)",
                         "train s"], rows,

@@ -1,10 +1,10 @@
 """What faults and restarts cost (issue 31), one part at a time.
 
-    python scripts/bench_faults.py --part compile        # a restart's compile time, cold vs cached
-    python scripts/bench_faults.py --part save           # steps during an async save vs normal steps
-    python scripts/bench_faults.py --part compile,save --json runs/bench/bench_faults.json
-    python scripts/bench_faults.py --part kill --workers 2 --mtbf 60 --duration 600   # kill loop
-    python scripts/bench_faults.py --part spike          # an injected loss spike beside the clean run, both modes
+    python benchmarks/bench_faults.py --part compile        # a restart's compile time, cold vs cached
+    python benchmarks/bench_faults.py --part save           # steps during an async save vs normal steps
+    python benchmarks/bench_faults.py --part compile,save --json runs/bench/bench_faults.json
+    python benchmarks/bench_faults.py --part kill --workers 2 --mtbf 60 --duration 600   # kill loop
+    python benchmarks/bench_faults.py --part spike          # an injected loss spike beside the clean run, both modes
 
 Part ``compile``: three runs of ``--config`` (default the demo), each in a fresh process. ``cold``:
 a new run dir, empty compilation cache, stopped after ``--steps`` steps (checkpoint). ``restart,
@@ -39,18 +39,22 @@ import subprocess
 import sys
 import time
 
-import _bench_common as common
-import bench_kill
-import bench_spike
+if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import bench_kill, bench_spike  # noqa: E402
+from benchmarks import harness as common  # noqa: E402
 
 PARTS = ("compile", "save", "kill", "spike")
+# --smoke: the tiny config made smaller still (one layer, 2 x 1 mesh, 4 x 32 tokens): seconds to compile
+SMOKE_SIZES = ["model.n_layers=1", "mesh.shard=1", "batch_size=4", "data.seq_len=32", "eval_batches=1"]
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", default="compile,save", help=f"comma-separated, of {', '.join(PARTS)}")
+    p.add_argument("--part", default=None, help=f"comma-separated, of {', '.join(PARTS)}; default compile,save "
+                                                 "(--smoke: save)")
     p.add_argument("--config", default=None, help="default configs/demo.py (kill: configs/tiny.py)")
     p.add_argument("--steps", type=int, default=10, help="compile: steps of each run")
     p.add_argument("--save-steps", type=int, default=60, help="save: steps of each run")
@@ -61,8 +65,15 @@ def parse_args(argv=None):
     p.add_argument("--run-root", default=os.path.join(common.REPO, "runs", "bench_faults"))
     bench_kill.add_args(p)
     p.add_argument("--json", default=os.path.join(common.DEFAULT_JSON_DIR, "bench_faults.json"))
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes (CI): save: the tiny config, 6 steps; kill: 2 one-device workers, 6 steps, one "
+                        "kill; spike: one process mode, 24 steps; compile: the tiny config, 2 steps")
     p.add_argument("--child", nargs=4, metavar=("CONFIG", "RUN_DIR", "STEPS", "CACHE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.smoke:
+        args.part = args.part or "save"
+        args.config, args.save_steps, args.every, args.steps = args.config or "configs/tiny.py", 6, 3, 2
+    args.part = args.part or "compile,save"
     bad = set(args.part.split(",")) - set(PARTS)
     if bad:
         p.error(f"--part: unknown {', '.join(sorted(bad))} (expected {', '.join(PARTS)})")
@@ -70,7 +81,6 @@ def parse_args(argv=None):
 
 
 def _load(config: str, overrides: list[str]):
-    sys.path.insert(0, common.REPO)
     from edit_jax.config import apply_overrides
     from edit_jax.validate import load_config, validate
 
@@ -135,36 +145,22 @@ def part_compile(args) -> dict:
 
 
 def _timed_run(cfg, run_dir: str) -> dict:
-    """Trains ``cfg`` on a new ``run_dir`` with the loop's checkpoint calls timed: when each save
-    blocks, when its background write is found finished, when each step ends."""
-    from edit_jax.rundir.checkpoint import Checkpointer
-    from edit_jax.training import loop
+    """Trains ``cfg`` on a new ``run_dir``; the loop's own timing records (``train(on_timing=)``)
+    say when each save blocked, when its background write was found finished, when each step
+    ended (times since the run started)."""
     from edit_jax.training.train import train
 
-    saves, written, step_ends = [], [], []
-    real_save, real_finish, real_records = Checkpointer.save, Checkpointer.finish, loop.Training.write_records
-
-    def save(self, step, *a, **kw):
-        t0 = time.perf_counter()
-        real_save(self, step, *a, **kw)
-        saves.append((step, t0, time.perf_counter()))
-
-    def finish(self):
-        was = self.pending
-        real_finish(self)
-        if was is not None:
-            written.append(time.perf_counter())
-
-    def write_records(self, adv, before, now):
-        step_ends.append((now, time.perf_counter(), any(r.get("includes_compile") for r in adv.records)))
-        real_records(self, adv, before, now)
-
-    Checkpointer.save, Checkpointer.finish, loop.Training.write_records = save, finish, write_records
-    try:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        train(cfg, run_dir, progress=False, verbose=False)
-    finally:
-        Checkpointer.save, Checkpointer.finish, loop.Training.write_records = real_save, real_finish, real_records
+    got = []
+    shutil.rmtree(run_dir, ignore_errors=True)
+    devices = common.pick_devices(cfg.mesh.replica * cfg.mesh.shard)
+    train(cfg, run_dir, progress=False, verbose=False, devices=devices, on_timing=got.append)
+    saves = [(r["step"], r["at"], r["at"] + r["save_s"]) for r in got if r["timing"] == "save"]
+    written = [r["at"] for r in got if r["timing"] == "written"]  # a synchronous save's: when it returned
+    step_ends, last = [], None
+    for r in got:
+        if r["timing"] == "advance" and r["step"] != last:  # (an advance that stopped took no step)
+            step_ends.append((r["step"], r["at"], r["includes_compile"]))
+            last = r["step"]
     return {"saves": saves, "written": written, "step_ends": step_ends}
 
 
@@ -202,7 +198,7 @@ def part_save(args) -> dict:
     for mode in ("async", "sync"):
         cfg = _load(args.config, [f"method={args.method}", f"steps={args.save_steps}", f"checkpoint_every={args.every}", "log_every=1",
                                   "eval_every=0", f"train.async_checkpoint={mode == 'async'}",
-                                  f"keep_checkpoints={args.save_steps}"])
+                                  f"keep_checkpoints={args.save_steps}", *(SMOKE_SIZES if args.smoke else [])])
         run = _timed_run(cfg, os.path.join(root, mode))
         out[mode] = _classify(run, mode == "async")
     ckpt_dir = os.path.join(root, "async", "checkpoints", str(args.save_steps))
@@ -227,7 +223,9 @@ def main(argv=None):
         return
     if args.part not in ("kill", "spike"):
         common.ensure_cpu_devices(8)  # (parts kill and spike run everything in processes of their own)
-    args.kill_config, args.kill_method = args.config or "configs/tiny.py", args.method or "edit"
+    # (kill --smoke: baseline, one training program to compile in each of its six worker processes)
+    args.kill_config, args.kill_method = args.config or "configs/tiny.py", args.method or (
+        "baseline" if args.smoke else "edit")
     args.config, args.method = args.config or "configs/demo.py", args.method or "baseline"
     result = {"env": common.env_info(), "args": {k: v for k, v in vars(args).items() if k != "child"}}
     for part in args.part.split(","):

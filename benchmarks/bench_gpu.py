@@ -2,9 +2,9 @@
 """EDiT on real GPUs: step time and MFU per step kind, the sync step's cost over a local step, and
 where the sync's all-reduce sits in a profile; cuDNN vs XLA attention (issue 29, item 6).
 
-    python scripts/bench_gpu.py --preset 350m --replica 1 --shard 1 --batch 8          # one GPU
-    python scripts/bench_gpu.py --preset 1b --replica 2 --shard 4 --batch 64 --json gpu.json   # 8 GPUs
-    python scripts/bench_gpu.py --preset tiny --platform cpu --batch 16 --replica 2 --shard 2  # smoke test
+    python benchmarks/bench_gpu.py --preset 350m --replica 1 --shard 1 --batch 8          # one GPU
+    python benchmarks/bench_gpu.py --preset 1b --replica 2 --shard 4 --batch 64 --json gpu.json   # 8 GPUs
+    python benchmarks/bench_gpu.py --preset tiny --platform cpu --batch 16 --replica 2 --shard 2  # smoke test
 
 For each attention kernel of ``--attention`` (default cudnn,xla) the EDiT config of the preset
 (bf16, remat, the paper's sync settings) runs its ``local`` and ``sync_forward`` programs on the
@@ -30,7 +30,9 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import harness as common  # noqa: E402
 
 
 def _args(argv):
@@ -48,7 +50,12 @@ def _args(argv):
     p.add_argument("--platform", default="gpu", help="gpu (default), or cpu for a smoke test")
     p.add_argument("--profile", default=None, help="trace one sync step per kernel under this directory")
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help="tiny preset (one layer) on 2 CPU devices, one timed step (CI)")
+    a = p.parse_args(argv)
+    if a.smoke:  # the GPU run's path on the CPU: arguments, configs, programs, timing, memory, JSON
+        a.preset, a.platform, a.replica, a.shard, a.batch, a.seq_len = "tiny", "cpu", 2, 1, 4, 16
+        a.attention, a.steps, a.warmup = "xla", 1, 0
+    return a
 
 
 def _config(a, attention: str):
@@ -60,7 +67,8 @@ def _config(a, attention: str):
     base = paper("350m", "edit")
     dtype = "bfloat16" if a.platform == "gpu" else "float32"
     cfg = base.__class__(**{**base.__dict__,
-                            "model": preset(a.preset, compute_dtype=dtype, remat=not a.no_remat, attention=attention),
+                            "model": preset(a.preset, compute_dtype=dtype, remat=not a.no_remat, attention=attention,
+                                            **({"n_layers": 1} if a.smoke else {})),  # (smoke: compiles in seconds)
                             "mesh": MeshConfig(replica=a.replica, shard=a.shard, fused_gather=a.platform != "gpu"),
                             "data": DataConfig(seq_len=a.seq_len), "batch_size": a.batch,
                             "sync": base.sync.__class__(**{**base.sync.__dict__, "warmup_steps": 0, "tau": 1})})
@@ -123,7 +131,7 @@ def _gib(x) -> str:
 def main(argv=None) -> int:
     a = _args(argv)
     if a.platform == "cpu":
-        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={a.replica * a.shard}")
+        common.ensure_cpu_devices(a.replica * a.shard)
     import jax
     import numpy as np
 
@@ -170,7 +178,8 @@ def main(argv=None) -> int:
               f"(local / sync_forward)", flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "devices": [str(d) for d in devices], "results": results}, f, indent=1)
+            json.dump({"args": vars(a), "devices": [str(d) for d in devices], "results": results,
+                       "env": common.env_info()}, f, indent=1)
     return 0
 
 

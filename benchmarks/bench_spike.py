@@ -9,6 +9,9 @@ exit-3-then-rerun case: ``method=edit optim.lr=1e6 checkpoint_every=2``, which b
 checkpoint is vouched for (exit 3, the untrusted checkpoints moved to ``checkpoints.spike/``), and
 the same command at the default learning rate on the same run dir, which must start over and
 finish (exit 0) instead of resuming a blown-up checkpoint.
+
+``--smoke`` (CI): the one-process mode only, its four runs of 16 steps (the spike at steps 8..11, a
+checkpoint every 4) on the tiny model made smaller (one layer, a 2 x 1 mesh, 4 x 32 tokens a step).
 """
 
 from __future__ import annotations
@@ -20,16 +23,20 @@ import subprocess
 import sys
 import time
 
-import _bench_common as common
+if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import harness as common  # noqa: E402
 
 BASE = ["--config", "configs/tiny.py", "--no-progress", "log_every=1", "eval_every=0"]
+
+
+SMOKE_SIZES = ["model.n_layers=1", "mesh.shard=1", "batch_size=4", "data.seq_len=32", "eval_batches=1"]
 
 
 def _train(run_dir: str, overrides: list[str], fresh: bool = True) -> tuple[int, float, list[dict], str]:
     if fresh:
         shutil.rmtree(run_dir, ignore_errors=True)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join([common.REPO, env.get("PYTHONPATH", "")])
+    env = common.child_env()
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "edit_jax", "train", "--run-dir", run_dir, *BASE, *overrides],
                        cwd=common.REPO, env=env, capture_output=True, text=True)
@@ -51,11 +58,14 @@ def _val(records: list[dict]) -> float:
 def part_spike(args) -> dict:
     root = os.path.join(args.run_root, "spike")
     out, rows = {}, []
-    for mode, extra in (("1 process", []), ("2 processes", ["mesh.processes=2"])):
+    steps, spiked, every = (16, "8-11", 4) if args.smoke else (40, "20-23", 5)
+    modes = (("1 process", []), ("2 processes", ["mesh.processes=2"]))
+    for mode, extra in [(m, e + SMOKE_SIZES) for m, e in modes[:1]] if args.smoke else modes:
         runs = {}
-        for kind, knob in (("clean", []), ("spiked", ["debug.lr_spike=20-23:3000"])):
+        for kind, knob in (("clean", []), ("spiked", [f"debug.lr_spike={spiked}:3000"])):
             code, wall, records, last = _train(os.path.join(root, f"{mode[0]}p_{kind}"),
-                                               ["method=baseline", "steps=40", "checkpoint_every=5", *extra, *knob])
+                                               ["method=baseline", f"steps={steps}", f"checkpoint_every={every}",
+                                                *extra, *knob])
             rollbacks = [r["rollback"] for r in records if "rollback" in r]
             runs[kind] = {"exit": code, "wall_s": wall, "val_loss": _val(records), "rollbacks": rollbacks,
                           "peak_loss": max((r["loss"] for r in records if "loss" in r), default=float("nan"))}
@@ -64,15 +74,15 @@ def part_spike(args) -> dict:
         rel = runs["spiked"]["val_loss"] / runs["clean"]["val_loss"] - 1
         # The exit-3-then-rerun case: blown up before any checkpoint is vouched for
         blown = os.path.join(root, f"{mode[0]}p_blown")
-        c1, _, _, said1 = _train(blown, ["method=edit", "steps=40", "checkpoint_every=2", "optim.lr=1e6", *extra])
+        c1, _, _, said1 = _train(blown, ["method=edit", f"steps={steps}", "checkpoint_every=2", "optim.lr=1e6", *extra])
         aside = sorted(os.listdir(os.path.join(blown, "checkpoints.spike"))) \
             if os.path.isdir(os.path.join(blown, "checkpoints.spike")) else []
-        c2, _, rec2, said2 = _train(blown, ["method=edit", "steps=40", "checkpoint_every=2", *extra], fresh=False)
+        c2, _, rec2, said2 = _train(blown, ["method=edit", f"steps={steps}", "checkpoint_every=2", *extra], fresh=False)
         out[mode] = {**runs, "val_loss_rel_diff": rel, "blown": {"exit": c1, "message": said1, "set_aside": aside},
                      "rerun": {"exit": c2, "val_loss": _val(rec2), "message": said2}}
         rows.append([mode, runs["clean"]["val_loss"], runs["spiked"]["val_loss"], f"{rel:+.2%}",
                      len(runs["spiked"]["rollbacks"]), runs["spiked"]["peak_loss"], c1, ",".join(aside) or "-", c2])
-    common.print_table("spike: tiny config, baseline, debug.lr_spike=20-23:3000 beside the clean run; then "
+    common.print_table(f"spike: tiny config, baseline, debug.lr_spike={spiked}:3000 beside the clean run; then "
                        "method=edit optim.lr=1e6 (exit 3) and its rerun at the default lr",
                        ["mode", "clean val", "spiked val", "diff", "rollbacks", "peak loss", "lr=1e6 exit",
                         "set aside", "rerun exit"], rows,

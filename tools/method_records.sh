@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Every method (and the sync variants) on configs/tiny.py, one process and two, into OUT/NAME:
 # the records a refactor must leave unchanged. Run it on the code before and after, then
-#   python scripts/compare_records.py BEFORE AFTER --per-worker a_edit_p2
-# (BUILD_NOTES section 2, "Sync rules": the measurement). Usage: scripts/method_records.sh OUT
+#   python tools/compare_records.py BEFORE AFTER --per-worker a_edit_p2
+# (BUILD_NOTES section 2, "Sync rules": the measurement). Usage: tools/method_records.sh OUT
 set -u
-OUT=${1:?usage: scripts/method_records.sh OUT}
+OUT=${1:?usage: tools/method_records.sh OUT}
 mkdir -p "$OUT"
 run() {
   name=$1; shift

@@ -1,0 +1,215 @@
+"""Every benchmark runs (``benchmarks/``): each module imports without side effects and parses its
+arguments, and its ``--smoke`` run (tiny sizes) runs here, in this process (one JAX start for the
+in-process ones), writing its JSON stamped by the harness; the costliest run under one of CI's two
+Python stages each. Benches and tools reach edit_jax through public names only, and monkeypatch
+nothing of it. Also: the repo's .gitignore covers what the documented commands create."""
+
+import ast
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+BENCHES = ("bench_data", "bench_edit", "bench_faults", "bench_gpu", "bench_kill", "bench_links", "bench_sample",
+           "bench_sparse_wire", "bench_spike", "bench_step", "bench_straggler", "compare_methods", "plan_presets",
+           "reproduce_placement", "spike_experiment")
+# Every bench's `--smoke` runs here, in this process (one JAX start for the in-process ones; the
+# kill, spike and straggler benches time `edit-jax train` processes, so theirs start processes).
+SMOKE = ("bench_step", "bench_faults", "bench_sample", "plan_presets", "reproduce_placement", "bench_edit",
+         "bench_data", "bench_gpu", "spike_experiment", "bench_kill", "bench_spike", "bench_straggler", "bench_links",
+         "bench_sparse_wire")
+# compare_methods' --smoke (8 tiny trainings of five methods, ~97 s CPU) is not run here: over budget.
+
+
+def _module(name):
+    return importlib.import_module(f"benchmarks.{name}")
+
+
+def test_every_bench_is_a_module_with_a_main():
+    names = sorted(f[:-3] for f in os.listdir(os.path.join(REPO, "benchmarks"))
+                   if f.endswith(".py") and f not in ("__init__.py", "harness.py"))
+    assert names == sorted(BENCHES)  # a new bench joins this list (and SMOKE when it can)
+    for name in set(BENCHES) - {"bench_kill", "bench_spike"}:
+        main = _module(name).main
+        with pytest.raises(SystemExit) as e:
+            main(["--help"])
+        assert e.value.code == 0, name
+    for name in ("bench_kill", "bench_spike"):  # parts of bench_faults: its --help covers their options
+        assert callable(getattr(_module(name), "part_" + name.split("_")[1]))
+
+
+def test_bench_gpu_plans_its_configs():
+    gpu = _module("bench_gpu")
+    a = gpu._args(["--smoke"])  # noqa: SLF001 - the bench's own helpers, not the library's
+    cfg = gpu._config(a, "xla")  # noqa: SLF001
+    assert (a.platform, cfg.model.attention, cfg.mesh.replica, cfg.batch_size) == ("cpu", "xla", 2, 4)
+    assert cfg.sync.method == "edit" and cfg.sync.tau == 1
+
+
+# CI (.ci/run) runs this file twice, under the default Python and under 3.12; each smoke runs in one
+# of the two stages (~ CPU s on the loaded 2-core box at tiny sizes), so every CI run runs every bench
+# once and each stage pays about half. plan_presets and reproduce_placement (seconds) run in both.
+# EDIT_JAX_ALL_SMOKES=1 runs all of them under any Python.
+ONE_STAGE = {"bench_straggler": ("default", 70), "spike_experiment": ("default", 21), "bench_step": ("default", 13),
+             "bench_sample": ("default", 9), "bench_gpu": ("default", 10), "bench_kill": ("3.12", 58),
+             "bench_spike": ("3.12", 41), "bench_edit": ("3.12", 21), "bench_faults": ("3.12", 9),
+             "bench_data": ("3.12", 13), "bench_links": ("default", 17), "bench_sparse_wire": ("default", 20)}
+
+
+def _stage_skip(name: str) -> None:
+    stage, cpu_s = ONE_STAGE.get(name, (None, 0))
+    if stage is None or os.environ.get("EDIT_JAX_ALL_SMOKES") == "1":
+        return
+    if (stage == "3.12") != (sys.version_info[:2] == (3, 12)):
+        where = "Python 3.12" if stage == "3.12" else "the default Python (not 3.12)"
+        pytest.skip(f"{name}'s smoke (~{cpu_s} s CPU) runs under {where} only: CI runs both stages, so every "
+                    "bench runs once per CI run; EDIT_JAX_ALL_SMOKES=1 runs it here")
+
+
+PART_OF = {"bench_kill": "bench_faults", "bench_spike": "bench_faults"}  # run as bench_faults.py --part kill|spike
+
+
+def _json_path(tmp_path, name):
+    return str(tmp_path / f"{name}.json")
+
+
+@pytest.mark.parametrize("name", SMOKE)
+def test_bench_smoke(name, tmp_path, monkeypatch, capsys):
+    _stage_skip(name)
+    monkeypatch.chdir(REPO)  # configs/... as the docs' commands name them
+    out = _json_path(tmp_path, name)
+    runs = str(tmp_path / "runs")
+    argv = {"bench_sample": ["--smoke", "--out", out],
+            "reproduce_placement": ["--smoke", "--out-dir", str(tmp_path)],
+            "spike_experiment": ["--smoke", "--out-dir", str(tmp_path)],
+            "bench_faults": ["--smoke", "--json", out, "--run-root", runs],
+            "bench_kill": ["--smoke", "--part", "kill", "--json", out, "--run-root", runs],
+            "bench_spike": ["--smoke", "--part", "spike", "--json", out, "--run-root", runs],
+            "bench_straggler": ["--smoke", "--json", out, "--run-root", runs],
+            "bench_data": ["--smoke", "--json", out, "--work-dir", str(tmp_path / "work")]}.get(
+        name, ["--smoke", "--json", out])
+    code = _module(PART_OF.get(name, name)).main(argv)
+    assert code in (None, 0) or isinstance(code, (dict, list)), code
+    path = os.path.join(str(tmp_path), "results.json") if name in ("reproduce_placement", "spike_experiment") else out
+    with open(path) as f:
+        result = json.load(f)
+    env = result.get("env") or {}
+    if name != "reproduce_placement":  # the harness's stamp
+        assert {"git_commit", "jax", "flax", "optax", "python", "machine", "cpu_model"} <= set(env), name
+    if name == "bench_faults":  # the loop's own timings (train(on_timing=)): saves and steps seen
+        assert result["save"]["async"]["saves"] == 2 and result["save"]["sync"]["saves"] == 2
+        assert result["save"]["async"]["normal_median_s"] > 0
+    if name == "bench_step":  # the one-program experiment over the public StepPrograms.local_step
+        assert {"mesh/local", "mesh/one:local"} <= set(result["kinds"])
+    if name == "bench_kill":  # one SIGKILL, the launcher's restart seen, the same losses as without it
+        kill = result["kill"]
+        assert (kill["fault_free"]["exit"], kill["faulty"]["exit"], len(kill["faults"])) == (0, 0, 1), kill
+        assert kill["faults"][0]["restart"] == 1 and kill["losses_equal"] and kill["kill_to_next_step_s"]
+    if name == "bench_spike":  # the spiked run rolled back; lr=1e6 exits 3, its rerun finishes
+        mode = result["spike"]["1 process"]
+        assert mode["spiked"]["rollbacks"] and mode["clean"]["exit"] == mode["spiked"]["exit"] == 0
+        assert (mode["blown"]["exit"], mode["rerun"]["exit"]) == (3, 0)
+    if name == "bench_straggler":  # both summaries: lock-step (EDiT) and per-worker records (A-EDiT)
+        assert [r["name"] for r in result["runs"]] == ["edit", "a_edit_straggler"]
+        assert all(r["tokens_per_s"] > 0 and r["syncs"] > 0 for r in result["runs"])
+    if name == "spike_experiment":
+        assert len(result["runs"]) == 3 and result["noise"]["twin"] is not None
+        assert "excess_max" in result["runs"][2]["summary"]
+    if name == "bench_links":  # (no root here: plan's bytes per step kind, the prediction's input)
+        assert result["replica_bytes_per_kind"]["edit_t8"]["sync_forward"] > 0
+    if name == "bench_sparse_wire":
+        assert result["rows"]["topk2"]["sync_step_s"] > 0 and result["codec_s"]["topk2"] > 0
+    if name == "bench_data":
+        assert [r["ok"] for r in result["runs"]] == [True]
+
+
+def test_gitignore_covers_what_the_commands_create():
+    made = ["runs/demo/metrics.jsonl", "runs/demo/compile_cache/x", "plots/compare.png", "data/shards/index.json",
+            "exports/demo/edit_jax_export.json", "plan.json", "plan_h100.json", "site/index.html",
+            "mydir/edit_jax_export.json"]
+    kept = ["benchmarks/harness.py", "docs/bench_faults_kill.json", "configs/demo.py"]
+    proc = subprocess.run(["git", "-C", REPO, "check-ignore", "--no-index", *made, *kept], capture_output=True,
+                          text=True)
+    assert proc.returncode in (0, 1), proc.stderr  # 128: not a git checkout (then nothing to check)
+    assert sorted(proc.stdout.split()) == sorted(made)
+
+
+# ----------------------------------------------------------------------------- public entry points only
+
+
+def _root(node):
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def library_reach(sources: dict[str, str]) -> list[str]:
+    """Where code (``{file: source}``) reaches into edit_jax: a private name imported from it, an
+    ``x._name`` attribute whose ``_name`` is not defined in these files themselves (a library
+    object's private member: the files' own ``self._x``, helpers and modules are theirs), and
+    monkeypatching: assigning or deleting an attribute of something imported from edit_jax,
+    ``setattr`` / ``patch.object`` on it, or ``patch("edit_jax...")``."""
+    trees = {f: ast.parse(src, f) for f, src in sources.items()}
+    own = set()  # private names the files define: functions, classes, attributes, variables
+    for tree in trees.values():
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(n.name)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                own.add(n.id)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and _root(n) in ("self", "cls"):
+                own.add(n.attr)
+    found = []
+    for f, tree in trees.items():
+        lib = set()  # names bound to edit_jax modules or objects
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Import):
+                lib |= {(a.asname or a.name.split(".")[0]) for a in n.names if a.name.split(".")[0] == "edit_jax"}
+            elif isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "edit_jax":
+                lib |= {a.asname or a.name for a in n.names}
+                found += [f"{f}:{n.lineno}: from {n.module} import {a.name}" for a in n.names if _private(a.name)]
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and _private(n.attr) and n.attr not in own:
+                found.append(f"{f}:{n.lineno}: private .{n.attr}")
+            targets = n.targets if isinstance(n, (ast.Assign, ast.Delete)) else \
+                [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign)) else []
+            found += [f"{f}:{n.lineno}: assigns {ast.unparse(t)}" for t in targets
+                      if isinstance(t, ast.Attribute) and _root(t) in lib]
+            if isinstance(n, ast.Call):
+                name = n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+                first = n.args[0] if n.args else None
+                if name in ("setattr", "delattr", "object") and first is not None and _root(first) in lib:
+                    found.append(f"{f}:{n.lineno}: {name}() on {ast.unparse(first)}")
+                if name == "patch" and isinstance(first, ast.Constant) and str(first.value).startswith("edit_jax"):
+                    found.append(f"{f}:{n.lineno}: patch({first.value!r})")
+    return sorted(found, key=lambda x: (x.split(":")[0], int(x.split(":")[1])))
+
+
+def test_benches_and_tools_use_public_entry_points_only():
+    bad = {"a.py": "from edit_jax.localsgd.programs import _x, StepPrograms\nStepPrograms.save = None\n"
+                   "p = StepPrograms()\np._local_step(1)\nimport edit_jax.training.loop as lp\nsetattr(lp, 'f', 1)\n"
+                   "lp.train.x += 1\nfrom unittest import mock\nmock.patch('edit_jax.cli.main')\n"
+                   "mock.patch.object(StepPrograms, 'x')\n",
+           "b.py": "class A:\n    def __init__(self):\n        self._own = 1\n    def _m(self):\n"
+                   "        return self._own + A()._own\n"}
+    assert [x.split(": ", 1)[1] for x in library_reach(bad)] == [
+        "from edit_jax.localsgd.programs import _x", "assigns StepPrograms.save", "private ._local_step",
+        "setattr() on lp", "assigns lp.train.x", "patch('edit_jax.cli.main')", "object() on StepPrograms"]
+    sources = {}
+    for folder in ("benchmarks", "tools", "scripts"):
+        d = os.path.join(REPO, folder)
+        for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+            if name.endswith(".py"):
+                with open(os.path.join(d, name)) as fh:
+                    sources[f"{folder}/{name}"] = fh.read()
+    assert len(sources) > 10
+    assert library_reach(sources) == []
