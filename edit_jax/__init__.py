@@ -32,7 +32,7 @@ __version__ = "0.1.0"
 # name -> the module that defines it
 _API = {
     "train": "edit_jax.training.train",
-    "TrainResult": "edit_jax.training.loop",
+    "TrainResult": "edit_jax.training.result",
     "load_config": "edit_jax.validate",
     "Config": "edit_jax.config",
     "ModelConfig": "edit_jax.config",
@@ -76,3 +76,8 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_API))
+
+
+def api_modules() -> dict[str, str]:
+    """The root API: each name with the module that defines it (what the docs' API page lists)."""
+    return dict(_API)

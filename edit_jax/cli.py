@@ -6,7 +6,7 @@
 Overrides are dotted ``key=value`` pairs (``method=NAME`` is short for ``sync.method=NAME``).
 On CPU the number of emulated devices is set from the mesh unless XLA_FLAGS already sets it.
 
-Exit codes (README, "Exit codes and what survives what"): 0 done (or already finished), 2 bad
+Exit codes (docs/guides/restarts.md): 0 done (or already finished), 2 bad
 input (config, data, mesh, placement, checkpoint, run dir not writable; for plot, a run dir it
 cannot read), 3 diverged (non-finite state; nothing non-finite saved), 4 run dir in use by another
 run, 5 a worker process was lost (mesh.processes > 1, restarts used up; launch.py, restarts.py), 130
@@ -119,7 +119,7 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--distributed", action="store_true",
                         help="this process is one of mesh.processes started by a cluster launcher (srun, mpirun) "
                              "or with EDIT_JAX_COORDINATOR / EDIT_JAX_NUM_PROCESSES / EDIT_JAX_PROCESS_ID set: "
-                             "join the others, owning mesh.shard devices of this host (README, 'On a cluster')")
+                             "join the others, owning mesh.shard devices of this host (docs/guides/cluster.md)")
     parser.add_argument("--restore-step", type=int, default=None,
                         help="resume from this checkpoint instead of the newest (newer ones are moved to "
                         "RUN_DIR/checkpoints.aside/, not deleted)")

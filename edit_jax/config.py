@@ -72,7 +72,7 @@ class MeshConfig:
     # per worker (multi-controller JAX), each owning its replica's `shard` devices (multihost.py).
     processes: int = 1
     heartbeat_seconds: int = 10  # a lost process ends the others after about this long
-    elastic: bool = False  # launcher restarts may drop a worker that fails again at once (README)
+    elastic: bool = False  # launcher restarts may drop a worker that fails again at once (docs/guides/restarts.md)
     # One all-gather (and in the backward one reduce-scatter) per unit, not per parameter (gather_unit):
     # pays on XLA:CPU (every collective a rendezvous of threads); GPU presets leave it to XLA's combiner.
     fused_gather: bool = True
@@ -140,8 +140,11 @@ class SyncConfig:
     cpu_offload: bool = False  # keep outer state in host memory
     per_unit_metrics: bool = False  # log per-unit pseudo-gradient norms at each sync
     fragments: int = 1  # F: units split into F contiguous groups, synced on staggered steps (streaming)
-    compress: str = "none"  # "none" | "bf16" | "int8": dtype of the pseudo gradients crossing `replica`
-    error_feedback: bool = False  # carry each worker's quantization residual to its next sync
+    compress: str = "none"  # "none" | "bf16" | "int8" | "topk2" | "topk4" (sparse.py): Δ's form crossing `replica`
+    error_feedback: bool = False  # carry each worker's compression residual to its next sync
+    ef_decay: float = 1.0  # beta in (0, 1]: the residual enters the next sync as beta * e
+    sparse_chunk: int = 4096  # topk*: values per chunk (<= 4096: 12-bit indices)
+    sparse_k: int = 64  # topk*: values sent per chunk (a multiple of 4)
     # A-EDiT (method=a_edit, one process per worker): a sync is due when this much wall time has
     # passed since the last one; skipped when the workers took fewer steps than min_total_steps.
     tau_time: float = 600.0
@@ -167,7 +170,7 @@ class DebugConfig:
     # [0, model.vocab_size), fixed by (seed, step). For loss-spike tests (edit_jax/data/corrupt.py).
     corrupt: str = ""
     # "A-B:FACTOR": updates of steps on data batches A..B (0-based, inclusive; rollbacks' skips counted;
-    # A-EDiT: each worker's own steps) x FACTOR: an injected loss spike (training/spike.py, README).
+    # A-EDiT: each worker's own steps) x FACTOR: an injected loss spike (training/spike.py, docs/guides/restarts.md).
     lr_spike: str = ""
 
 
@@ -191,7 +194,7 @@ class LogConfig:
     wandb: bool = False  # also to Weights & Biases (needs wandb; WANDB_MODE=offline works without an account)
     wandb_project: str = "edit-jax"
     # One device's peak TFLOP/s for the records' ``mfu``; 0: known A100 / H100 / H200 from the
-    # device's kind (dense bf16), none on other devices (edit_jax/throughput.py).
+    # device's kind (dense bf16), none on other devices (training/throughput.py).
     peak_tflops: float = 0.0
 
 
@@ -235,9 +238,8 @@ class Config:
         return self.sync.method
 
 
-COMPRESS = ("none", "bf16", "int8")
-# `method=NAME` is accepted as shorthand for `sync.method=NAME`.
-ALIASES = {"method": "sync.method"}
+COMPRESS = ("none", "bf16", "int8", "topk2", "topk4")
+ALIASES = {"method": "sync.method"}  # `method=NAME` is shorthand for `sync.method=NAME`
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -420,8 +422,6 @@ def check_fields(cfg: Config) -> None:
     require(s.fragments <= 1 + m.n_layers, "sync.fragments",
             f"must be <= the number of units (1 + model.n_layers = {1 + m.n_layers}), got {s.fragments}")
     require(s.compress in COMPRESS, "sync.compress", f"expected one of {', '.join(COMPRESS)}; got {s.compress!r}")
-    require(not s.error_feedback or s.compress != "none", "sync.error_feedback",
-            "needs a lossy sync.compress (bf16 or int8); with compress=none there is no residual")
     _check_compile_cache(cfg.train.compile_cache)
     require(s.compress == "none" or s.outer_sharding == "shard", "sync.compress",
             f"{s.compress!r} needs sync.outer_sharding='shard' (with 'replica_shard' the exchange moves θ_i, not "

@@ -4,7 +4,7 @@ Paper (EDIT.md, "The paper's setup"): context 4096, global batch 1024 sequences,
 decay, tau = 128, phi = 10, inner lr 1.5e-4 (Baseline lr 3e-4), outer lr 0.8, outer momentum 0.85,
 8 x 8 mesh, FineWeb-Edu with the Llama tokenizer, read as the token shards that
 ``edit-jax tokenize data/fineweb-edu/*.parquet --tokenizer tokenizer.json --out
-data/fineweb-edu-tokens`` writes (README "Data"). Our choices where the paper is silent:
+data/fineweb-edu-tokens`` writes (docs/guides/data.md). Our choices where the paper is silent:
 2000 synchronous warmup steps W (2% of the run) and 2000 lr warmup steps; bf16 compute and
 rematerialised layers for GPU memory.
 """
@@ -52,7 +52,7 @@ def paper(size: str, method: str = "edit") -> Config:
 def cpu(method: str = "edit", steps: int = 300) -> Config:
     """The demo model on a 2 x 4 CPU-emulated mesh and the stdlib corpus: minutes per method.
 
-    Outer lr 0.5 / momentum 0.5: the best setting of `scripts/compare_methods.py`'s sweep for each of
+    Outer lr 0.5 / momentum 0.5: the best setting of `benchmarks/compare_methods.py`'s sweep for each of
     DiLoCo, EDiT and CO2 (grid lr {0.5, 1.0} x momentum {0.5, 0.85}; BUILD_NOTES section 11). The
     paper's 0.8 / 0.85 is tuned for 100k-step runs; over a few hundred steps it overshoots."""
     return Config(

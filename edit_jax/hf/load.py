@@ -1,6 +1,6 @@
 """Start from Hugging Face Llama weights: ``model.init_from=DIR``.
 
-    edit-jax train --config configs/llama_1b.py model.init_from=hf/llama-1b --run-dir runs/cpt
+    edit-jax train --config configs/edit_1b.py model.init_from=hf/llama-1b --run-dir runs/cpt
 
 ``DIR`` is a Hugging Face Llama directory (what ``edit-jax export`` writes, or a downloaded
 ``LlamaForCausalLM``): ``config.json`` plus safetensors weights, one ``model.safetensors`` or several

@@ -1,7 +1,7 @@
 """Running and reporting placement searches: ``run_searches`` (ours plus the baselines, at the same
 number of evaluations), ``build_report`` / ``print_report`` (the JSON report and its printout, see
 ``cli``'s docstring for the keys) and ``plot_convergence`` (best cost vs evaluations). Used by
-``edit-jax placement`` and ``scripts/reproduce_placement.py``."""
+``edit-jax placement`` and ``benchmarks/reproduce_placement.py``."""
 
 from __future__ import annotations
 

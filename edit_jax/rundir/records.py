@@ -1,6 +1,6 @@
 """What a run writes besides checkpoints: ``RUN_DIR/metrics.jsonl`` (and TensorBoard scalars).
 
-One JSON object per line (README, "Run dir"): training records (``step``, ``loss``,
+One JSON object per line (docs/reference/records.md): training records (``step``, ``loss``,
 ``grad_norm``, ``tokens_per_s``, ``step_time``, ``kind``), sync records (``"sync": true`` and
 the figures of ``sync_fields``) and evaluation records (``val_loss``, ``val_ppl``). In a
 multi-process run process 0 writes the records of the one program; in A-EDiT's asynchronous
@@ -28,7 +28,7 @@ def to_json(x):
 
 
 def sync_fields(metrics: dict, per_unit: bool) -> dict:
-    """The figures of a sync record (README, "Run dir"), from a sync step's metrics."""
+    """The figures of a sync record (docs/reference/records.md), from a sync step's metrics."""
     names = ("pseudo_grad_norm", "weight", "flagged", "clip_factor", "outer_update_norm", "inner_reset")
     if per_unit:
         names += ("unit_pseudo_grad_norm", "unit_weight", "unit_flagged", "unit_clip_factor")

@@ -13,7 +13,7 @@ Read from the environment, first match wins:
 4. any other environment JAX detects itself (Cloud TPU, Kubernetes, ...): left to JAX.
 
 Why pass ``local_device_ids``: on SLURM and Open MPI, JAX's own detection gives each process
-exactly one device, ``[local rank]``, a layout of one process per GPU. With the README's
+exactly one device, ``[local rank]``, a layout of one process per GPU. With the cluster guide's
 ``--ntasks-per-node=1 --gpus-per-node=8`` every process would see one GPU and ``mesh.shard=8``
 would be refused. Here the process with local rank r owns devices ``r*S .. r*S+S-1`` of those
 its host shows it (``CUDA_VISIBLE_DEVICES``), or all of them when the host shows exactly S (a

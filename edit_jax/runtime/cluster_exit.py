@@ -16,7 +16,7 @@ its own and turns how that child ended into one of:
 Why a child: a worker that loses a peer is often ended by the runtime itself (the coordination
 service aborts it, SIGABRT) before Python could turn anything into an exit code. Signals reach the
 child as the launcher's do (``launch.follow_launcher``: a SIGTERM from the cluster reaching both
-processes counts once). README: "Exit codes and what survives what", "On a cluster".
+processes counts once). docs/guides/restarts.md, docs/guides/cluster.md.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ ENV_DIR = "EDIT_JAX_COMPILE_CACHE"  # "auto" means this directory when set (and 
 # Every program is written, however fast it compiles (JAX's default leaves out those under 1 s):
 # besides the step programs (seconds on CPU, minutes on GPU), a restore compiles a small slice
 # program per array shape, 0.05-0.7 s each on the loaded 2-core CPU host; with a 0.2 s floor
-# those were 6.6 s of a cached restart's 10 s (scripts/bench_faults.py --part compile). Entries
+# those were 6.6 s of a cached restart's 10 s (benchmarks/bench_faults.py --part compile). Entries
 # are small (a few KB to a few MB); a run writes a few dozen.
 MIN_COMPILE_SECONDS = 0.0
 

@@ -9,7 +9,8 @@ array is allocated, so a 7B preset plans on a laptop. Per device it reports:
 - the state by part (params, inner optimizer, outer state, the rest), from the shardings;
 - each step's compiled temporaries (``memory_analysis``) and FLOPs (``cost_analysis``);
 - bytes per collective and mesh axis per step, from the HLO (``edit_jax/tools/hlo.py``: ring bytes),
-  and for the methods that sync the tau-window mean of the bytes crossing ``replica``;
+  and for the methods that sync the tau-window mean of the bytes crossing ``replica`` and a full
+  sync's bits per parameter (beside the figure the config's ``sync.compress`` implies);
 - an analytic estimate of a GPU's peak per step kind (``memory_estimate.gpu_estimate``, the
   formula in its docstring) beside the CPU backend's temporaries (which keep fp32 copies and have
   no fused attention), and the verdict: the state plus the largest step's estimate within
@@ -28,6 +29,8 @@ import sys
 
 import jax
 
+from edit_jax.localsgd.compress import ring_bits_per_param
+from edit_jax.localsgd.fragments import unit_param_counts
 from edit_jax.localsgd.methods import plan_for
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import BATCH_SPEC, named
@@ -77,6 +80,16 @@ def state_bytes(abstract_state) -> dict:
     return out
 
 
+def sync_bits(cfg, rule, sync_bytes: float) -> dict:
+    """Bits per parameter one device sends across ``replica`` at a full sync: from the compiled
+    program's collectives (ring bytes x 8 / the params a device holds) and as the config implies
+    (``compress.ring_bits_per_param``: the wire format with its padding)."""
+    sizes = [u // cfg.mesh.shard for u in unit_param_counts(cfg)]
+    wire = getattr(rule, "compress", "none")
+    return {"sync_bits_per_param": 8.0 * sync_bytes / sum(sizes), "wire": wire,
+            "config_sync_bits_per_param": ring_bits_per_param(wire, sizes, cfg.mesh.replica)}
+
+
 def _flops(compiled) -> float | None:
     try:
         cost = compiled.cost_analysis()
@@ -87,10 +100,11 @@ def _flops(compiled) -> float | None:
     return float(cost.get("flops", float("nan"))) if cost else None
 
 
-def plan(cfg, device_memory_gb: float = 80.0, target: GpuTarget | None = None) -> dict:
+def plan(cfg, device_memory_gb: float = 80.0, target: GpuTarget | None = None, link_gbps: float = 100.0) -> dict:
     """The plan of ``cfg`` (validated). Without ``target``: compiled for ``mesh.replica x
     mesh.shard`` CPU devices (JAX already has them); with one: for that GPU's abstract devices
-    (XLA:GPU, the CUDA plugin), each step also with ``gpu_plan.step_report``'s figures."""
+    (XLA:GPU, the CUDA plugin), each step also with ``gpu_plan.step_report``'s figures (a sync
+    step's window judged at ``link_gbps`` Gbit/s per device between workers)."""
     method_plan = plan_for(cfg)
     cfg = method_plan.cfg
     n, s = cfg.mesh.replica, cfg.mesh.shard
@@ -121,7 +135,7 @@ def plan(cfg, device_memory_gb: float = 80.0, target: GpuTarget | None = None) -
             "gpu_estimate_bytes": need,
         }
         if target is not None:
-            steps[kind]["xla_gpu"] = gpu_plan.step_report(compiled, kind, programs, need)
+            steps[kind]["xla_gpu"] = gpu_plan.step_report(compiled, kind, programs, need, link_gbps)
     tau = cfg.sync.tau
     window = None
     if programs.rule.keeps_outer:  # a tau window: tau - 1 local steps and the sync step
@@ -129,7 +143,8 @@ def plan(cfg, device_memory_gb: float = 80.0, target: GpuTarget | None = None) -
         sync_kinds = [k for k in steps if k not in ("hsdp", "local")]
         sync_bytes = sum(steps[k]["replica_ring_bytes"] for k in sync_kinds) / max(len(sync_kinds), 1) \
             * (cfg.sync.fragments if cfg.sync.fragments > 1 else 1)
-        window = {"tau": tau, "mean_replica_ring_bytes_per_step": ((tau - 1) * local + sync_bytes) / tau}
+        window = {"tau": tau, "mean_replica_ring_bytes_per_step": ((tau - 1) * local + sync_bytes) / tau,
+                  **sync_bits(cfg, programs.rule, sync_bytes)}
     worst_cpu = max(v["temp_bytes"] for v in steps.values())
     estimate = max(estimates.values(), key=lambda e: e["total_bytes"])  # the step kind that needs most
     need = state["total_device_bytes"] + estimate["total_bytes"]
@@ -178,7 +193,9 @@ def report(p: dict) -> str:
                      f"{v['shard_ring_bytes']:>16,.0f}")
     if p["tau_window"]:
         lines.append(f"tau-window mean across replica: {p['tau_window']['mean_replica_ring_bytes_per_step']:,.0f} B "
-                     f"per step (tau = {p['tau_window']['tau']})")
+                     f"per step (tau = {p['tau_window']['tau']}); a full sync sends "
+                     f"{p['tau_window']['sync_bits_per_param']:.3f} bits per parameter (config, {p['tau_window']['wire']}: "
+                     f"{p['tau_window']['config_sync_bits_per_param']:.3f})")
     lines.append(f"GPU estimate GiB ({est['kind']}, peak in the {est['peak_phase']} backward): "
                  + ", ".join(f"{k} {_gb(v)}" for k, v in est["parts"].items() if v)
                  + f" (fused attention: {est['fused_attention']})")
@@ -200,8 +217,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--target", default=None, help="compile for this GPU with XLA:GPU (h100, a100, h200; "
                         "needs the cuda extra, not a GPU)")
     parser.add_argument("--target-file", default=None, help="a GPU target description (GpuTargetConfigProto text)")
+    parser.add_argument("--link-gbps", type=float, default=100.0, help="with --target: Gbit/s per device between "
+                        "workers, for the verdict whether EDiT's sync is hidden under its window (default 100)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     args = parser.parse_intermixed_args(argv)
+    if not (math.isfinite(args.link_gbps) and args.link_gbps > 0):
+        print(f"edit-jax: plan error: --link-gbps must be a positive number, got {args.link_gbps}", file=sys.stderr)
+        return 2
     if args.device_memory is not None and not (math.isfinite(args.device_memory) and args.device_memory > 0):
         print(f"edit-jax: plan error: --device-memory must be a positive number, got {args.device_memory}",
               file=sys.stderr)
@@ -222,7 +244,7 @@ def main(argv: list[str]) -> int:
         # abstract ones of the CUDA plugin beside them.
         jax.config.update("jax_platforms", "cpu")
         set_cpu_device_count(cfg.mesh.replica * cfg.mesh.shard)
-        p = plan(cfg, memory, target)
+        p = plan(cfg, memory, target, args.link_gbps)
     except TargetError as e:
         print(f"edit-jax: plan error: {e}", file=sys.stderr)
         return 2
