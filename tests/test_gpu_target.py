@@ -211,11 +211,12 @@ def test_target_file_that_cannot_be_a_description_is_one_line_exit_2(tmp_path, m
     assert str(path) in err and "GpuTargetConfigProto" in err and "gpu_targets/h100.txtpb" in err, err
 
 
+@pytest.mark.parametrize("flag", ["--link-gbps", "--device-memory"])
 @pytest.mark.parametrize("rate", ["0", "-5", "nan"])
-def test_link_gbps_must_be_positive_one_line_exit_2(monkeypatch, capsys, rate):
+def test_link_gbps_must_be_positive_one_line_exit_2(monkeypatch, capsys, rate, flag):
     from edit_jax.tools import plan as plan_mod
 
-    monkeypatch.setattr(plan_mod, "plan", lambda *a, **k: pytest.fail("compiled with a bad --link-gbps"))
-    code = plan_mod.main(["--config", os.path.join(REPO, "configs", "tiny.py"), "--link-gbps", rate])
+    monkeypatch.setattr(plan_mod, "plan", lambda *a, **k: pytest.fail(f"compiled with a bad {flag}"))
+    code = plan_mod.main(["--config", os.path.join(REPO, "configs", "tiny.py"), flag, rate])
     err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "--link-gbps must be a positive number" in err, err
+    assert code == 2 and err.count("\n") == 1 and f"{flag} must be a positive number" in err, err

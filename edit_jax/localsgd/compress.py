@@ -153,7 +153,8 @@ def compressed_weighted_sum(delta: Any, w_all: jax.Array, compress: str, residua
         total, new_e = sparse_exchange(flat, None if residual is None else flatten_unit(residual, chunk)[0],
                                        w_all, compress)
         return unflatten(total), (None if new_e is None else unflatten(new_e))
-    compress, decay = parse(compress)[0], parse(compress)[1]["decay"]  # "int8;decay=0.9"
+    compress, opts = parse(compress)  # "int8;decay=0.9"
+    decay = opts["decay"]
     n = jax.lax.axis_size(REPLICA)
     pattern = pattern or exchange_pattern(n)
     flat, unflatten = flatten_unit(delta, n * BLOCK)

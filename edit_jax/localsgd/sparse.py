@@ -157,8 +157,9 @@ def sparse_exchange(flat: jax.Array, e: jax.Array | None, w_all: jax.Array, wire
     n = jax.lax.axis_size(REPLICA)
     x = (flat if e is None else flat + o["decay"] * e).reshape(-1, chunk)
     packed = encode(x, bits, k)
-    new_e = None if e is None else (x - decode(packed, bits, k, chunk)).reshape(-1)
     got = decode(jax.lax.all_gather(packed, REPLICA, to="invarying"), bits, k, chunk)  # [N, nc, chunk]
+    # The residual from this worker's own row of what every device decoded: no second decode.
+    new_e = None if e is None else (x - got[jax.lax.axis_index(REPLICA)]).reshape(-1)
     total = jnp.sum(w_all.reshape((n, 1, 1)) * got, axis=0)
     return total.reshape(-1), new_e
 

@@ -25,9 +25,9 @@ import math
 import re
 
 from edit_jax.tools.hlo_parse import parse_hlo, parse_shapes
+from edit_jax.training.throughput import device_peak_tflops
 
-H100_BF16_PEAK_FLOPS = 989e12  # dense bf16 tensor-core peak of an H100 SXM (NVIDIA's datasheet)
-PEAK_FLOPS = {"h100": H100_BF16_PEAK_FLOPS, "h200": H100_BF16_PEAK_FLOPS, "a100": 312e12}  # H200: same die
+H100_BF16_PEAK_FLOPS = 989e12  # dense bf16 tensor-core peak of an H100 SXM: an unknown GPU's stand-in
 DEFAULT_MFU = 0.45
 DEFAULT_LINK_GBPS = 100.0
 _DIMS_RE = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
@@ -35,10 +35,11 @@ _JSON_DIMS_RE = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 
 
 def peak_flops(device_kind: str) -> float:
-    """The dense bf16 peak of a device kind ("NVIDIA H100 80GB HBM3", ...); an unknown GPU is
-    taken as an H100 (the verdict then says so through ``peak_flops`` in the JSON)."""
-    kind = device_kind.lower()
-    return next((v for k, v in PEAK_FLOPS.items() if k in kind), H100_BF16_PEAK_FLOPS)
+    """The dense bf16 peak (FLOP/s) of a device kind ("NVIDIA H100 80GB HBM3", ...), from the table
+    the records' MFU uses (``throughput.PEAK_BF16_TFLOPS``); an unknown GPU is taken as an H100 (the
+    verdict then says so through ``peak_flops`` in the JSON)."""
+    tflops = device_peak_tflops(device_kind)
+    return tflops * 1e12 if tflops else H100_BF16_PEAK_FLOPS
 
 
 def _local_types(instrs) -> dict[str, str]:
@@ -184,5 +185,5 @@ if __name__ == "__main__":  # python -m edit_jax.tools.gpu_window HLO.txt REPLIC
         for rate in (10, 100, 400):
             print(report_line(win, window_verdict(win, rate, H100_BF16_PEAK_FLOPS)))
 
-__all__ = ["sync_window", "window_verdict", "report_line", "instr_compute", "PEAK_FLOPS", "DEFAULT_MFU",
+__all__ = ["sync_window", "window_verdict", "report_line", "instr_compute", "H100_BF16_PEAK_FLOPS", "peak_flops", "DEFAULT_MFU",
            "DEFAULT_LINK_GBPS"]

@@ -221,13 +221,10 @@ def main(argv: list[str]) -> int:
                         "workers, for the verdict whether EDiT's sync is hidden under its window (default 100)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     args = parser.parse_intermixed_args(argv)
-    if not (math.isfinite(args.link_gbps) and args.link_gbps > 0):
-        print(f"edit-jax: plan error: --link-gbps must be a positive number, got {args.link_gbps}", file=sys.stderr)
-        return 2
-    if args.device_memory is not None and not (math.isfinite(args.device_memory) and args.device_memory > 0):
-        print(f"edit-jax: plan error: --device-memory must be a positive number, got {args.device_memory}",
-              file=sys.stderr)
-        return 2
+    for flag, value in (("--link-gbps", args.link_gbps), ("--device-memory", args.device_memory)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            print(f"edit-jax: plan error: {flag} must be a positive number, got {value}", file=sys.stderr)
+            return 2
     try:  # bad input (config, target) is one line and exit 2, before any compile and from inside it
         cfg = load_config(args.config, args.overrides)
         target = None

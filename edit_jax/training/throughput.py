@@ -23,14 +23,19 @@ PEAK_BF16_TFLOPS = (
 )
 
 
-def peak_tflops(cfg: Config, device_kind: str) -> float | None:
-    """One device's peak (TFLOP/s) for MFU, or None when unknown (no ``mfu`` in the records)."""
-    if cfg.log.peak_tflops > 0:
-        return cfg.log.peak_tflops
+def device_peak_tflops(device_kind: str) -> float | None:
+    """A device kind's dense bf16 peak (TFLOP/s) from ``PEAK_BF16_TFLOPS``, or None when unknown."""
     for name, tflops in PEAK_BF16_TFLOPS:
         if name.lower() in device_kind.lower():
             return tflops
     return None
+
+
+def peak_tflops(cfg: Config, device_kind: str) -> float | None:
+    """One device's peak (TFLOP/s) for MFU, or None when unknown (no ``mfu`` in the records)."""
+    if cfg.log.peak_tflops > 0:
+        return cfg.log.peak_tflops
+    return device_peak_tflops(device_kind)
 
 
 class StepFigures:
@@ -51,4 +56,4 @@ class StepFigures:
         return fig
 
 
-__all__ = ["PEAK_BF16_TFLOPS", "peak_tflops", "StepFigures"]
+__all__ = ["PEAK_BF16_TFLOPS", "device_peak_tflops", "peak_tflops", "StepFigures"]
