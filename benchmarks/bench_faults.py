@@ -5,6 +5,7 @@
     python benchmarks/bench_faults.py --part compile,save --json runs/bench/bench_faults.json
     python benchmarks/bench_faults.py --part kill --workers 2 --mtbf 60 --duration 600   # kill loop
     python benchmarks/bench_faults.py --part spike          # an injected loss spike beside the clean run, both modes
+    python benchmarks/bench_faults.py --part live --mtbf 30 --duration 600   # A-EDiT workers leave / join live
 
 Part ``compile``: three runs of ``--config`` (default the demo), each in a fresh process. ``cold``:
 a new run dir, empty compilation cache, stopped after ``--steps`` steps (checkpoint). ``restart,
@@ -21,6 +22,10 @@ and the step times: the interval of the step that holds a save (step + blocked t
 async saves, the steps that overlap the background write (until orbax, polled after every step,
 says it is done), with the blocked time taken out. Normal steps: all others (steps that compiled
 a program are left out). Target: async step during the write / normal step <= 1.2.
+
+Part ``live`` (``bench_live.py``): exchange-mode A-EDiT (issue 38) under a kill loop, a SIGSTOP and
+a worker joining mid-run, beside the same run without faults: tokens/s, rounds that left a worker
+out and why, time to the first round without a lost worker and back, val loss at equal tokens.
 
 Part ``kill`` (``bench_kill.py``): a kill loop. ``--config`` (default tiny) with ``--workers``
 processes; a fault-free run, then the same steps under the launcher with SIGKILLs of a random
@@ -41,10 +46,10 @@ import time
 
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import bench_kill, bench_spike  # noqa: E402
+from benchmarks import bench_kill, bench_live, bench_spike  # noqa: E402
 from benchmarks import harness as common  # noqa: E402
 
-PARTS = ("compile", "save", "kill", "spike")
+PARTS = ("compile", "save", "kill", "spike", "live")
 # --smoke: the tiny config made smaller still (one layer, 2 x 1 mesh, 4 x 32 tokens): seconds to compile
 SMOKE_SIZES = ["model.n_layers=1", "mesh.shard=1", "batch_size=4", "data.seq_len=32", "eval_batches=1"]
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -64,10 +69,12 @@ def parse_args(argv=None):
                         "like); kill: default edit (lockstep: its losses must equal the fault-free run's)")
     p.add_argument("--run-root", default=os.path.join(common.REPO, "runs", "bench_faults"))
     bench_kill.add_args(p)
+    bench_live.add_args(p)
     p.add_argument("--json", default=os.path.join(common.DEFAULT_JSON_DIR, "bench_faults.json"))
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes (CI): save: the tiny config, 6 steps; kill: 2 one-device workers, 6 steps, one "
-                        "kill; spike: one process mode, 24 steps; compile: the tiny config, 2 steps")
+                        "kill; spike: one process mode, 24 steps; compile: the tiny config, 2 steps; live: 2 workers "
+                        "+ a joiner, one kill, a 1.5 s stop")
     p.add_argument("--child", nargs=4, metavar=("CONFIG", "RUN_DIR", "STEPS", "CACHE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
@@ -222,7 +229,8 @@ def main(argv=None):
         child_compile(config, run_dir, int(steps), cache)
         return
     if args.part not in ("kill", "spike"):
-        common.ensure_cpu_devices(8)  # (parts kill and spike run everything in processes of their own)
+        common.ensure_cpu_devices(8)  # (parts kill and spike run everything in processes of their own; live
+        # evaluates its runs' round states here, on any device count)
     # (kill --smoke: baseline, one training program to compile in each of its six worker processes)
     args.kill_config, args.kill_method = args.config or "configs/tiny.py", args.method or (
         "baseline" if args.smoke else "edit")
@@ -230,7 +238,7 @@ def main(argv=None):
     result = {"env": common.env_info(), "args": {k: v for k, v in vars(args).items() if k != "child"}}
     for part in args.part.split(","):
         result[part] = {"compile": part_compile, "save": part_save, "kill": bench_kill.part_kill,
-                        "spike": bench_spike.part_spike}[part](args)
+                        "spike": bench_spike.part_spike, "live": bench_live.part_live}[part](args)
     common.write_json(args.json, result)
     print(f"\nwrote {args.json}")
 

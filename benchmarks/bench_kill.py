@@ -48,12 +48,13 @@ RESTART = re.compile(r"restart (\d+) of \d+.*?(?:resuming from step (\d+)|starti
 def add_args(p) -> None:
     p.add_argument("--workers", type=int, default=2, help="kill: worker processes (mesh.processes = mesh.replica)")
     p.add_argument("--shard", type=int, default=2, help="kill: CPU devices per worker (mesh.shard)")
-    p.add_argument("--mtbf", type=float, default=60.0, help="kill: seconds between kills")
+    p.add_argument("--mtbf", type=float, default=None, help="kill, live: seconds between kills (default 60; live: 30)")
     p.add_argument("--exponential", action="store_true", help="kill: exponential gaps with mean --mtbf")
-    p.add_argument("--duration", type=float, default=600.0, help="kill: seconds of the fault-free run and of kills")
+    p.add_argument("--duration", type=float, default=600.0,
+                   help="kill, live: seconds of the fault-free run and of kills")
     p.add_argument("--checkpoint-every", type=int, default=0, help="kill: 0 = from a calibration run")
     p.add_argument("--save-every-s", type=float, default=10.0, help="kill: aim of the calibration")
-    p.add_argument("--seed", type=int, default=0, help="kill: which worker is killed when")
+    p.add_argument("--seed", type=int, default=0, help="kill, live: which worker is killed (stopped) when")
 
 
 SMOKE_STEPS, SMOKE_EVERY = 6, 2
@@ -134,6 +135,7 @@ def _calibrate(args) -> int:
 
 def part_kill(args) -> dict:
     root = os.path.join(args.run_root, "kill")
+    mtbf = 60.0 if args.mtbf is None else args.mtbf
     if args.smoke:  # the smallest real run: no calibration, a fixed length, one kill
         args.workers, args.shard, args.duration = 2, 1, 300.0
     every = SMOKE_EVERY if args.smoke else args.checkpoint_every or _calibrate(args)
@@ -153,7 +155,7 @@ def part_kill(args) -> dict:
     faulty = Run(os.path.join(root, "faulty"), _overrides(args, steps, every), ["--max-restarts", "100000"])
     kills = []
     while faulty.proc.poll() is None and not (args.smoke and kills):
-        gap = rng.expovariate(1 / args.mtbf) if args.exponential else args.mtbf
+        gap = rng.expovariate(1 / mtbf) if args.exponential else mtbf
         target = time.monotonic() + gap
         while faulty.proc.poll() is None and (time.monotonic() < target if not args.smoke else
                                               not any(step > every for _, step in faulty.seen)):
@@ -183,7 +185,7 @@ def part_kill(args) -> dict:
     next_s = [f["kill_to_next_step_s"] for f in faults if f.get("kill_to_next_step_s") is not None]
     lost = [f["steps_lost"] for f in faults if f.get("steps_lost") is not None]
     common.print_table(f"kill: {args.workers} workers, {steps} steps, checkpoint_every={every}, a SIGKILL every "
-                       f"{'~' if args.exponential else ''}{args.mtbf:g} s for {args.duration:g} s",
+                       f"{'~' if args.exponential else ''}{mtbf:g} s for {args.duration:g} s",
                        ["run", "exit", "wall s", "tokens/s", "final loss", "faults", "kill -> next step s (max)",
                         "steps lost / fault (mean)"],
                        [["fault-free", free.proc.returncode, free_wall, steps * 4 * args.workers * 32 / free_wall,
@@ -194,7 +196,7 @@ def part_kill(args) -> dict:
                        note=f"goodput {goodput:.3f} (target >= 0.80); kill -> next step median "
                             f"{statistics.median(next_s) if next_s else float('nan'):.2f} s (target <= 15 s); "
                             f"every step's loss equal to the fault-free run's: {equal}")
-    return {"workers": args.workers, "steps": steps, "checkpoint_every": every, "mtbf_s": args.mtbf,
+    return {"workers": args.workers, "steps": steps, "checkpoint_every": every, "mtbf_s": mtbf,
             "duration_s": args.duration, "exponential": args.exponential,
             "fault_free": {"exit": free.proc.returncode, "wall_s": free_wall, "final_loss": free_losses[steps]},
             "faulty": {"exit": faulty.proc.returncode, "wall_s": faulty_wall, "final_loss": faulty_losses.get(steps)},

@@ -107,9 +107,7 @@ def _train(argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _stopped_before_start)
     if os.environ.get("EDIT_JAX_SIGNALS_ON_STDIN") == "1":  # launch.ENV_FORWARDS: a launched worker
-        from edit_jax.runtime.launch import follow_launcher  # the launcher's Ctrl-Cs, counted once
-
-        follow_launcher()
+        __import__("edit_jax.runtime.launch", fromlist=["x"]).follow_launcher()  # its Ctrl-Cs, counted once
     parser = argparse.ArgumentParser(prog="edit-jax train", description="Train a Llama model with EDiT / baselines.")
     parser.add_argument("--config", default="configs/demo.py",
                         help="a Python file with get_config(), or a preset name in configs/ (default: configs/demo.py)")
@@ -120,9 +118,8 @@ def _train(argv: list[str]) -> int:
                         help="this process is one of mesh.processes started by a cluster launcher (srun, mpirun) "
                              "or with EDIT_JAX_COORDINATOR / EDIT_JAX_NUM_PROCESSES / EDIT_JAX_PROCESS_ID set: "
                              "join the others, owning mesh.shard devices of this host (docs/guides/cluster.md)")
-    parser.add_argument("--restore-step", type=int, default=None,
-                        help="resume from this checkpoint instead of the newest (newer ones are moved to "
-                        "RUN_DIR/checkpoints.aside/, not deleted)")
+    parser.add_argument("--restore-step", type=int, default=None, help="resume from this checkpoint instead of "
+                        "the newest (newer ones are moved to RUN_DIR/checkpoints.aside/, not deleted)")
     parser.add_argument("--max-restarts", type=int, default=3, metavar="K",
                         help="mesh.processes > 1 on this machine: start the workers again (resuming from the newest "
                              "checkpoint) after a lost or hung worker, at most K times; 0: exit 5 at once (default 3)")
@@ -157,6 +154,8 @@ def _train(argv: list[str]) -> int:
     from edit_jax.runtime.mesh import set_cpu_device_count
     run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
 
+    if cfg.sync.exchange:  # A-EDiT's workers as separate programs, each restarted alone (elastic/)
+        return _launch_exchange_workers(cfg, args, run_dir)
     if cfg.mesh.processes > 1 and multihost.launched_worker() is None and not args.distributed:
         from edit_jax.runtime.launch import launch  # one process per worker on this machine, watched from here
 
@@ -223,6 +222,43 @@ def _train(argv: list[str]) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _launch_exchange_workers(cfg, args, run_dir: str) -> int:
+    from edit_jax.elastic.launch import launch_run
+
+    _started[0] = True
+    return launch_run(cfg, args, run_dir)
+
+
+def _worker(argv: list[str]) -> int:
+    """``edit-jax worker``: one A-EDiT worker meeting the others through ``sync.exchange``."""
+    parser = argparse.ArgumentParser(prog="edit-jax worker", description="One A-EDiT worker of a run whose workers "
+                                     "meet through sync.exchange (started by `edit-jax train`, by hand or by SLURM).")
+    parser.add_argument("--config", default="configs/demo.py", help="as for `edit-jax train`")
+    parser.add_argument("--run-dir", required=True, help="the run's dir (records; shared by its workers)")
+    parser.add_argument("--worker", type=int, required=True, help="this worker's slot, 0..mesh.replica-1")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, as for `edit-jax train`")
+    args = parser.parse_intermixed_args(argv)
+    from edit_jax.validate import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if not cfg.sync.exchange:
+            raise ConfigError("sync.exchange: required by `edit-jax worker` (a directory or s3://bucket/prefix)")
+        if not 0 <= args.worker < cfg.mesh.replica:
+            raise ConfigError(f"--worker: expected a worker slot 0..{cfg.mesh.replica - 1}, got {args.worker}")
+    except ConfigError as e:
+        print(f"edit-jax: bad config: {e}", file=sys.stderr)
+        return 2
+    from edit_jax.runtime.mesh import set_cpu_device_count
+
+    set_cpu_device_count(cfg.mesh.shard)
+    from edit_jax.elastic.worker import run_worker
+    from edit_jax.runtime.compile_cache import cache_dir_for, compile_cache
+
+    with compile_cache(cache_dir_for(cfg.train.compile_cache, args.run_dir)):  # a restarted worker: no compile
+        return run_worker(cfg, args.worker, args.run_dir, say=lambda m: print(m, file=sys.stderr, flush=True))
 
 
 def _train_and_report(cfg, run_dir: str, args) -> int:
@@ -338,9 +374,10 @@ def _main(argv: list[str]) -> int:
                 "export": lambda a: __import__("edit_jax.hf.export", fromlist=["main"]).main(a),
                 "plot": lambda a: __import__("edit_jax.tools.plot", fromlist=["main"]).main(a),
                 "tokenize": lambda a: __import__("edit_jax.data.tokenize", fromlist=["main"]).main(a),
-                "plan": lambda a: __import__("edit_jax.tools.plan", fromlist=["main"]).main(a)}
+                "plan": lambda a: __import__("edit_jax.tools.plan", fromlist=["main"]).main(a),
+                "worker": _worker}
     if not argv or argv[0] not in commands:
-        print("usage: edit-jax {train,plan,tokenize,placement,sample,export,plot} [options]  "
+        print("usage: edit-jax {train,plan,tokenize,placement,sample,export,plot,worker} [options]  "
               "(edit-jax COMMAND --help for details)", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])

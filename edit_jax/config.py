@@ -5,11 +5,9 @@ is ``edit_jax.config_files.read_config``. Overrides are ``key=value`` strings wi
 (``mesh.replica=4``, ``steps=100``); values are parsed according to the field's declared type.
 Every error names the key.
 
-This module is a leaf: it imports nothing from ``edit_jax``, so every part of the package can
-import it. ``check_fields`` checks what the fields say on their own (ranges, finiteness,
-divisibility by the mesh); a rule that needs a part of the package (the method table, the data
-sources, ...) lives with that part as its ``validate(cfg)``. ``edit_jax.validate`` runs them all:
-its ``load_config`` is ``config_files.read_config`` plus every check.
+A leaf module (it imports nothing from ``edit_jax``). ``check_fields`` checks the fields on their
+own; a rule needing a part of the package lives there as its ``validate(cfg)``, and
+``edit_jax.validate.load_config`` runs them all.
 """
 
 from __future__ import annotations
@@ -150,9 +148,13 @@ class SyncConfig:
     tau_time: float = 600.0
     min_total_steps: int = 1
     step_weight_ratio: float = 0.5  # rho: w <- (1 - rho) w + rho * (worker's share of the steps)
-    # CO2 (method=co2): the staleness-gap penalty Lambda divides the stale pseudo gradient (a
-    # constant, as in the released code); co2_momentum_clip = phi > 0 clamps the stored outer
-    # momentum to [-phi, phi] element-wise (0: off).
+    # A-EDiT, workers meeting through a directory or s3://bucket/prefix (elastic/): a round closes
+    # `grace` s after a post (clusters: ~60 s); a late post is carried over or dropped (carry | drop).
+    exchange: str = ""
+    grace: float = 10.0
+    late_posts: str = "carry"
+    # CO2: the staleness-gap penalty Lambda (a constant, as in the released code); co2_momentum_clip
+    # = phi > 0 clamps the stored outer momentum to [-phi, phi] element-wise (0: off).
     co2_gap_penalty: float = 1.0
     co2_momentum_clip: float = 0.0
 
@@ -437,13 +439,10 @@ def _check_compile_cache(value: str) -> None:
 
 
 def dumps(cfg: Config) -> str:
-    return json.dumps(to_dict(cfg), indent=2, sort_keys=False)
+    return json.dumps(to_dict(cfg), indent=2)
 
 
-def replace(cfg, **kw):
-    return dataclasses.replace(cfg, **kw)
-
-
-__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "DebugConfig", "LogConfig", "TrainConfig", "SpikeConfig", "ConfigError",
-           "apply_overrides", "check_fields", "require", "to_dict", "from_dict", "dumps"]
+__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "DebugConfig", "LogConfig",
+           "TrainConfig", "SpikeConfig", "ConfigError", "apply_overrides", "check_fields", "require", "to_dict",
+           "from_dict", "dumps"]
 

@@ -19,6 +19,7 @@ from edit_jax.cli import summary_line
 from edit_jax.rundir.runlock import RunDirError, check_writable
 from edit_jax.training.loop import TrainResult
 from tests.helpers import REPO, child_xla_flags, interrupt_when, run_session
+from tests.stages import one_stage
 
 FAST = ["--config", "configs/tiny.py", "--no-progress", "mesh.replica=2", "mesh.shard=2", "batch_size=8",
         "data.seq_len=32", "steps=2"]
@@ -167,6 +168,9 @@ def test_incompatible_checkpoint_is_one_message(tmp_path, processes):
     "re-run the same command" (before, 2 processes printed it once per worker, then that advice).
     The first run's summary gives the workers' mean loss, as one program does (before, 2 processes
     printed worker 0's)."""
+    if processes == 2:
+        one_stage("3.12", "the 2-process incompatible checkpoint", 22,
+                  other="test_failures.py::test_damaged_checkpoint_falls_back_and_restore_step_moves_newer_aside[2]")
     mp = ["mesh.processes=2"] if processes == 2 else []
     code, out = _train(tmp_path, *mp)
     assert code == 0, out[-2000:]

@@ -17,6 +17,7 @@ from edit_jax.runtime.mesh import make_mesh
 from edit_jax.training.train import train
 from edit_jax.validate import load_config, validate
 from tests.helpers import REPO, tiny_config
+from tests.stages import one_stage
 
 
 def _with(cfg, *overrides):
@@ -164,6 +165,8 @@ def test_two_processes_corrupt_the_same_rows(tmp_path):
     """With one process per worker (each building only its own rows of the batch) the corrupted
     worker draws the same garbage: the 2-process run's per-worker losses equal the single-process
     run's (steps 3..5 corrupted)."""
+    one_stage("default", "the 2-process corrupted run", 49,
+              other="test_multiprocess.py::test_two_processes_equal_one_program's 3.12 cases")
     from tests.test_multiprocess import TINY, _records, _run_cli  # noqa: PLC0415 - its launcher helpers
 
     over = ["method=edit", "steps=8", "sync.warmup_steps=2", "sync.tau=3", "eval_every=0",

@@ -26,6 +26,7 @@ from edit_jax.rundir.runlock import LOCK_NAME, RunDirError, RunLock, RunLockErro
 from edit_jax.training.train import train
 from edit_jax.validate import load_config
 from tests.helpers import REPO, child_xla_flags, interrupt_when, run_session, tiny_config
+from tests.stages import one_stage
 
 TINY = os.path.join(REPO, "configs", "tiny.py")
 
@@ -265,6 +266,8 @@ def test_checkpoint_error_message_is_short(tmp_path):
 # ----------------------------------------------------------------------------- every mode: 1 and 2 processes
 # The same faults through the CLI, with one process driving the 2 x 2 mesh and with one process
 # per worker (mesh.processes=2, launch.py): one training loop, so every guarantee holds in both.
+# Two 2-process cases run under one of CI's Python stages each, beside a partner of the same kind
+# in the other stage (tests/stages.py); every 1-process case runs in both.
 
 
 MODES = {1: ["mesh.replica=2", "mesh.shard=2"], 2: ["mesh.replica=2", "mesh.shard=2", "mesh.processes=2"]}
@@ -300,6 +303,9 @@ def test_divergence_exits_3_and_keeps_the_good_checkpoint(tmp_path, processes):
     checkpoint 2 on disk (before the one loop, 2 processes trained on to "train loss nan",
     checkpointed NaN states and rotated the good one away). With the spike watch off: with it on
     (the default), test_spike.py's test_blown_up_run_exits_3_and_a_sane_rerun_does_not_resume_it."""
+    if processes == 2:
+        one_stage("default", "the 2-process divergence run", 20,
+                  other="test_spike.py::test_blown_up_run_exits_3_and_a_sane_rerun_does_not_resume_it[2]")
     code, out = _cli(tmp_path, processes, "method=edit", "steps=12", "checkpoint_every=2", "log_every=10",
                      "optim.lr=1e6", "train.spike.enabled=false")
     assert code == 3, out[-3000:]
@@ -315,6 +321,9 @@ def test_damaged_checkpoint_falls_back_and_restore_step_moves_newer_aside(tmp_pa
     checkpoints.bad/ (not deleted) and resumes from the older one (before, 2 processes stopped
     with exit 2 and advised a rerun that failed the same way). Then --restore-step 4 resumes
     from 4 and moves the newer 6 to checkpoints.aside/."""
+    if processes == 2:
+        one_stage("default", "the 2-process damaged checkpoint", 60,
+                  other="test_cli_faults.py::test_incompatible_checkpoint_is_one_message[2]")
     over = ["method=edit", "checkpoint_every=2", "keep_checkpoints=3", "sync.tau=2", "log_every=1"]
     code, out = _cli(tmp_path, processes, "steps=4", *over)
     assert code == 0 and _steps(tmp_path) == [2, 4], out[-3000:]

@@ -20,6 +20,7 @@ import pytest
 from edit_jax.rundir.checkpoint import steps_on_disk
 from edit_jax.runtime.launch import lost_worker, process_state
 from tests.helpers import REPO, child_xla_flags, kill_group, run_session
+from tests.stages import one_stage
 
 HOOKS = os.path.join(REPO, "tests", "worker_hooks")
 TINY = ["--config", "configs/tiny.py", "--no-progress", "mesh.replica=2", "mesh.shard=2", "mesh.processes=2",
@@ -75,7 +76,10 @@ def _alive(pid) -> bool:
 def test_one_ctrl_c_counts_once_however_it_reaches_a_worker(tmp_path, order):
     """A terminal's Ctrl-C: SIGINT to each worker directly and to the launcher, which forwards it.
     Both workers are held (SIGUSR1) so that each arrival is handled on its own, in the given
-    order; then released. One Ctrl-C: exit 130, a checkpoint, a clean resume."""
+    order; then released. One Ctrl-C: exit 130, a checkpoint, a clean resume. One order runs in
+    each of CI's stages (tests/stages.py)."""
+    one_stage("default" if order == "direct_first" else "3.12", f"the Ctrl-C order {order}", 57,
+              other="the other order")
     run = tmp_path / "run"
     env = _env(tmp_path)
     proc = _start(run, env, "steps=400", "checkpoint_every=0")

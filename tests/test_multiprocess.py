@@ -29,6 +29,7 @@ from edit_jax.training.drivers import WorkerSteps
 from edit_jax.training.train import train
 from edit_jax.validate import load_config
 from tests.helpers import REPO, kill_group as _kill_group, run_session
+from tests.stages import one_stage
 
 FLAGS = ["--config", "configs/tiny.py", "--no-progress"]
 TINY = ["mesh.replica=2", "mesh.shard=2", "mesh.processes=2", "batch_size=8", "data.seq_len=32", "log_every=1"]
@@ -221,11 +222,17 @@ def _trained_units(trace) -> dict[int, tuple[set, set]]:
 
 
 # EDiT twice (on the stdlib corpus with the lifted options, and on streamed parquet); a plain
-# EDiT case on the stdlib corpus would repeat them (each case is about 35 s).
+# EDiT case on the stdlib corpus would repeat them (each case is about 35 s). Two cases run in each
+# of CI's stages (tests/stages.py): each stage still checks 2-process runs against one process
+# under its own jax; tests/test_corrupt.py's 2-process case runs beside the default stage's two.
+EQUAL_STAGE = {"co2": "default", "edit-streamed_parquet": "default", "diloco-token_shards": "3.12",
+               "edit-replica_shard-offload-tensorboard-init_from-wandb": "3.12"}
+
+
 @pytest.mark.parametrize("method,extra", [("diloco", SHARDS), ("co2", []), ("edit", LIFTED), ("edit", PARQUET)],
                          ids=["diloco-token_shards", "co2", "edit-replica_shard-offload-tensorboard-init_from-wandb",
                               "edit-streamed_parquet"])
-def test_two_processes_equal_one_program(tmp_path, monkeypatch, method, extra):
+def test_two_processes_equal_one_program(tmp_path, monkeypatch, request, method, extra):
     """2 processes x 2 devices give the single-process 2 x 2 run's losses (every kind of step:
     HSDP warmup, local steps, and the method's sync). The EDiT case on the stdlib corpus also uses what only one
     process could do before the one loop: θ̄ split over replica too, kept in host memory, and
@@ -235,6 +242,8 @@ def test_two_processes_equal_one_program(tmp_path, monkeypatch, method, extra):
     read trace), and the two read what the one process read. The last streams parquet files: each process reads and tokenizes (in a reader process) only
     its own replica's row groups, and the final checkpoint holds both replicas' positions (the
     processes exchange them), as the single process's does."""
+    case = request.node.callspec.id
+    one_stage(EQUAL_STAGE[case], f"the 2-process equivalence case {case}", 45)
     over = [f"method={method}", "steps=8", "sync.warmup_steps=2", "sync.tau=3", "eval_every=0", *extra]
     if extra is PARQUET:
         over += ["data.source=parquet", "data.paths=" + ",".join(_parquet_files(tmp_path))]
@@ -293,6 +302,8 @@ def test_a_edit_straggler_fast_worker_takes_more_steps(tmp_path):
     """A-EDiT with worker 1 slowed 3x, on streamed parquet: the fast worker takes more steps and
     more weight, and reads its own data further: the final checkpoint's data state has each
     worker's stream cursor at that worker's own step count (gathered from both processes)."""
+    one_stage("3.12", "A-EDiT's 2-process straggler run", 36,
+              other="test_spike_faults.py::test_a_edit_asynchronous_spike_exits_3_and_sets_spiked_checkpoints_aside")
     files = _parquet_files(tmp_path)
     run = tmp_path / "run"
     code, out = _run_cli(run, "method=a_edit", "steps=24", "sync.warmup_steps=0", "sync.tau_time=3",
@@ -343,6 +354,8 @@ def _fault_after_first_checkpoint(tmp_path, sig, timeout):
 
 
 def test_killed_worker_stops_the_others_and_the_rerun_resumes(tmp_path):
+    one_stage("3.12", "a killed worker without restarts", 45,
+              other="test_restarts.py::test_killed_worker_is_restarted_and_the_run_ends_with_the_uninterrupted_losses")
     code, out, took, _, over = _fault_after_first_checkpoint(tmp_path, signal.SIGKILL, timeout=60)
     assert code == 5 and took < 30, (code, took, out[-2000:])
     assert "worker 1" in out and "re-run the same command" in out

@@ -13,6 +13,7 @@ import time
 
 from edit_jax.rundir.checkpoint import steps_on_disk
 from tests.helpers import REPO, child_xla_flags, kill_group, run_session
+from tests.stages import one_stage
 
 HOOKS = os.path.join(REPO, "tests", "worker_hooks")
 TINY = ["--config", "configs/tiny.py", "--no-progress", "mesh.replica=2", "mesh.shard=2", "mesh.processes=2",
@@ -41,6 +42,8 @@ def test_killed_worker_is_restarted_and_the_run_ends_with_the_uninterrupted_loss
     """Worker 1 is SIGKILLed once step 5 is logged: one restart line (worker, restart 1 of 3, the
     checkpoint it resumes from, the steps lost), the run finishes, and every step's loss equals
     the one of a run that was never interrupted (EDiT is lockstep; resume is exact on CPU)."""
+    one_stage("default", "a killed worker restarted by the launcher", 64,
+              other="test_multiprocess.py::test_killed_worker_stops_the_others_and_the_rerun_resumes")
     ref = tmp_path / "ref"
     code, out = _train(ref, _env(tmp_path / "r", ref), "steps=8", "--max-restarts", "0")
     assert code == 0, out[-3000:]

@@ -19,6 +19,7 @@ from edit_jax.data.corrupt import parse_lr_spike
 from edit_jax.training.spike import SpikeWatch
 from edit_jax.validate import validate
 from tests.helpers import tiny_config
+from tests.stages import one_stage
 from tests.test_failures import _clean, _cli, _steps
 
 # ----------------------------------------------------------------------------- the rule
@@ -198,6 +199,9 @@ def test_blown_up_run_exits_3_and_a_sane_rerun_does_not_resume_it(tmp_path, proc
     already non-finite, so nothing vouches for 2: it goes to checkpoints.spike/ (kept), the run
     exits 3; the same command at a sane lr starts from step 0 and finishes (before: it resumed
     the blown-up checkpoint and exited 3 again)."""
+    if processes == 2:
+        one_stage("3.12", "the 2-process blown-up run", 31,
+                  other="test_failures.py::test_divergence_exits_3_and_keeps_the_good_checkpoint[2]")
     over = ["method=edit", "steps=4", "checkpoint_every=2", "log_every=10"]
     code, out = _cli(tmp_path, processes, *over, "optim.lr=1e6")
     assert code == 3, out[-3000:]

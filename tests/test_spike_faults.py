@@ -23,6 +23,7 @@ from edit_jax.training.loop import Training
 from edit_jax.training.spike import SpikeWatch
 from edit_jax.training.train import train
 from tests.helpers import tiny_config
+from tests.stages import one_stage
 from tests.test_failures import _clean, _cli, _steps
 
 
@@ -90,6 +91,8 @@ def test_a_edit_asynchronous_spike_exits_3_and_sets_spiked_checkpoints_aside(tmp
     are in checkpoints.spike/, the ones left are healthy and older. Before: the spike went
     unseen, exit 0 (the issue's run, optim.lr=30: "done" at train loss 78.8, its spiked
     checkpoints kept, a rerun "already finished")."""
+    one_stage("default", "A-EDiT's 2-process asynchronous spike", 37,
+              other="test_multiprocess.py::test_a_edit_straggler_fast_worker_takes_more_steps")
     code, out = _cli(tmp_path, 2, "method=a_edit", "sync.warmup_steps=4", "sync.tau_time=0.4", "steps=160",
                      "checkpoint_every=4", "log_every=1", "eval_every=0", "train.spike.patience=1",
                      "sync.anomaly=false", "sync.clip=false", "debug.lr_spike=24-27:3000", timeout=200)

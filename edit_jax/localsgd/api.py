@@ -280,28 +280,11 @@ class LocalSGD:
 
     def _sync_now(self, state: LocalSGDState):
         """Every unit synced after the step, the workers stacked (``Stacked``: a sum over [N])."""
-        p, opt, red = self.rule.penalty, self.outer_opt, Stacked()
-        if not self.rule.layerwise:
-            res = sync_unit(state.params, state.outer_params, state.outer_opt_state, _unit_det(state.detector, 0),
-                            p, opt, reduction=red)
-            params, outer, outer_state = res.params, res.outer_params, res.opt_state
-            det = jax.tree.map(lambda x: x[:, None], res.detector)
-            unit = jax.tree.map(lambda x: x[None], res.metrics)
-        else:
-            def one(local, outer, outer_state, det):
-                r = sync_unit(local, outer, outer_state, det, p, opt, reduction=red)
-                return r.params, r.outer_params, r.opt_state, r.detector, r.metrics
-            root = one(state.params["root"], state.outer_params["root"], state.outer_opt_state["root"],
-                       _unit_det(state.detector, 0))
-            layers = jax.vmap(one, in_axes=(1, 0, 0, 1), out_axes=(1, 0, 0, 1, 0))(
-                state.params["layers"], state.outer_params["layers"], state.outer_opt_state["layers"],
-                _unit_det(state.detector, slice(1, None)))
-            params, outer, outer_state = ({"root": r, "layers": l} for r, l in zip(root[:3], layers[:3]))
-            det = _cat_units(root[3], layers[3], axis=1)
-            unit = _cat_units(root[4], layers[4])
+        params, outer, outer_state, det, figures = stacked_sync(
+            state.params, state.outer_params, state.outer_opt_state, state.detector, self.rule.penalty,
+            self.outer_opt, self.rule.layerwise)
         params = jax.tree.map(lambda s, x: s.astype(x.dtype), params, state.params)
-        figures = sync_figures(unit)
-        bad = ~jnp.all(jnp.isfinite(unit["pseudo_grad_norm"]), axis=0) | ~_all_finite(state.opt_state, 1)
+        bad = ~jnp.all(jnp.isfinite(figures["unit_pseudo_grad_norm"]), axis=0) | ~_all_finite(state.opt_state, 1)
         figures["inner_reset"] = bad
         new = state._replace(params=params, opt_state=_zero_inexact(state.opt_state, bad),
                              outer_params=outer, outer_opt_state=outer_state, detector=det)
@@ -431,5 +414,32 @@ def sync_figures(unit: dict) -> dict:
             "outer_update_norm": jnp.sqrt(jnp.sum(jnp.square(unit["update_norm"])))}
 
 
+def stacked_sync(params: Any, outer_params: Any, outer_opt_state: Any, detector: Detector, penalty: Penalty,
+                 outer_opt: optax.GradientTransformation, layerwise: bool, shares: jax.Array | None = None):
+    """One sync of N workers whose params are stacked [N, ...] in one program (the ``Stacked``
+    reduction), unit by unit: the root and each layer of ``{"root", "layers"}`` params when
+    ``layerwise``, else the whole pytree as one unit. ``detector``: every worker's, [N, U];
+    ``shares`` ([N], A-EDiT): each worker's share of the steps. Returns (every worker's new params
+    [N, ...] (θ̄ broadcast, float32), θ̄, the outer state, the detectors, the sync's figures).
+    What ``LocalSGD.sync`` runs, and the exchange's round (``elastic/outer_round.py``)."""
+    red = Stacked()
+    if not layerwise:
+        res = sync_unit(params, outer_params, outer_opt_state, _unit_det(detector, 0), penalty, outer_opt,
+                        shares=shares, reduction=red)
+        det = jax.tree.map(lambda x: x[:, None], res.detector)
+        return res.params, res.outer_params, res.opt_state, det, sync_figures(jax.tree.map(lambda x: x[None],
+                                                                                            res.metrics))
+
+    def one(local, outer, outer_state, det):
+        r = sync_unit(local, outer, outer_state, det, penalty, outer_opt, shares=shares, reduction=red)
+        return r.params, r.outer_params, r.opt_state, r.detector, r.metrics
+    root = one(params["root"], outer_params["root"], outer_opt_state["root"], _unit_det(detector, 0))
+    layers = jax.vmap(one, in_axes=(1, 0, 0, 1), out_axes=(1, 0, 0, 1, 0))(
+        params["layers"], outer_params["layers"], outer_opt_state["layers"], _unit_det(detector, slice(1, None)))
+    new_params, outer, outer_state = ({"root": r, "layers": l} for r, l in zip(root[:3], layers[:3]))
+    return new_params, outer, outer_state, _cat_units(root[3], layers[3], axis=1), sync_figures(
+        _cat_units(root[4], layers[4]))
+
+
 __all__ = ["LocalSGD", "LocalSGDRule", "LocalSGDState", "diloco", "post_local_sgd", "edit", "identity_hook",
-           "sync_figures", "Penalty", "OuterSpec"]
+           "sync_figures", "stacked_sync", "Penalty", "OuterSpec"]

@@ -29,6 +29,10 @@ class Timed(RuleWrapper):
         require(s.min_total_steps >= 1, "sync.min_total_steps", f"must be >= 1, got {s.min_total_steps}")
         require(0.0 <= s.step_weight_ratio <= 1.0, "sync.step_weight_ratio",
                 f"must be in [0, 1], got {s.step_weight_ratio}")
+        require(s.grace > 0, "sync.grace", f"must be positive (seconds a round waits for posts), got {s.grace}")
+        require(s.late_posts in ("carry", "drop"), "sync.late_posts", f"expected carry or drop, got {s.late_posts!r}")
+        require(not s.exchange or s.method == "a_edit", "sync.exchange",
+                f"workers meeting through an exchange are A-EDiT's (method=a_edit), got method={s.method}")
 
     @staticmethod
     def validate(cfg: Config) -> None:
@@ -39,6 +43,9 @@ class Timed(RuleWrapper):
         mesh, s = cfg.mesh, cfg.sync
         require(s.fragments == 1, "sync.fragments",
                 f"staggered fragments follow the step count (every tau steps); method {s.method} syncs by wall clock")
+        if s.exchange:
+            Timed.validate_exchange(cfg)
+            return
         require(mesh.processes == mesh.replica and mesh.replica > 1, "mesh.processes",
                 f"method {s.method} runs one process per worker: set mesh.processes=mesh.replica={mesh.replica} "
                 f"(with mesh.replica >= 2), got {mesh.processes}")
@@ -47,6 +54,26 @@ class Timed(RuleWrapper):
                 "copy between syncs); 'replica_shard' is for the lock-step methods")
         require(not s.cpu_offload, "sync.cpu_offload", f"not supported with method {s.method} (each worker's "
                 "state moves between its own mesh and the global one by reference)")
+
+
+    @staticmethod
+    def validate_exchange(cfg: Config) -> None:
+        """Workers as separate programs (``elastic/``): ``mesh.replica`` worker slots (each its rows of
+        the global batch), ``mesh.processes`` of them started by the launcher, the rest by hand."""
+        mesh, s = cfg.mesh, cfg.sync
+        require(1 <= mesh.processes <= mesh.replica, "mesh.processes",
+                f"with sync.exchange: the workers the launcher starts, 1..mesh.replica={mesh.replica} (the worker "
+                f"slots), got {mesh.processes}")
+        require(s.warmup_steps == 0, "sync.warmup_steps",
+                "must be 0 with sync.exchange: the synchronous warmup is a collective across all workers, which the "
+                f"exchange exists to avoid (a fault in it stops everyone); got {s.warmup_steps}")
+        require(cfg.max_seconds == 0, "max_seconds", "not with sync.exchange: stop a worker with a signal (the "
+                "others go on), the run ends at its token budget (steps x mesh.replica)")
+        require(s.compress == "none", "sync.compress",
+                f"with sync.exchange posts carry float32 pseudo gradients (compressed posts: not yet), got {s.compress}")
+        require(s.outer_sharding == "shard" and not s.cpu_offload, "sync.outer_sharding",
+                "with sync.exchange θ̄ and the outer state live in each worker's host memory (leave sync.outer_sharding"
+                "=shard, sync.cpu_offload=false)")
 
 
 __all__ = ["Timed"]

@@ -32,6 +32,19 @@ from edit_jax.runtime.multihost import host_value, local_value
 _GOLDEN = np.uint32(0x9E3779B1)  # Knuth's multiplicative hash constant (odd)
 
 
+def leaves_hash(arrays) -> str:
+    """A hash of host arrays in order (dtype, shape and bytes): the exchange's round states carry
+    it (elastic/rounds.py) and ``trained.py`` checks it when it reads one back."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for x in arrays:
+        x = np.ascontiguousarray(np.asarray(x))
+        h.update(str((x.dtype.str, x.shape)).encode())
+        h.update(x.tobytes())
+    return h.hexdigest()[:24]
+
+
 def _bits_u32(x: jax.Array) -> jax.Array:
     """The element's bit pattern as uint32 (floats are bitcast, not converted)."""
     if x.dtype == jnp.bool_:

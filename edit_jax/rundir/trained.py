@@ -19,6 +19,7 @@ older checkpoints, if they differ: damaged on disk).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ from edit_jax.config import Config, ConfigError, from_dict
 from edit_jax.data import DataError, make_tokenizer
 from edit_jax.localsgd.state import state_shapes, state_shapes_of_format
 from edit_jax.rundir.checkpoint import UnreadableCheckpointError, check_checksums
-from edit_jax.rundir.integrity import part_checksums
+from edit_jax.rundir.integrity import leaves_hash, part_checksums
 
 
 class TrainedModelError(RuntimeError):
@@ -72,10 +73,38 @@ def _older_hint(steps: list[int], step: int) -> str:
     return f"; pass --step {older[-1]} to use an older checkpoint (on disk: {', '.join(map(str, older))})"
 
 
+def load_exchange_state(run_dir: str) -> TrainedModel:
+    """θ̄ of an exchange-mode A-EDiT run (``sync.exchange``): its closer saves the newest round state
+    as ``RUN_DIR/exchange_state.npz`` every ``checkpoint_every`` steps and at the end
+    (elastic/worker.py): the leaves of (θ̄, outer state, detectors) and their hash, checked here."""
+    path = os.path.join(run_dir, "exchange_state.npz")
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            cfg = from_dict(json.load(f))
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            leaves = [z[k] for k in sorted(k for k in z.files if k != "meta")]
+    except (OSError, ValueError, KeyError, ConfigError) as e:
+        raise TrainedModelError(f"{path}: cannot be read ({type(e).__name__}: {e})") from e
+    if leaves_hash(leaves) != meta.get("hash"):
+        raise TrainedModelError(f"{path}: its arrays do not match the hash saved with them (damaged on disk)")
+    template = state_shapes(cfg).outer.params
+    n = len(jax.tree.leaves(template))
+    params = jax.tree.unflatten(jax.tree.structure(template), leaves[:n])
+    if any(np.shape(a) != b.shape for a, b in zip(leaves[:n], jax.tree.leaves(template))):
+        raise TrainedModelError(f"{path}: its θ̄ does not fit the run's config.json model")
+    step = int(meta["tally"]) // cfg.mesh.replica
+    return TrainedModel(cfg, step, params, "outer", path, run_dir)
+
+
 def load_trained(run_dir: str, step: int | None = None) -> TrainedModel:
-    """Reads the model params of checkpoint ``step`` (default: the latest) of ``run_dir``."""
+    """Reads the model params of checkpoint ``step`` (default: the latest) of ``run_dir``; of an
+    exchange-mode run (no checkpoints/, an ``exchange_state.npz``), its newest saved θ̄."""
     import orbax.checkpoint as ocp
 
+    if step is None and os.path.exists(os.path.join(run_dir, "exchange_state.npz")) \
+            and not os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        return load_exchange_state(run_dir)
     directory, steps = checkpoint_steps(run_dir)
     if step is None:
         step = steps[-1]

@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import sys
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,7 @@ class Run:
     evals: list[dict]  # evaluation records, one per step
     syncs: list[dict]  # sync records, one per step
     label: str = ""
+    rounds: list[dict] = dataclasses.field(default_factory=list)  # exchange-mode A-EDiT: who was in each round
 
 
 # ----------------------------------------------------------------------------- reading
@@ -128,7 +130,8 @@ def load_run(run_dir: str, label: str | None = None) -> Run:
         train = _mean_over_workers(train)
     evals = _last_per_key([r for r in records if "val_loss" in r], lambda r: r["step"])
     syncs = _last_per_key([r for r in records if r.get("sync") and "pseudo_grad_norm" in r], lambda r: r["step"])
-    return Run(path=run_dir, config=config, train=train, evals=evals, syncs=syncs, label=label or "")
+    rounds = sorted((r for r in records if r.get("sync") and "members" in r), key=lambda r: r["round"])
+    return Run(path=run_dir, config=config, train=train, evals=evals, syncs=syncs, label=label or "", rounds=rounds)
 
 
 # ----------------------------------------------------------------------------- labels
@@ -252,7 +255,7 @@ def make_figure(runs: list[Run], x: str = "tokens"):
     if x not in X_AXES:
         raise PlotError(f"--x {x!r}: expected one of {', '.join(X_AXES)}")
     synced = [r for r in runs if r.syncs]
-    n_panels = 3 if synced else 1
+    n_panels = (3 if synced else 1) + any(r.rounds for r in runs)
     fig = Figure(figsize=(WIDTH_IN, PANEL_IN * n_panels + 0.4), dpi=DPI, layout="constrained")
     axes = fig.subplots(n_panels, 1, sharex=True, squeeze=False)[:, 0]
     colors = [f"C{i % 10}" for i in range(len(runs))]
@@ -313,8 +316,32 @@ def make_figure(runs: list[Run], x: str = "tokens"):
         if quiet:  # say why a plotted run is missing here (a baseline never syncs)
             norm_ax.text(0.01, 0.02, "no sync records: " + "; ".join(quiet), transform=norm_ax.transAxes,
                          fontsize=7, color="0.3", va="bottom")
+    if any(r.rounds for r in runs):
+        _membership(axes[-1], runs, colors, x)
     axes[-1].set_xlabel(X_LABELS[x])
     return fig
+
+
+def _membership(ax, runs: list[Run], colors: list[str], x: str) -> None:
+    """Exchange-mode A-EDiT: a mark at (round, worker) for each round's member, the runs side by
+    side within a worker's row (workers that left, stalled or joined show as gaps)."""
+    for i, (run, color) in enumerate(zip(runs, colors)):
+        if not run.rounds:
+            continue
+        to_x = _x_mapper(run, x)
+        xs = to_x([r["step"] for r in run.rounds])
+        offset = 0.15 * (i - (len(runs) - 1) / 2)
+        for at, r in zip(xs, run.rounds):
+            ax.plot([at] * len(r["members"]), np.asarray(r["members"], dtype=float) + offset, linestyle="none",
+                    marker="|", markersize=8, color=color)
+        ax.plot([], [], linestyle="none", marker="|", color=color, label=run.label)
+    slots = max(w for run in runs for r in run.rounds for w in r["members"]) + 1
+    ax.set_yticks(range(slots))
+    ax.set_ylim(-0.5, slots - 0.5)
+    ax.set_ylabel("worker")
+    ax.set_title("round membership: a mark per round per worker that took part", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 # ----------------------------------------------------------------------------- entry points

@@ -1,0 +1,135 @@
+"""Where A-EDiT's workers meet when they are separate programs: a key-value store of whole objects.
+
+An ``Exchange`` holds bytes under ``/``-separated keys (``posts/r00000003/w0002.npz``). Every write
+is whole or absent (a reader never sees half an object), and ``create`` is create-exclusive: of
+several workers creating the same key exactly one succeeds, which is what fixes a round's members
+(``rounds.py``). Two backends:
+
+- ``DirExchange``: a directory on a shared file system. ``put`` writes a temporary file in the
+  same directory, fsyncs it and renames it over the key (rename is atomic on POSIX);
+  ``create`` links the finished temporary file to the key (``os.link`` fails if the key exists: the
+  same guarantee as ``O_EXCL``, with the content complete before the name appears).
+- ``S3Exchange`` (``s3.py``): object storage over the S3 API; ``create`` is a conditional put
+  (``If-None-Match: *``).
+
+``open_exchange(url)``: a path or ``file://PATH`` gives a ``DirExchange``; ``s3://bucket/prefix``
+an ``S3Exchange`` (endpoint from ``?endpoint=`` or ``AWS_ENDPOINT_URL``).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Protocol
+
+from edit_jax.elastic.keys import ExchangeError, _check_key
+from edit_jax.elastic.s3 import S3Exchange  # boto3 loads when one opens
+
+
+class Exchange(Protocol):
+    url: str
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write ``key`` (replacing it), atomically: readers see the old object or the new one."""
+
+    def create(self, key: str, data: bytes) -> bool:
+        """Write ``key`` only if it does not exist; True if this call created it."""
+
+    def get(self, key: str) -> bytes | None:
+        """The object at ``key``, or None if there is none."""
+
+    def list(self, prefix: str) -> list[str]:
+        """Every key starting with ``prefix``, sorted."""
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` (no error if it is absent)."""
+
+
+class DirExchange:
+    """The exchange as a directory (shared between the workers' machines: NFS, Lustre, a local disk
+    for workers on one machine)."""
+
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+        self.url = self.root
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            raise ExchangeError(f"sync.exchange: cannot create directory {self.root!r}: {e}") from e
+        if not os.access(self.root, os.W_OK):
+            raise ExchangeError(f"sync.exchange: directory {self.root!r} is not writable")
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *_check_key(key).split("/"))
+
+    def _staged(self, path: str, data: bytes) -> str:
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        return tmp
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        tmp = self._staged(path, data)
+        os.replace(tmp, path)
+
+    def create(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        if os.path.exists(path):
+            return False
+        tmp = self._staged(path, data)
+        try:
+            os.link(tmp, path)  # fails if the key exists, and the key appears with its whole content
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def list(self, prefix: str) -> list[str]:
+        # Walk only the folder the prefix names (keys are a few levels deep).
+        head, _, _ = prefix.rpartition("/")
+        base = os.path.join(self.root, *head.split("/")) if head else self.root
+        keys = []
+        for folder, dirs, files in os.walk(base):
+            rel = os.path.relpath(folder, self.root)
+            for name in files:
+                if name.startswith(".tmp"):
+                    continue
+                key = name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}"
+                if key.startswith(prefix):
+                    keys.append(key)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            pass
+
+
+def open_exchange(url: str) -> Exchange:
+    """The exchange ``url`` names (``sync.exchange``)."""
+    if url.startswith("s3://"):
+        return S3Exchange.from_url(url)
+    if "://" in url and not url.startswith("file://"):
+        raise ExchangeError(f"sync.exchange: expected a directory, file://PATH or s3://BUCKET/PREFIX, got {url!r}")
+    return DirExchange(url[len("file://"):] if url.startswith("file://") else url)
+
+
+__all__ = ["Exchange", "DirExchange", "ExchangeError", "open_exchange"]

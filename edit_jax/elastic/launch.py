@@ -1,0 +1,133 @@
+"""The launcher of exchange-mode A-EDiT on one machine: one ``edit-jax worker`` process per worker
+slot (``mesh.processes`` of them), each restarted alone when it dies while the others keep training.
+
+    edit-jax train --config C sync.method=a_edit sync.exchange=DIR ...    # -> launch_workers(...)
+
+A worker that exits 0 is done (the run's token budget is spent); one that dies otherwise (a crash,
+SIGKILL, an OOM) is started again, at most ``--max-restarts`` times *per worker*: it rejoins from
+the newest round state (``worker.py``). The launcher never waits on a stopped worker: the rounds go
+on without it (``sync.grace``). A signal to the launcher (Ctrl-C, SIGTERM) is passed to every
+worker, which ends where it stands (exit 130). Workers can also be started and stopped by hand, or
+by SLURM (one job step per worker): ``edit-jax worker --worker I`` pointing at the same run dir.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from edit_jax.elastic.exchange import Exchange, open_exchange
+from edit_jax.elastic.rounds import retract
+from edit_jax.runtime.launch import without_cpu_device_count
+
+EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_WORKER_LOST = 0, 2, 130, 5
+
+
+def worker_argv(worker: int, config: str, run_dir: str, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "edit_jax", "worker", "--config", config, "--run-dir", run_dir,
+            "--worker", str(worker), *overrides]
+
+
+def _child_env(shard: int) -> dict:
+    env = dict(os.environ)
+    flags = without_cpu_device_count(env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={shard}".strip()
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    return env
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def launch_workers(config: str, run_dir: str, overrides: list[str], workers: int, shard: int, max_restarts: int,
+                   say=lambda m: print(m, file=sys.stderr, flush=True), poll_s: float = 0.2,
+                   exchange: Exchange | None = None) -> int:
+    """Runs workers 0..workers-1 until each exits 0 or has used its restarts. Returns 0 when the run
+    finished (some worker ended it), 130 when interrupted, 5 when every worker was lost. With
+    ``exchange``, a worker that dies is retracted from the rounds at once (``rounds.retract``)."""
+    env = _child_env(shard)
+    procs: dict[int, subprocess.Popen] = {}
+    restarts = {i: 0 for i in range(workers)}
+    ended: dict[int, int] = {}
+    interrupted = [0]
+
+    def start(i: int) -> None:
+        procs[i] = subprocess.Popen(worker_argv(i, config, run_dir, overrides), env=env, preexec_fn=_die_with_parent)
+
+    def forward(signum, frame):
+        del frame
+        interrupted[0] += 1
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL if interrupted[0] > 1 else signum)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for i in range(workers):
+            start(i)
+        while len(ended) < workers:
+            time.sleep(poll_s)
+            for i, p in list(procs.items()):
+                code = p.poll()
+                if code is None or i in ended:
+                    continue
+                if code == EXIT_OK or interrupted[0]:
+                    ended[i] = code
+                elif code == EXIT_USAGE:  # a bad config or a slot in use: starting it again changes nothing
+                    ended[i] = code
+                    say(f"edit-jax: worker {i} refused to start (exit 2, its message above); not restarting it")
+                elif restarts[i] < max_restarts:
+                    restarts[i] += 1
+                    if exchange is not None:  # the rounds stop waiting for it now, not after the grace
+                        retract(exchange, i)
+                    say(f"edit-jax: worker {i} ended ({_how(code)}); starting it again "
+                        f"({restarts[i]} of {max_restarts}); the others keep training")
+                    start(i)
+                else:
+                    ended[i] = code
+                    if exchange is not None:
+                        retract(exchange, i)
+                    say(f"edit-jax: worker {i} ended ({_how(code)}) with its {max_restarts} restarts used; "
+                        "the others go on without it")
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if interrupted[0]:
+        return EXIT_INTERRUPTED
+    if EXIT_OK in ended.values():
+        return EXIT_OK
+    return EXIT_USAGE if set(ended.values()) == {EXIT_USAGE} else EXIT_WORKER_LOST
+
+
+def launch_run(cfg, args, run_dir: str) -> int:
+    """``edit-jax train`` with ``sync.exchange``: checks ``--max-restarts``, then the workers."""
+    if args.max_restarts < 0:
+        print(f"edit-jax: bad option: --max-restarts {args.max_restarts}: expected 0 or more", file=sys.stderr)
+        return 2
+    return launch_workers(args.config, run_dir, args.overrides, cfg.mesh.processes, cfg.mesh.shard, args.max_restarts,
+                          exchange=open_exchange(cfg.sync.exchange))
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit {code}"
+
+
+__all__ = ["launch_workers", "launch_run", "worker_argv"]

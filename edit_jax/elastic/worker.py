@@ -1,0 +1,392 @@
+"""One A-EDiT worker as its own program, meeting the others only through the exchange.
+
+    edit-jax worker CONFIG --worker I --run-dir RUN [key=value ...]     # what the launcher starts
+
+Set up: the method plan, this worker's mesh (its own devices, ``mesh.shard`` of them), the local
+step program, the data (its slot's rows of the global batch), the exchange. Then one plain loop:
+
+    join: the newest round state (published, then replayed up to the newest manifest)
+    until the token budget is spent:
+        local steps for sync.tau_time seconds
+        post Δ = θ̄ − θ_i to round r; wait for round r's manifest (closing it when due)
+        apply round r (and any it missed); restart from θ̄ (a late post: carried or dropped)
+
+No JAX collective spans two workers: a worker that dies, stops or joins changes only the rounds'
+membership (``rounds.py``). Records go to ``RUN/metrics.jsonl`` (appended whole lines): each
+worker's training records, each round's record (written by its closer: members, who was late,
+the sync's figures), evaluations of θ̄ (by the closer, every ``eval_every`` global steps and at
+the end). Exit codes: 0 when the run's token budget is spent, 130 on SIGINT / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from edit_jax.config import Config, dumps
+from edit_jax.data import check_model_vocab, load_corpus, make_train_stream, val_batches
+from edit_jax.elastic import rounds as R
+from edit_jax.elastic.exchange import Exchange, open_exchange
+from edit_jax.elastic.outer_round import OuterRound
+from edit_jax.localsgd.methods import LOCAL, plan_for
+from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.runtime import multihost
+from edit_jax.runtime.mesh import make_mesh
+from edit_jax.runtime.multihost import parse_slowdown
+from edit_jax.training.evaluate import Evaluator
+
+POLL_S = 0.05  # how often a waiting worker looks at the exchange
+EXCHANGE_STATE = "exchange_state.npz"  # the newest saved round state in the run dir (rundir/trained.py)
+
+
+class SlotInUse(RuntimeError):
+    """Another live worker holds this worker slot."""
+
+
+class RoundMismatch(RuntimeError):
+    """This worker's θ̄ differs from the one the round's closer held (never expected: a bug)."""
+
+
+@dataclass
+class Local:
+    """This worker's position: its state, steps since it last entered a round, its data cursor."""
+
+    state: object
+    since: int = 0
+    done: int = 0
+    carried: int = 0  # steps of a late post carried into the next one
+
+
+def append_record(path: str, rec: dict) -> None:
+    """One whole line appended with one write (O_APPEND): several workers write the same file."""
+    line = (json.dumps(rec) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+class ElasticWorker:
+    def __init__(self, cfg: Config, worker: int, run_dir: str, say=print, exchange: Exchange | None = None):
+        method_plan = plan_for(cfg)
+        self.cfg = cfg = method_plan.cfg
+        if not cfg.sync.exchange and exchange is None:
+            raise ValueError("sync.exchange: required for an elastic worker (a directory or s3://bucket/prefix)")
+        if not 0 <= worker < cfg.mesh.replica:
+            raise ValueError(f"--worker: expected a worker slot 0..{cfg.mesh.replica - 1} (mesh.replica slots), "
+                             f"got {worker}")
+        self.me, self.run_dir, self.say = worker, run_dir, say
+        self.ex = exchange or open_exchange(cfg.sync.exchange)
+        self.owner = f"{socket.gethostname()}:{os.getpid()}"
+        self.check_slot_free()  # before any work
+        self.plan, self.schedule = method_plan.plan, method_plan.schedule
+        lcfg = multihost.local_config(cfg)
+        self.mesh = make_mesh(lcfg.mesh, jax.local_devices()[:cfg.mesh.shard])
+        self.loc = StepPrograms.for_config(lcfg, self.mesh)
+        corpus = load_corpus(cfg.data)
+        check_model_vocab(corpus, cfg.model.vocab_size)
+        self.stream = make_train_stream(corpus, cfg.data.seq_len, cfg.batch_size, cfg.mesh.replica, cfg.data.seed)
+        self.val = val_batches(corpus, cfg.data.seq_len, cfg.batch_size // cfg.mesh.replica, cfg.eval_batches) \
+            if cfg.eval_batches else []
+        self.outer = OuterRound(self.plan)
+        self.target = cfg.steps * cfg.mesh.replica  # the token budget in inner steps of one worker's rows
+        self.slow = parse_slowdown(cfg.debug.slowdown).get(worker, 1.0)
+        self.stop, self.compiled = False, False
+        self.metrics = os.path.join(run_dir, "metrics.jsonl")
+        self.t0 = self._start_time()
+
+    # -- records -----------------------------------------------------------------------------------
+
+    def _start_time(self) -> float:
+        os.makedirs(self.run_dir, exist_ok=True)
+        path = os.path.join(self.run_dir, "config.json")  # what runs (a restart may change `steps`)
+        with open(f"{path}.w{self.me}.tmp", "w") as f:
+            f.write(dumps(self.cfg) + "\n")
+        os.replace(f"{path}.w{self.me}.tmp", path)
+        self.ex.create("run/start.json", json.dumps({"time": time.time()}).encode())
+        return float(json.loads(self.ex.get("run/start.json").decode())["time"])
+
+    def record(self, rec: dict) -> None:
+        append_record(self.metrics, {**rec, "time": round(time.time() - self.t0, 3)})
+
+    # -- the round state ---------------------------------------------------------------------------
+
+    def _template(self) -> R.RoundState:
+        state = self.loc.init_state(self.cfg.seed)  # the same initial params on every worker (the seed)
+        theta = jax.tree.map(lambda x: np.asarray(x)[0], jax.device_get(state.params))
+        units = 1 + self.cfg.model.n_layers if self.plan.layerwise else 1
+        self._init_state = state
+        return self.outer.initial(theta, self.cfg.mesh.replica, units, max(2, self.plan.penalty.warmup))
+
+    def join(self) -> R.RoundState:
+        """The newest round state: round 0 created if nobody did yet; the newest published state,
+        then every later round replayed from its posts."""
+        template = self._template()
+        self.template = template
+        if R.newest_state(self.ex) is None:  # a new run (not again once round 0 was collected)
+            self.ex.create(R.state_key(0), template.encode())
+        r = R.newest_state(self.ex)
+        shared = self.catch_up(R.RoundState.decode(self.ex.get(R.state_key(r)), template, R.state_key(r)))
+        shared.finished = shared.tally >= self.target  # this config's budget (a restart may raise `steps`)
+        return shared
+
+    def catch_up(self, shared: R.RoundState) -> R.RoundState:
+        while True:
+            m = R.read_manifest(self.ex, shared.round + 1)
+            if m is None:
+                return shared
+            shared = self.apply(shared, m)
+
+    def apply(self, shared: R.RoundState, m: R.Manifest) -> R.RoundState:
+        """Round ``m.round`` applied to ``shared`` (round m.round - 1): the posts the manifest names."""
+        if m.base_hash != shared.digest():
+            shared = self.adopt_published(shared, m)
+        posts = []
+        for w in m.members:
+            data = self.ex.get(R.post_key(m.round, w))
+            if data is None:  # collected: this worker is too far behind to replay; take the published state
+                return self._published_at_least(m.round)
+            posts.append(R.Post.decode(data, R.post_key(m.round, w)))
+        new, figures = self.outer.apply(shared, posts)
+        new.finished = new.tally >= self.target
+        if m.closer == self.me and not self.ex.list(R.state_key(new.round)):  # not again after a restart
+            self._publish(new, m, posts, figures)
+        return new
+
+    def adopt_published(self, shared: R.RoundState, m: R.Manifest) -> R.RoundState:
+        """This worker's θ̄ differs from the closer's (hosts whose CPUs round differently, say): take
+        the published round state the closer holds, recorded; with none, stop with the hashes."""
+        data = self.ex.get(R.state_key(shared.round))
+        theirs = R.RoundState.decode(data, self.template, R.state_key(shared.round)) if data else None
+        if theirs is None or theirs.digest() != m.base_hash:
+            raise RoundMismatch(f"round {m.round}: worker {self.me}'s θ̄ (hash {shared.digest()}) differs from the "
+                                f"closer's (worker {m.closer}, hash {m.base_hash}) and no published state matches")
+        self.record({"step": shared.tally // self.cfg.mesh.replica, "worker": self.me, "theta_resync": shared.round,
+                     "mine": shared.digest(), "closers": m.base_hash})
+        theirs.finished = shared.finished
+        return theirs
+
+    def _published_at_least(self, r: int) -> R.RoundState:
+        newest = R.newest_state(self.ex)
+        if newest is None or newest < r:
+            raise RuntimeError(f"round {r}: its posts were collected and no state of round >= {r} is published "
+                               f"(exchange {self.ex.url})")
+        shared = R.RoundState.decode(self.ex.get(R.state_key(newest)), self.template, R.state_key(newest))
+        return self.catch_up(shared)
+
+    def _publish(self, new: R.RoundState, m: R.Manifest, posts: list[R.Post], figures: dict) -> None:
+        self.ex.put(R.state_key(new.round), new.encode())
+        R.collect_garbage(self.ex, new.round)
+        slots = self.cfg.mesh.replica
+        per_slot = lambda v: [v[m.members.index(w)] if w in m.members else None for w in range(slots)]  # noqa: E731
+        step = new.tally // slots
+        self.record({"step": step, "global_step": step, "sync": True, "round": new.round, "members": m.members,
+                     "expected": m.expected, "closed_by": m.closed_by, "theta_hash": new.digest(),
+                     "pseudo_grad_norm": per_slot(figures["pseudo_grad_norm"]), "weight": per_slot(figures["weight"]),
+                     "flagged": per_slot(figures["flagged"]), "clip_factor": figures["clip_factor"],
+                     "outer_update_norm": figures["outer_update_norm"],
+                     "steps": [p.steps_since for p in posts], "carried": [p.carried for p in posts],
+                     "cursors": [p.cursor for p in posts],
+                     "finished": new.finished})
+        before = (new.tally - sum(p.steps_since for p in posts)) // slots
+        crossed = lambda every: new.finished or (every > 0 and step // every > before // every)  # noqa: E731
+        if crossed(self.cfg.checkpoint_every):  # what `edit-jax sample / export` read (rundir/trained.py)
+            self.save_model(new)
+        if self.val and crossed(self.cfg.eval_every):
+            self.record({"step": step, "val_loss": self.evaluate(new.theta), "round": new.round})
+
+    def save_model(self, state: R.RoundState) -> None:
+        """The round state as ``RUN/exchange_state.npz`` (written aside, then renamed over)."""
+        path = os.path.join(self.run_dir, EXCHANGE_STATE)
+        with open(f"{path}.w{self.me}.tmp", "wb") as f:
+            f.write(state.encode())
+        os.replace(f"{path}.w{self.me}.tmp", path)
+
+    def evaluate(self, theta) -> float:
+        lay = self.loc.layout
+        if not hasattr(self, "_eval_fn"):
+            self._eval_fn = Evaluator(self.loc).loss_fn(True)
+        fn = self._eval_fn
+        params = jax.tree.map(lambda x, s: jax.device_put(jnp.asarray(x), s), theta,
+                              jax.tree.map(lambda a: a.sharding, lay.abstract_state().outer.params))
+        losses = [float(multihost.local_value(fn(params, self.loc.put_batch(b)))) for b in self.val]
+        return sum(losses) / len(losses)
+
+    # -- local training ----------------------------------------------------------------------------
+
+    def restart_from(self, shared: R.RoundState, state, delta=None, count: int | None = None):
+        """This worker's params at θ̄ (minus a carried Δ); with ``count``, a fresh inner optimizer
+        whose step counts (the schedule's position) are ``count``."""
+        theta = shared.theta if delta is None else jax.tree.map(lambda t, d: t - d, shared.theta, delta)
+        params = jax.tree.map(lambda t, p: jax.device_put(np.asarray(t, p.dtype)[None], p.sharding), theta,
+                              state.params)
+        state = state.replace(params=params)
+        if count is not None:
+            def fresh(path, x):
+                named = getattr(path[-1], "name", None) == "count" if path else False
+                return jnp.full_like(x, count) if named else jnp.zeros_like(x)
+            opt = jax.tree_util.tree_map_with_path(fresh, self._init_state.opt_state)
+            state = state.replace(opt_state=jax.device_put(opt, jax.tree.map(lambda a: a.sharding, state.opt_state)))
+        return state
+
+    def train_for(self, local: Local, seconds: float, started=lambda: None, aligned: bool = False) -> float:
+        """Local steps until ``seconds`` passed (at least one); returns the last loss. ``started``
+        runs after the first step (the first of a process compiles: announcing a round only then
+        keeps the others from waiting on a compile). ``aligned``: ``seconds`` lead to the round's due
+        time, so a compile counts against them."""
+        step = self.loc.step_fn(LOCAL)
+        start, loss, last_log = time.monotonic(), float("nan"), (time.perf_counter(), local.done)
+        compiling = not self.compiled  # the first step compiles: the round's clock starts after it
+        self.compiled = True
+        while True:
+            t = time.perf_counter()
+            rows = self.stream.replica_batch(self.me, local.done)
+            local.state, metrics = step(local.state, self.loc.put_batch(rows))
+            m = jax.device_get(metrics)
+            loss = float(np.asarray(m["loss"]).reshape(-1)[0])
+            if self.slow > 1.0:
+                time.sleep((self.slow - 1.0) * (time.perf_counter() - t))
+            local.done += 1
+            local.since += 1
+            if local.done % self.cfg.log_every == 0:
+                now = time.perf_counter()
+                dt = (now - last_log[0]) / max(local.done - last_log[1], 1)
+                last_log = (now, local.done)
+                rows_n = self.cfg.batch_size // self.cfg.mesh.replica
+                self.record({"step": local.done, "worker": self.me, "loss": loss, "kind": "local", "step_time": dt,
+                             "tokens_per_s": rows_n * self.cfg.data.seq_len / dt})
+            if compiling:  # the run's first round: its clock starts after the compile (every worker compiles)
+                start = start if aligned else time.monotonic()
+                last_log, compiling = (time.perf_counter(), local.done), False
+            if started is not None:
+                started()
+                started = None
+            if self.stop or time.monotonic() - start >= seconds:
+                return loss
+
+    def due_in(self, shared: R.RoundState) -> float:
+        """Seconds of training before this worker's next post: the next round's posts are due
+        ``tau_time`` after the last round closed, so a worker that joined or caught up mid-round
+        posts with the others instead of a round late (clocks on different hosts: NTP-close)."""
+        m = R.read_manifest(self.ex, shared.round) if shared.round else None
+        if m is None or not m.closed_at:
+            return self.cfg.sync.tau_time
+        return min(self.cfg.sync.tau_time, max(0.0, self.cfg.sync.tau_time - (time.time() - m.closed_at)))
+
+    def announce(self, r: int) -> None:
+        """Round r will wait for this worker (``rounds.expected``); the announcement names this
+        process, so a second worker started on the same slot is refused (``check_slot_free``)."""
+        self.ex.put(R.hello_key(self.me), json.dumps({"worker": self.me, "round": r, "owner": self.owner,
+                                                      "time": time.time()}).encode())
+
+    def check_slot_free(self) -> None:
+        """Refuses to start on a slot another live process announced on (on this host: its PID is
+        alive; on another: it announced within the last 2 x (tau_time + grace) seconds)."""
+        data = self.ex.get(R.hello_key(self.me))
+        info = json.loads(data.decode()) if data else {}
+        host, _, pid = str(info.get("owner", "")).rpartition(":")
+        if not host or info["owner"] == self.owner:
+            return
+        if host == socket.gethostname():
+            try:
+                os.kill(int(pid), 0)
+                alive = True
+            except (ProcessLookupError, ValueError):
+                alive = False
+            except PermissionError:
+                alive = True
+        else:
+            alive = time.time() - float(info.get("time", 0)) < 2 * (self.cfg.sync.tau_time + self.cfg.sync.grace)
+        if alive:
+            raise SlotInUse(f"--worker {self.me}: slot {self.me} of exchange {self.ex.url} is in use by "
+                            f"{info['owner']} (host:pid); pick another slot (0..{self.cfg.mesh.replica - 1}) or stop it")
+
+    def post(self, shared: R.RoundState, local: Local, loss: float) -> tuple[R.Post, bool]:
+        """This worker's post to the next round; False if a post of this slot is already there (this
+        worker's, from before a restart): posts are immutable, so every reader of the round reads
+        the same one, and this worker's newer progress is carried as a late post's would be."""
+        mine = jax.tree.map(lambda x: np.asarray(x, np.float32)[0], jax.device_get(local.state.params))
+        delta = [np.asarray(t - p, np.float32) for t, p in zip(jax.tree.leaves(shared.theta), jax.tree.leaves(mine))]
+        post = R.Post(self.me, shared.round + 1, delta, local.since, local.done, loss, shared.digest(), local.carried)
+        return post, self.ex.create(R.post_key(post.round, self.me), post.encode())
+
+    def await_round(self, shared: R.RoundState) -> R.Manifest | None:
+        """Round shared.round + 1's manifest: read, or written by this worker when the round is due
+        (everyone expected posted, or ``sync.grace`` seconds since this worker posted)."""
+        r, posted_at = shared.round + 1, time.monotonic()
+        poll = getattr(self.ex, "poll_s", POLL_S)  # object stores: fewer requests
+        while not self.stop:
+            m = R.read_manifest(self.ex, r)
+            if m is not None:
+                return m
+            m = R.collect(self.ex, r, self.me, time.monotonic() - posted_at >= self.cfg.sync.grace, shared.digest())
+            if m is not None:
+                return m
+            time.sleep(poll)
+        return None
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        shared = self.join()
+        local = Local(self._init_state, done=shared.cursors[self.me])
+        local.state = self.restart_from(shared, local.state, count=local.done)
+        self.say(f"edit-jax worker {self.me}: joined at round {shared.round} (data cursor {local.done})")
+        self.outer.precompile(shared, self.cfg.mesh.replica)  # every member count, in the background
+        while not shared.finished:
+            loss = self.train_for(local, self.due_in(shared), lambda r=shared.round + 1: self.announce(r),
+                                  aligned=shared.round > 0)
+            if self.stop:
+                return 130
+            post, fresh = self.post(shared, local, loss)
+            self.announce(post.round + 1)  # expected next round even while this one is still being applied
+            m = self.await_round(shared)
+            if m is None:
+                return 130
+            shared = self.catch_up(shared)
+            if fresh and self.me in m.members:
+                local.state = self.restart_from(shared, local.state)
+                local.since, local.carried = 0, 0
+                continue
+            # Late: the round closed without this worker's post (it was stopped, or slow).
+            carry = self.cfg.sync.late_posts == "carry"
+            delta = jax.tree.unflatten(jax.tree.structure(shared.theta), post.delta) if carry else None
+            local.state = self.restart_from(shared, local.state, delta=delta)
+            if carry:
+                local.carried = local.since
+            else:
+                local.since = 0
+            self.record({"step": shared.tally // self.cfg.mesh.replica, "worker": self.me, "late_post": post.round,
+                         "late_steps": post.steps_since, "late_posts": self.cfg.sync.late_posts, "caught_up_to": shared.round})
+        self.record({"step": shared.tally // self.cfg.mesh.replica, "worker": self.me, "finished_round": shared.round,
+                     "theta_hash": shared.digest()})
+        self.say(f"edit-jax worker {self.me}: the run's token budget is spent (round {shared.round}); exiting")
+        return 0
+
+
+def run_worker(cfg: Config, worker: int, run_dir: str, say=print) -> int:
+    """Runs worker ``worker`` until the run ends (0) or a signal stops it (130)."""
+    try:
+        w = ElasticWorker(cfg, worker, run_dir, say)
+    except SlotInUse as e:
+        say(f"edit-jax: {e}")
+        return 2
+
+    def on_signal(signum, frame):
+        del signum, frame
+        w.stop = True
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    return w.run()
+
+
+__all__ = ["ElasticWorker", "run_worker", "append_record", "RoundMismatch", "SlotInUse"]
