@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -287,8 +288,11 @@ def test_workers_leave_and_join_as_processes(tmp_path):
         with_members = lambda ids, after=0: [r for r in rounds() if set(ids) <= set(r["members"]) and r["round"] > after]  # noqa
         first = _wait_for("a round of workers 0 and 1", lambda: with_members([0, 1]), procs=[launcher])[0]
         os.kill(_pid_of(launcher, 1), signal.SIGKILL)
-        back = _wait_for("worker 1 back in a round", lambda: with_members([1], first["round"]), procs=[launcher])[0]
-        text = open(tmp_path / "launcher.log").read()
+        log_text = lambda: open(tmp_path / "launcher.log").read()  # noqa: E731
+        rejoined = _wait_for("worker 1 restarted and joined",
+                             lambda: re.findall(r"worker 1: joined at round (\d+)", log_text())[1:], procs=[launcher])
+        back = _wait_for("worker 1 back in a round", lambda: with_members([1], int(rejoined[0])), procs=[launcher])[0]
+        text = log_text()
         assert "worker 1 ended (signal SIGKILL); starting it again (1 of 2)" in text and "worker 0 ended" not in text
         assert any(r["members"] == [0] and first["round"] < r["round"] < back["round"] for r in rounds())
         stopped = _pid_of(launcher, 1)

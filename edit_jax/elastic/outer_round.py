@@ -37,11 +37,14 @@ class OuterRound:
         self.cpu = jax.devices("cpu")[0]
         self._fn = jax.jit(self._step)
         self._programs: dict[int, Any] = {}  # participant count -> compiled program
+        self._locks: dict[int, threading.Lock] = {}  # one per count: two counts compile side by side
         self._lock = threading.Lock()
 
     def program(self, state: RoundState, n: int):
         """The compiled step for ``n`` participants (compiled once, whichever thread asks first)."""
         with self._lock:
+            lock = self._locks.setdefault(n, threading.Lock())
+        with lock:
             if n not in self._programs:
                 spec = lambda x, lead=(): jax.ShapeDtypeStruct(lead + np.shape(x), np.asarray(x).dtype,  # noqa: E731
                                                                sharding=SingleDeviceSharding(self.cpu))
@@ -52,11 +55,14 @@ class OuterRound:
                 self._programs[n] = self._fn.lower(*args).compile()
             return self._programs[n]
 
-    def precompile(self, state: RoundState, slots: int) -> threading.Thread:
-        """Compiles the step for every participant count 1..slots in a background thread: a round
-        whose membership changed (a worker left or joined) then waits on no compile."""
+    def precompile(self, state: RoundState, slots: int, now: int | None = None) -> threading.Thread:
+        """Compiles the step for every participant count 1..slots in a background thread, nearest
+        to ``now`` (the last round's member count) first: a round whose membership changed (a
+        worker left or joined) then waits on no compile."""
+        now = now or slots
+
         def run():
-            for n in range(slots, 0, -1):
+            for n in sorted(range(1, slots + 1), key=lambda n: (abs(n - now), -n)):
                 self.program(state, n)
         thread = threading.Thread(target=run, daemon=True, name="outer-round-compile")
         thread.start()

@@ -341,7 +341,7 @@ class ElasticWorker:
         local = Local(self._init_state, done=shared.cursors[self.me])
         local.state = self.restart_from(shared, local.state, count=local.done)
         self.say(f"edit-jax worker {self.me}: joined at round {shared.round} (data cursor {local.done})")
-        self.outer.precompile(shared, self.cfg.mesh.replica)  # every member count, in the background
+        self.outer.precompile(shared, self.cfg.mesh.replica, len(shared.members))  # every count, in the background
         while not shared.finished:
             loss = self.train_for(local, self.due_in(shared), lambda r=shared.round + 1: self.announce(r),
                                   aligned=shared.round > 0)
