@@ -34,6 +34,7 @@ from edit_jax.localsgd.methods import OuterSpec, Penalty, Plan
 from edit_jax.localsgd.outer import Detector, make_outer_optimizer, sync_unit
 from edit_jax.localsgd.reduction import ReplicaPsum
 from edit_jax.localsgd.sharding import REPLICA
+from edit_jax.rundir.records import read_records
 from tests.stages import one_stage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -179,8 +180,7 @@ def _config(exchange, *extra):
 
 
 def _records(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return read_records(os.path.join(run_dir, "metrics.jsonl"))
 
 
 def test_two_workers_in_threads_finish_with_one_theta(tmp_path):
@@ -283,8 +283,7 @@ def test_workers_leave_and_join_as_processes(tmp_path):
     joiner = None
     try:
         def rounds():
-            path = os.path.join(run, "metrics.jsonl")
-            return [r for r in _records(run) if r.get("sync")] if os.path.exists(path) else []
+            return [r for r in _records(run) if r.get("sync")]
         with_members = lambda ids, after=0: [r for r in rounds() if set(ids) <= set(r["members"]) and r["round"] > after]  # noqa
         first = _wait_for("a round of workers 0 and 1", lambda: with_members([0, 1]), procs=[launcher])[0]
         os.kill(_pid_of(launcher, 1), signal.SIGKILL)

@@ -21,7 +21,7 @@ import time
 
 from edit_jax.elastic.exchange import Exchange, open_exchange
 from edit_jax.elastic.rounds import retract
-from edit_jax.runtime.launch import without_cpu_device_count
+from edit_jax.runtime.launch import die_with_parent, without_cpu_device_count
 
 EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_WORKER_LOST = 0, 2, 130, 5
 
@@ -39,15 +39,6 @@ def _child_env(shard: int) -> dict:
     return env
 
 
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def launch_workers(config: str, run_dir: str, overrides: list[str], workers: int, shard: int, max_restarts: int,
                    say=lambda m: print(m, file=sys.stderr, flush=True), poll_s: float = 0.2,
                    exchange: Exchange | None = None) -> int:
@@ -61,7 +52,7 @@ def launch_workers(config: str, run_dir: str, overrides: list[str], workers: int
     interrupted = [0]
 
     def start(i: int) -> None:
-        procs[i] = subprocess.Popen(worker_argv(i, config, run_dir, overrides), env=env, preexec_fn=_die_with_parent)
+        procs[i] = subprocess.Popen(worker_argv(i, config, run_dir, overrides), env=env, preexec_fn=die_with_parent)
 
     def forward(signum, frame):
         del frame

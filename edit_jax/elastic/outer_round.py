@@ -26,6 +26,7 @@ from edit_jax.elastic.rounds import Post, RoundState
 from edit_jax.localsgd.api import stacked_sync
 from edit_jax.localsgd.methods import Plan
 from edit_jax.localsgd.outer import Detector, make_outer_optimizer
+from edit_jax.localsgd.state import init_outer_opt_state
 
 
 class OuterRound:
@@ -80,7 +81,7 @@ class OuterRound:
         """Round 0: θ̄ = the initial params, a fresh outer state, zero detectors for every slot."""
         theta = jax.tree.map(lambda x: np.asarray(x, np.float32), theta)
         if self.plan.layerwise:
-            outer_opt = {"root": self.opt.init(theta["root"]), "layers": jax.vmap(self.opt.init)(theta["layers"])}
+            outer_opt = init_outer_opt_state(self.opt, theta)
         else:
             outer_opt = self.opt.init(theta)
         det = Detector.zeros((slots, n_units), window)

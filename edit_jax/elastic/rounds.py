@@ -29,7 +29,6 @@ of its next post), or with ``drop`` restarts from θ̄ (a record says which).
 
 from __future__ import annotations
 
-import io
 import json
 import time
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ import jax
 import numpy as np
 
 from edit_jax.elastic.exchange import Exchange
-from edit_jax.rundir.integrity import leaves_hash
+from edit_jax.rundir.integrity import leaves_hash, pack_arrays, unpack_arrays
 
 KEEP_ROUNDS = 8  # posts and published states kept behind the newest round (catch-up by replay)
 
@@ -67,21 +66,11 @@ def _round_of(key: str) -> int:
 # ----------------------------------------------------------------------------- payloads
 
 
-def pack(leaves: list[np.ndarray], meta: dict) -> bytes:
-    buf = io.BytesIO()
-    np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
-             **{f"a{i:05d}": np.asarray(x) for i, x in enumerate(leaves)})
-    return buf.getvalue()
+pack = pack_arrays
 
 
 def unpack(data: bytes, what: str) -> tuple[list[np.ndarray], dict]:
-    try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as z:
-            meta = json.loads(bytes(z["meta"]).decode())
-            leaves = [z[k] for k in sorted(k for k in z.files if k != "meta")]
-    except Exception as e:  # a truncated or foreign object: say which
-        raise ValueError(f"exchange object {what}: not a readable post / state ({type(e).__name__}: {e})") from e
-    return leaves, meta
+    return unpack_arrays(data, f"exchange object {what}")
 
 
 def tree_hash(tree: Any) -> str:
@@ -141,6 +130,11 @@ class RoundState:
     cursors: list[int]  # each slot's data cursor as of its newest post in a round
     members: list[int] = field(default_factory=list)  # the round's participants
     finished: bool = False
+
+    @property
+    def global_step(self) -> int:
+        """The run's step as one program's: inner steps of every slot over the slots (tokens / batch)."""
+        return self.tally // len(self.cursors)
 
     def digest(self) -> str:
         return tree_hash((self.theta, self.outer_opt, self.detectors))

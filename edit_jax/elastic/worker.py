@@ -37,7 +37,9 @@ from edit_jax.elastic import rounds as R
 from edit_jax.elastic.exchange import Exchange, open_exchange
 from edit_jax.elastic.outer_round import OuterRound
 from edit_jax.localsgd.methods import LOCAL, plan_for
+from edit_jax.localsgd.optim import with_step_counts
 from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.rundir.records import replace_file, worker_log
 from edit_jax.runtime import multihost
 from edit_jax.runtime.mesh import make_mesh
 from edit_jax.runtime.multihost import parse_slowdown
@@ -52,7 +54,8 @@ class SlotInUse(RuntimeError):
 
 
 class RoundMismatch(RuntimeError):
-    """This worker's θ̄ differs from the one the round's closer held (never expected: a bug)."""
+    """This worker's θ̄ differs from the one the round's closer held, and no published state has
+    the closer's (``ElasticWorker.adopt_published``)."""
 
 
 @dataclass
@@ -63,16 +66,6 @@ class Local:
     since: int = 0
     done: int = 0
     carried: int = 0  # steps of a late post carried into the next one
-
-
-def append_record(path: str, rec: dict) -> None:
-    """One whole line appended with one write (O_APPEND): several workers write the same file."""
-    line = (json.dumps(rec) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
 
 
 class ElasticWorker:
@@ -88,7 +81,7 @@ class ElasticWorker:
         self.ex = exchange or open_exchange(cfg.sync.exchange)
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
         self.check_slot_free()  # before any work
-        self.plan, self.schedule = method_plan.plan, method_plan.schedule
+        self.plan = method_plan.plan
         lcfg = multihost.local_config(cfg)
         self.mesh = make_mesh(lcfg.mesh, jax.local_devices()[:cfg.mesh.shard])
         self.loc = StepPrograms.for_config(lcfg, self.mesh)
@@ -101,22 +94,21 @@ class ElasticWorker:
         self.target = cfg.steps * cfg.mesh.replica  # the token budget in inner steps of one worker's rows
         self.slow = parse_slowdown(cfg.debug.slowdown).get(worker, 1.0)
         self.stop, self.compiled = False, False
-        self.metrics = os.path.join(run_dir, "metrics.jsonl")
+        self._eval_fn = None  # compiled at the first evaluation
         self.t0 = self._start_time()
+        self.log = worker_log(run_dir)  # whole lines, shared with the other workers
 
     # -- records -----------------------------------------------------------------------------------
 
     def _start_time(self) -> float:
         os.makedirs(self.run_dir, exist_ok=True)
         path = os.path.join(self.run_dir, "config.json")  # what runs (a restart may change `steps`)
-        with open(f"{path}.w{self.me}.tmp", "w") as f:
-            f.write(dumps(self.cfg) + "\n")
-        os.replace(f"{path}.w{self.me}.tmp", path)
+        replace_file(path, dumps(self.cfg) + "\n", tmp=f"{path}.w{self.me}.tmp")
         self.ex.create("run/start.json", json.dumps({"time": time.time()}).encode())
         return float(json.loads(self.ex.get("run/start.json").decode())["time"])
 
     def record(self, rec: dict) -> None:
-        append_record(self.metrics, {**rec, "time": round(time.time() - self.t0, 3)})
+        self.log.write({**rec, "time": round(time.time() - self.t0, 3)})
 
     # -- the round state ---------------------------------------------------------------------------
 
@@ -170,7 +162,7 @@ class ElasticWorker:
         if theirs is None or theirs.digest() != m.base_hash:
             raise RoundMismatch(f"round {m.round}: worker {self.me}'s θ̄ (hash {shared.digest()}) differs from the "
                                 f"closer's (worker {m.closer}, hash {m.base_hash}) and no published state matches")
-        self.record({"step": shared.tally // self.cfg.mesh.replica, "worker": self.me, "theta_resync": shared.round,
+        self.record({"step": shared.global_step, "worker": self.me, "theta_resync": shared.round,
                      "mine": shared.digest(), "closers": m.base_hash})
         theirs.finished = shared.finished
         return theirs
@@ -188,7 +180,7 @@ class ElasticWorker:
         R.collect_garbage(self.ex, new.round)
         slots = self.cfg.mesh.replica
         per_slot = lambda v: [v[m.members.index(w)] if w in m.members else None for w in range(slots)]  # noqa: E731
-        step = new.tally // slots
+        step = new.global_step
         self.record({"step": step, "global_step": step, "sync": True, "round": new.round, "members": m.members,
                      "expected": m.expected, "closed_by": m.closed_by, "theta_hash": new.digest(),
                      "pseudo_grad_norm": per_slot(figures["pseudo_grad_norm"]), "weight": per_slot(figures["weight"]),
@@ -207,18 +199,14 @@ class ElasticWorker:
     def save_model(self, state: R.RoundState) -> None:
         """The round state as ``RUN/exchange_state.npz`` (written aside, then renamed over)."""
         path = os.path.join(self.run_dir, EXCHANGE_STATE)
-        with open(f"{path}.w{self.me}.tmp", "wb") as f:
-            f.write(state.encode())
-        os.replace(f"{path}.w{self.me}.tmp", path)
+        replace_file(path, state.encode(), tmp=f"{path}.w{self.me}.tmp")
 
     def evaluate(self, theta) -> float:
-        lay = self.loc.layout
-        if not hasattr(self, "_eval_fn"):
+        if self._eval_fn is None:
             self._eval_fn = Evaluator(self.loc).loss_fn(True)
-        fn = self._eval_fn
         params = jax.tree.map(lambda x, s: jax.device_put(jnp.asarray(x), s), theta,
-                              jax.tree.map(lambda a: a.sharding, lay.abstract_state().outer.params))
-        losses = [float(multihost.local_value(fn(params, self.loc.put_batch(b)))) for b in self.val]
+                              jax.tree.map(lambda a: a.sharding, self.loc.abstract_state().outer.params))
+        losses = [float(multihost.local_value(self._eval_fn(params, self.loc.put_batch(b)))) for b in self.val]
         return sum(losses) / len(losses)
 
     # -- local training ----------------------------------------------------------------------------
@@ -230,11 +218,8 @@ class ElasticWorker:
         params = jax.tree.map(lambda t, p: jax.device_put(np.asarray(t, p.dtype)[None], p.sharding), theta,
                               state.params)
         state = state.replace(params=params)
-        if count is not None:
-            def fresh(path, x):
-                named = getattr(path[-1], "name", None) == "count" if path else False
-                return jnp.full_like(x, count) if named else jnp.zeros_like(x)
-            opt = jax.tree_util.tree_map_with_path(fresh, self._init_state.opt_state)
+        if count is not None:  # the initial state's optimizer: its moments are zero
+            opt = with_step_counts(self._init_state.opt_state, count)
             state = state.replace(opt_state=jax.device_put(opt, jax.tree.map(lambda a: a.sharding, state.opt_state)))
         return state
 
@@ -365,9 +350,9 @@ class ElasticWorker:
                 local.carried = local.since
             else:
                 local.since = 0
-            self.record({"step": shared.tally // self.cfg.mesh.replica, "worker": self.me, "late_post": post.round,
+            self.record({"step": shared.global_step, "worker": self.me, "late_post": post.round,
                          "late_steps": post.steps_since, "late_posts": self.cfg.sync.late_posts, "caught_up_to": shared.round})
-        self.record({"step": shared.tally // self.cfg.mesh.replica, "worker": self.me, "finished_round": shared.round,
+        self.record({"step": shared.global_step, "worker": self.me, "finished_round": shared.round,
                      "theta_hash": shared.digest()})
         self.say(f"edit-jax worker {self.me}: the run's token budget is spent (round {shared.round}); exiting")
         return 0
@@ -389,4 +374,4 @@ def run_worker(cfg: Config, worker: int, run_dir: str, say=print) -> int:
     return w.run()
 
 
-__all__ = ["ElasticWorker", "run_worker", "append_record", "RoundMismatch", "SlotInUse"]
+__all__ = ["ElasticWorker", "run_worker", "RoundMismatch", "SlotInUse"]

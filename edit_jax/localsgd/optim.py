@@ -48,3 +48,13 @@ def inner_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfo
     parts.append(optax.adamw(lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                              weight_decay=cfg.weight_decay, mask=decay_mask))
     return optax.chain(*parts)
+
+
+def with_step_counts(opt_state, step: int):
+    """``opt_state`` with every optax step count (a leaf named ``count``) set to ``step``: the
+    learning-rate schedule's position. Each count gets a buffer of its own."""
+    def count(path, x):
+        named_count = getattr(path[-1], "name", None) == "count" if path else False
+        return jnp.full_like(x, step) if named_count else x
+    return jax.tree_util.tree_map_with_path(count, opt_state)
+

@@ -55,7 +55,6 @@ class Timed(RuleWrapper):
         require(not s.cpu_offload, "sync.cpu_offload", f"not supported with method {s.method} (each worker's "
                 "state moves between its own mesh and the global one by reference)")
 
-
     @staticmethod
     def validate_exchange(cfg: Config) -> None:
         """Workers as separate programs (``elastic/``): ``mesh.replica`` worker slots (each its rows of

@@ -20,6 +20,8 @@ when read back on another (elastic restarts).
 
 from __future__ import annotations
 
+import io
+import json
 from functools import lru_cache, partial
 from typing import Any
 
@@ -30,6 +32,26 @@ import numpy as np
 from edit_jax.runtime.multihost import host_value, local_value
 
 _GOLDEN = np.uint32(0x9E3779B1)  # Knuth's multiplicative hash constant (odd)
+
+
+def pack_arrays(arrays, meta: dict) -> bytes:
+    """Host arrays (in order) and a JSON ``meta`` as one .npz object: the exchange's posts and
+    round states (elastic/rounds.py), and the run dir's ``exchange_state.npz`` (``trained.py``)."""
+    buf = io.BytesIO()
+    np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+             **{f"a{i:05d}": np.asarray(x) for i, x in enumerate(arrays)})
+    return buf.getvalue()
+
+
+def unpack_arrays(data: bytes, what: str) -> tuple[list[np.ndarray], dict]:
+    """``pack_arrays``' arrays and meta back; ValueError naming ``what`` if ``data`` is not one."""
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            arrays = [z[k] for k in sorted(k for k in z.files if k != "meta")]
+    except Exception as e:  # a truncated or foreign object: say which
+        raise ValueError(f"{what}: not a readable post / state ({type(e).__name__}: {e})") from e
+    return arrays, meta
 
 
 def leaves_hash(arrays) -> str:

@@ -55,10 +55,15 @@ class MetricsLog:
             replace_file(path, "".join(keep))
 
     def write(self, record: dict) -> None:
+        """Appends one line with one ``write`` on an O_APPEND descriptor: the workers of a run that
+        share the file (A-EDiT's processes, exchange-mode workers) never interleave their lines."""
         if self.path:
             try:
-                with open(self.path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, (json.dumps(record) + "\n").encode())
+                finally:
+                    os.close(fd)
             except OSError as e:
                 raise _write_error(self.path, e) from e
 
@@ -75,12 +80,13 @@ def _write_error(path: str, e: OSError) -> RunDirError:
                        "fix that and re-run the same command to resume")
 
 
-def replace_file(path: str, text: str) -> None:
-    """Writes ``text`` beside ``path`` and renames it over: a write that fails (a full disk)
-    leaves the old file as it was, never half-written or emptied (``RunDirError`` names it)."""
-    tmp = path + ".tmp"
+def replace_file(path: str, text: str | bytes, tmp: str | None = None) -> None:
+    """Writes ``text`` beside ``path`` (as ``tmp``, default PATH.tmp: writers of one file that may
+    run at once each pass a name of their own) and renames it over: a write that fails (a full
+    disk) leaves the old file as it was, never half-written or emptied (``RunDirError`` names it)."""
+    tmp = tmp or path + ".tmp"
     try:
-        with open(tmp, "w") as f:
+        with open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
         os.replace(tmp, path)
     except OSError as e:

@@ -31,7 +31,7 @@ from edit_jax.config import Config, ConfigError, from_dict
 from edit_jax.data import DataError, make_tokenizer
 from edit_jax.localsgd.state import state_shapes, state_shapes_of_format
 from edit_jax.rundir.checkpoint import UnreadableCheckpointError, check_checksums
-from edit_jax.rundir.integrity import leaves_hash, part_checksums
+from edit_jax.rundir.integrity import leaves_hash, part_checksums, unpack_arrays
 
 
 class TrainedModelError(RuntimeError):
@@ -81,9 +81,8 @@ def load_exchange_state(run_dir: str) -> TrainedModel:
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
             cfg = from_dict(json.load(f))
-        with np.load(path, allow_pickle=False) as z:
-            meta = json.loads(bytes(z["meta"]).decode())
-            leaves = [z[k] for k in sorted(k for k in z.files if k != "meta")]
+        with open(path, "rb") as f:
+            leaves, meta = unpack_arrays(f.read(), path)
     except (OSError, ValueError, KeyError, ConfigError) as e:
         raise TrainedModelError(f"{path}: cannot be read ({type(e).__name__}: {e})") from e
     if leaves_hash(leaves) != meta.get("hash"):

@@ -238,15 +238,21 @@ def worker_env(base: dict, coordinator: str, n: int, i: int, shard: int) -> dict
     return env
 
 
-def _in_child(core: int | None) -> None:
-    """Runs in each worker between fork and exec: die with the launcher (no orphaned workers if it
-    is killed), and optionally stay on one CPU core (every thread the worker starts inherits it)."""
+def die_with_parent() -> None:
+    """Runs in a child between fork and exec: it dies with its launcher (no orphaned workers if the
+    launcher is killed)."""
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: the launcher's own cleanup still kills its workers
+
+
+def _in_child(core: int | None) -> None:
+    """Runs in each worker between fork and exec: ``die_with_parent``, and optionally stay on one
+    CPU core (every thread the worker starts inherits it)."""
+    die_with_parent()
     if core is not None:
         os.sched_setaffinity(0, {core})
 
@@ -417,5 +423,5 @@ def launch(train_argv: list[str], n: int, shard: int, pin_cores: bool = False,
                 p.wait()
 
 
-__all__ = ["launch", "run_workers", "Attempt", "free_port", "worker_env", "Relay", "process_state", "EXIT_WORKER_LOST",
+__all__ = ["launch", "run_workers", "die_with_parent", "Attempt", "free_port", "worker_env", "Relay", "process_state", "EXIT_WORKER_LOST",
            "take_forwarded", "follow_launcher", "lost_worker", "survivors_note", "ENV_FORWARDS"]

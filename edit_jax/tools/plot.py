@@ -27,8 +27,7 @@ import argparse
 import json
 import os
 import sys
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -54,7 +53,7 @@ class Run:
     evals: list[dict]  # evaluation records, one per step
     syncs: list[dict]  # sync records, one per step
     label: str = ""
-    rounds: list[dict] = dataclasses.field(default_factory=list)  # exchange-mode A-EDiT: who was in each round
+    rounds: list[dict] = field(default_factory=list)  # exchange-mode A-EDiT: who was in each round
 
 
 # ----------------------------------------------------------------------------- reading

@@ -31,6 +31,7 @@ import numpy as np
 from edit_jax.data.batches import ReplicaStreams
 from edit_jax.data.corrupt import CorruptSpec, corrupt_rows, parse_lr_spike
 from edit_jax.localsgd.methods import LOCAL, StepKind, TimeSchedule
+from edit_jax.localsgd.optim import with_step_counts
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import BATCH_SPEC, named
 from edit_jax.runtime import multihost
@@ -222,12 +223,7 @@ def _set_step(state, step: int, shardings):
     """``state`` with its step counter and every inner optimizer step count set to ``step``: the
     learning-rate schedule then follows the global mean step (A-EDiT). Each count gets a buffer
     of its own (the next step donates them all)."""
-    def count(path, x):
-        named_count = getattr(path[-1], "name", None) == "count" if path else False
-        return jnp.full_like(x, step) if named_count else x
-
-    opt_state = jax.tree_util.tree_map_with_path(count, state.opt_state)
-    new = state.replace(step=jnp.asarray(step, jnp.int32), opt_state=opt_state)
+    new = state.replace(step=jnp.asarray(step, jnp.int32), opt_state=with_step_counts(state.opt_state, step))
     return jax.device_put(new, shardings)
 
 
