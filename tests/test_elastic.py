@@ -65,7 +65,9 @@ def test_round_equals_the_collective_meeting():
     rnd = OuterRound(plan)
     start = rnd.initial(_theta(rng), slots=n, n_units=3, window=2)
     start.outer_opt = jax.tree.map(lambda x: (0.01 * rng.normal(size=x.shape)).astype(np.float32), start.outer_opt)
-    start.detectors = Detector(np.full((n, 3), 0.1, np.float32), np.full((n, 3), 1e-3, np.float32),
+    # Warm detectors near the workers' usual unit norms (~0.25): worker 1's 4x pseudo gradient is
+    # the anomaly, the others are averaged with softmax and step-share weights.
+    start.detectors = Detector(np.full((n, 3), 0.25, np.float32), np.full((n, 3), 0.01, np.float32),
                                np.full((n, 3), 5, np.int32), rng.normal(size=(n, 3, 2)).astype(np.float32))
     posts = _posts(rng, start.theta, n)
     got, figures = rnd.apply(start, posts)
@@ -101,6 +103,8 @@ def test_round_equals_the_collective_meeting():
                      jax.tree.map(lambda x: x[:, u], got.detectors), det_ref)
     assert got.round == 1 and got.tally == int(steps.sum()) and got.members == [0, 1, 2]
     assert got.cursors == [0, 10, 20] and len(figures["weight"]) == n
+    assert figures["flagged"] == [0, 3, 0]  # every unit of worker 1 only: the step is not a no-op
+    assert figures["weight"][1] == 0 and figures["outer_update_norm"] > 0
 
 
 def test_round_plain_mean_against_numpy():
