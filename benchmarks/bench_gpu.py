@@ -44,6 +44,8 @@ def _args(argv):
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--attention", default="cudnn,xla")
     p.add_argument("--no-remat", action="store_true", help="keep every activation (no rematerialisation)")
+    p.add_argument("--remat-saves", default="nothing",
+                   help="model.remat_saves: what a rematerialised layer keeps (nothing, dots, dots_attention)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=989.0)
@@ -68,6 +70,7 @@ def _config(a, attention: str):
     dtype = "bfloat16" if a.platform == "gpu" else "float32"
     cfg = base.__class__(**{**base.__dict__,
                             "model": preset(a.preset, compute_dtype=dtype, remat=not a.no_remat, attention=attention,
+                                            remat_saves=a.remat_saves,
                                             **({"n_layers": 1} if a.smoke else {})),  # (smoke: compiles in seconds)
                             "mesh": MeshConfig(replica=a.replica, shard=a.shard, fused_gather=a.platform != "gpu"),
                             "data": DataConfig(seq_len=a.seq_len), "batch_size": a.batch,
@@ -166,11 +169,12 @@ def main(argv=None) -> int:
             row[kind]["xla_peak_bytes"] = None if ma is None else int(
                 ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes)
         row["attention_impl"] = programs.model_cfg.attention
+        row["remat"], row["remat_saves"] = cfg.model.remat, cfg.model.remat_saves
         row["compiler_options"] = {k: str(v) for k, v in programs.compiler_options.items()}
         if a.profile:
             row["sync_all_reduces"] = _sync_in_profile(programs, state, batch, os.path.join(a.profile, attention))
         results[attention] = row
-        print(f"{a.preset} {attention} ({row['attention_impl']}) on {a.replica} x {a.shard}: local "
+        print(f"{a.preset} b{a.batch} {attention} ({row['attention_impl']}), remat saves {a.remat_saves} on {a.replica} x {a.shard}: local "
               f"{row['local']['median_s'] * 1e3:.1f} ms (MFU {row['local']['mfu']:.3f}), sync_forward "
               f"{row['sync_forward']['median_s'] * 1e3:.1f} ms (MFU {row['sync_forward']['mfu']:.3f}), "
               f"sync / local {row['sync_over_local']:.3f}; peak {_gib(row['peak_bytes_in_use'])} GiB measured, "

@@ -101,6 +101,7 @@ def env_info() -> dict:
             "python": platform.python_version(), "platform": dev.platform, "device_kind": dev.device_kind,
             "num_devices": jax.device_count(), "host_cpus": os.cpu_count(), "cpu_model": _cpu_model(),
             "machine": platform.machine(), "system": platform.system(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "xla_python_client_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ""),
             "command": " ".join([os.path.relpath(sys.argv[0], REPO) if sys.argv else ""] + sys.argv[1:]),
             "loadavg_at_start": loadavg(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 

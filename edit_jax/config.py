@@ -40,6 +40,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     compute_dtype: str = "float32"  # "bfloat16" on GPU; params are always float32
     remat: bool = False  # recompute each layer in the backward pass (saves activation memory)
+    # What a remat layer keeps beside its input: "nothing" (least memory), "dots" (the projections'
+    # outputs: no matmul rerun), "dots_attention" (also cuDNN attention's output and statistics).
+    remat_saves: str = "nothing"
     # Layers per iteration of the layer scan (lax.scan's unroll): 1 keeps one loop body; >= n_layers
     # unrolls the stack completely (no per-layer slicing/stacking copies; longer compiles).
     scan_unroll: int = 1
@@ -383,10 +386,11 @@ def check_fields(cfg: Config) -> None:
     require(m.d_model % m.n_heads == 0, "model.n_heads", f"must divide model.d_model={m.d_model}, got {m.n_heads}")
     require(m.head_dim % 2 == 0, "model.n_heads", f"head dim d_model/n_heads={m.head_dim} must be even for rotary embeddings")
     require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", f"must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
-    require(m.compute_dtype in ("float32", "bfloat16", "float16"), "model.compute_dtype",
-            f"expected float32, bfloat16 or float16, got {m.compute_dtype!r}")
-    require(m.attention in ("auto", "xla", "cudnn"), "model.attention",
-            f"expected auto, xla or cudnn, got {m.attention!r}")
+    for key, val, allowed in [("model.compute_dtype", m.compute_dtype, ("float32", "bfloat16", "float16")),
+                              ("model.remat_saves", m.remat_saves, ("nothing", "dots", "dots_attention")),
+                              ("model.attention", m.attention, ("auto", "xla", "cudnn")), ("sync.compress", s.compress, COMPRESS),
+                              ("sync.outer_sharding", s.outer_sharding, ("shard", "replica_shard"))]:
+        require(val in allowed, key, f"expected one of {', '.join(allowed)}, got {val!r}")
     require(m.attention != "cudnn" or m.compute_dtype in ("bfloat16", "float16"), "model.attention",
             f"cudnn flash attention needs model.compute_dtype bfloat16 or float16, got {m.compute_dtype!r} "
             "(use attention=auto or xla)")
@@ -417,13 +421,10 @@ def check_fields(cfg: Config) -> None:
     require(s.anomaly_threshold > 0, "sync.anomaly_threshold", f"must be positive, got {s.anomaly_threshold}")
     require(s.temperature > 0, "sync.temperature", f"must be positive, got {s.temperature}")
     require(s.clip_threshold > 0, "sync.clip_threshold", f"must be positive, got {s.clip_threshold}")
-    require(s.outer_sharding in ("shard", "replica_shard"), "sync.outer_sharding",
-            f"expected 'shard' or 'replica_shard', got {s.outer_sharding!r}")
     require(s.fragments >= 1, "sync.fragments", f"must be >= 1, got {s.fragments}")
     require(s.tau % s.fragments == 0, "sync.fragments", f"must divide sync.tau={s.tau}, got {s.fragments}")
     require(s.fragments <= 1 + m.n_layers, "sync.fragments",
             f"must be <= the number of units (1 + model.n_layers = {1 + m.n_layers}), got {s.fragments}")
-    require(s.compress in COMPRESS, "sync.compress", f"expected one of {', '.join(COMPRESS)}; got {s.compress!r}")
     _check_compile_cache(cfg.train.compile_cache)
     require(s.compress == "none" or s.outer_sharding == "shard", "sync.compress",
             f"{s.compress!r} needs sync.outer_sharding='shard' (with 'replica_shard' the exchange moves θ_i, not "

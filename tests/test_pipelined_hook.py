@@ -78,3 +78,46 @@ def test_pipelined_layers_with_the_real_sync_equal_the_plain_loop():
         for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
             np.testing.assert_allclose(np.asarray(v, np.float64), np.asarray(u, np.float64), rtol=2e-5, atol=1e-7,
                                        err_msg=name)
+
+
+
+def _dot_counts(jaxpr, acc=None) -> dict:
+    """dot_general equations in a jaxpr, sub-jaxprs (scan bodies, checkpoints) included, split into
+    those with batch dimensions (attention's) and those without (the projections, the head)."""
+    acc = {"batch": 0, "plain": 0} if acc is None else acc
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (_, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
+            acc["batch" if lhs_batch else "plain"] += 1
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _dot_counts(inner, acc)
+    return acc
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_remat_saves_keeps_the_gradients_and_drops_the_recomputed_matmuls(pipelined):
+    """``model.remat_saves="dots"`` gives the gradients of the plain rematerialised layer, and its
+    backward recomputes no projection: its gradient program has exactly the projection matmuls of
+    no remat at all, where remat that keeps nothing reruns them; attention's own (batched) dots are
+    rerun by both."""
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, 320)
+    targets = jnp.roll(tokens, -1, axis=1)
+    xs = {"root": {"scale": jnp.float32(0.05)}, "layers": {"scale": jnp.asarray([0.1, -0.2, 0.3], jnp.float32)}}
+    hook = SplitHook(_sync, _gather) if pipelined else SplitHook(_sync, _gather).__call__
+    out = {}
+    for remat, saves in ((False, "nothing"), (True, "nothing"), (True, "dots"), (True, "dots_attention")):
+        cfg = preset("tiny", n_layers=3, remat=remat, remat_saves=saves, scan_unroll=1)
+        params = init_params(cfg, jax.random.PRNGKey(0))
+        grad = jax.grad(lambda p: loss_sum(cfg, p, tokens, targets, hook, xs)[0])  # noqa: B023
+        out[remat, saves] = (grad(params), _dot_counts(jax.make_jaxpr(grad)(params).jaxpr))
+    for key in ((True, "dots"), (True, "dots_attention")):
+        for a, b in zip(jax.tree.leaves(out[key][0]), jax.tree.leaves(out[True, "nothing"][0])):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)  # float order differs
+    plain = {k: v[1]["plain"] for k, v in out.items()}
+    assert plain[True, "dots"] == plain[False, "nothing"] < plain[True, "nothing"]
+    assert out[True, "dots"][1]["batch"] == out[True, "nothing"][1]["batch"] > out[False, "nothing"][1]["batch"]
+    # XLA attention on the CPU is not cuDNN's primitive: dots_attention keeps what dots does here.
+    assert out[True, "dots_attention"][1] == out[True, "dots"][1]

@@ -87,6 +87,14 @@ def test_gpu_estimate_terms_against_a_hand_computation():
     # gradient accumulation keeps a running sum of the whole fp32 gradient (params_device_bytes)
     acc = gpu_estimate(replace(cfg, optim=replace(cfg.optim, grad_accum=2)), 1000.0, "local")
     assert acc["rows_per_micro_batch"] == 2 and acc["parts"]["grad_accumulation"] == 1000.0
+    # model.remat_saves keeps the projections (q 4 x 16, k and v 2 x 16, gate and up f, one d) and,
+    # with cuDNN's attention, its output and fp32 softmax statistics, for every layer
+    dots = gpu_estimate(replace(cfg, model=replace(cfg.model, remat_saves="dots")), 1000.0, "local")
+    projections = n_layers * b * t * (64 + 2 * 32 + 2 * f + d) * c
+    assert dots["parts"]["saved_activations"] == n_layers * act + projections
+    attn = gpu_estimate(replace(cfg, model=replace(cfg.model, remat_saves="dots_attention", attention="auto")),
+                        1000.0, "local")
+    assert attn["parts"]["saved_activations"] == n_layers * (act + b * t * 64 * c + b * h * t * 4) + projections
 
 
 def test_gpu_estimate_says_the_7b_preset_does_not_fit_80_gb_with_unfused_attention():

@@ -40,6 +40,7 @@ def _records(run_dir, key="loss"):
     ("batch_size=12", r"config key 'batch_size': global batch 12 must be divisible by .* 2 x 4 = 8"),
     ("method=sgd", r"config key 'sync.method': expected one of baseline, post_local_sgd, diloco, edit"),
     ("model.n_kv_heads=3", r"config key 'model.n_kv_heads'"),
+    ("model.remat_saves=all", r"config key 'model.remat_saves': expected one of nothing, dots, dots_attention"),
     ("sync.outer_momentum=1.5", r"config key 'sync.outer_momentum'"),
     ("model", r"expected key=value"),
 ])

@@ -162,6 +162,28 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
     return {"root": root, "layers": layers}
 
 
+def _saves_attention(prim, *_, **__) -> bool:
+    # cuDNN's fused attention: its forward primitive returns the output and the softmax statistics,
+    # the residuals its backward kernel needs (saving the output alone would still rerun the kernel).
+    # XLA's attention is plain dots and a softmax: not saved here (its [seq, seq] scores are huge).
+    return prim.name.startswith("dot_product_attention_fwd")
+
+
+def remat_policy(cfg: ModelConfig, base: Callable) -> Callable:
+    """The checkpoint policy of a rematerialised layer: ``base`` (what the caller must keep, e.g.
+    the sync's outputs) and what ``model.remat_saves`` adds. "dots" keeps every matmul with no batch
+    dimension (the q / k / v / o and MLP projections: the attention's own dots have batch dims), so
+    the backward reruns only the attention and the elementwise ops; "dots_attention" keeps cuDNN's
+    attention too."""
+    policies = jax.checkpoint_policies
+    if cfg.remat_saves == "nothing":
+        return base
+    extra = policies.dots_with_no_batch_dims_saveable
+    if cfg.remat_saves == "dots_attention":
+        extra = policies.save_from_both_policies(extra, _saves_attention)
+    return policies.save_from_both_policies(base, extra)
+
+
 def identity_hook(unit_params, unit_xs, which):
     return unit_params, None
 
@@ -233,8 +255,8 @@ def forward_hidden(cfg: ModelConfig, params: Params, tokens: jax.Array, hook: Ho
         return DecoderLayer(cfg).apply({"params": full}, x), ys
 
     if cfg.remat:  # recompute the layer in the backward, but not what the hook named HOOK_SAVED (the sync)
-        layer_step = jax.checkpoint(layer_step, prevent_cse=False,
-                                    policy=jax.checkpoint_policies.save_only_these_names(HOOK_SAVED))
+        layer_step = jax.checkpoint(layer_step, prevent_cse=False, policy=remat_policy(
+            cfg, jax.checkpoint_policies.save_only_these_names(HOOK_SAVED)))
     pipelined = isinstance(hook, SplitHook)  # the layers that sync: each sync one layer ahead
     segments = layer_segments if layer_segments is not None else [(cfg.n_layers, xs["layers"])]
     layer_ys, start = [], 0
@@ -274,8 +296,9 @@ def _pipelined_layers(cfg: ModelConfig, hook: SplitHook, x: jax.Array, layers: P
 
     in_loop = last = compute
     if cfg.remat:  # the synced shard is an argument: remat keeps it and recomputes the gather and layer
-        in_loop = jax.checkpoint(compute, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
-        last = jax.checkpoint(compute, policy=jax.checkpoint_policies.nothing_saveable)  # outside a loop CSE
+        policy = remat_policy(cfg, jax.checkpoint_policies.nothing_saveable)
+        in_loop = jax.checkpoint(compute, prevent_cse=False, policy=policy)
+        last = jax.checkpoint(compute, policy=policy)  # outside a loop CSE
         # would merge the recomputation with the forward and keep the layer's activations
 
     synced, ys0 = hook.sync(*at(0), "layer")

@@ -23,7 +23,11 @@ micro-batch, T = seq_len, d, f = ffn_dim, L layers, h heads, V vocab, S = mesh.s
     H  = V d c              the LM head (or the tied embedding), gathered, in the compute dtype
 
     saved      = L A (remat: each layer's input); without remat every layer's intermediates,
-                 L (b T (10 d + 3 f) c + scores)
+                 L (b T (10 d + 3 f) c + scores); ``model.remat_saves`` adds the projections'
+                 outputs, L b T (h hd + 2 kv hd + 2 f + d) c for "dots" (q, k, v, gate, up and
+                 one d-wide: 5% above the 20.35 GiB XLA:GPU gave at 1B batch 8, BUILD_NOTES
+                 section 3), and L (b T h hd c + b h T 4) more for "dots_attention" (cuDNN's output
+                 and softmax statistics)
     scores     = b h T^2 (2 x 4 + 2 c) without a fused attention kernel: the fp32 scores and
                  their gradient, the probabilities and their gradient in the compute dtype (the
                  four [b, h, T, T] buffers of XLA:GPU's softmax attention backward); 0 with cuDNN's
@@ -91,6 +95,11 @@ def gpu_estimate(cfg, params_device_bytes: float, kind: str = "local", synced_by
     head = v * d * c
     scores = 0.0 if fused else b * h * t * t * (2 * 4 + 2 * c)
     saved = L * act if m.remat else L * (b * t * (10 * d + 3 * f) * c + scores)
+    if m.remat and m.remat_saves != "nothing":
+        hd = m.head_dim
+        saved += L * b * t * (h * hd + 2 * m.n_kv_heads * hd + 2 * f + d) * c
+        if m.remat_saves == "dots_attention" and fused:
+            saved += L * (b * t * h * hd * c + b * h * t * 4)
     if synced_bytes is None:
         synced_bytes = params_device_bytes * c / 4
     common = {"saved_activations": saved, "layer_param_copies": layer_params, "final_hidden": act,
