@@ -23,8 +23,7 @@ BENCHES = ("bench_data", "bench_edit", "bench_faults", "bench_gpu", "bench_kill"
 # kill, spike and straggler benches time `edit-jax train` processes, so theirs start processes).
 SMOKE = ("bench_step", "bench_faults", "bench_sample", "plan_presets", "reproduce_placement", "bench_edit",
          "bench_data", "bench_gpu", "spike_experiment", "bench_kill", "bench_spike", "bench_straggler", "bench_links",
-         "bench_sparse_wire", "bench_late_posts", "bench_live")
-# compare_methods' --smoke (8 tiny trainings of five methods, ~97 s CPU) is not run here: over budget.
+         "bench_sparse_wire", "bench_late_posts", "bench_live", "compare_methods")
 
 
 def _module(name):
@@ -60,7 +59,7 @@ ONE_STAGE = {"bench_straggler": ("default", 70), "spike_experiment": ("default",
              "bench_sample": ("default", 9), "bench_gpu": ("default", 10), "bench_kill": ("3.12", 58),
              "bench_spike": ("3.12", 16), "bench_edit": ("3.12", 21), "bench_faults": ("3.12", 9),
              "bench_data": ("3.12", 13), "bench_links": ("default", 17), "bench_sparse_wire": ("default", 20),
-             "bench_late_posts": ("3.12", 25), "bench_live": ("default", 75)}
+             "bench_late_posts": ("3.12", 25), "bench_live": ("default", 75), "compare_methods": ("3.12", 21)}
 
 
 def _stage_skip(name: str) -> None:
@@ -85,6 +84,7 @@ def test_bench_smoke(name, tmp_path, monkeypatch, capsys):
     argv = {"bench_sample": ["--smoke", "--out", out],
             "reproduce_placement": ["--smoke", "--out-dir", str(tmp_path)],
             "spike_experiment": ["--smoke", "--out-dir", str(tmp_path)],
+            "compare_methods": ["--smoke", "--run-root", str(tmp_path)],
             "bench_faults": ["--smoke", "--json", out, "--run-root", runs],
             "bench_kill": ["--smoke", "--part", "kill", "--json", out, "--run-root", runs],
             "bench_spike": ["--smoke", "--part", "spike", "--json", out, "--run-root", runs],
@@ -94,7 +94,8 @@ def test_bench_smoke(name, tmp_path, monkeypatch, capsys):
         name, ["--smoke", "--json", out])
     code = _module(PART_OF.get(name, name)).main(argv)
     assert code in (None, 0) or isinstance(code, (dict, list)), code
-    path = os.path.join(str(tmp_path), "results.json") if name in ("reproduce_placement", "spike_experiment") else out
+    path = os.path.join(str(tmp_path), "results.json") if name in ("reproduce_placement", "spike_experiment",
+                                                                  "compare_methods") else out
     with open(path) as f:
         result = json.load(f)
     env = result.get("env") or {}
@@ -133,6 +134,13 @@ def test_bench_smoke(name, tmp_path, monkeypatch, capsys):
         assert result["replica_bytes_per_kind"]["edit_t8"]["sync_forward"] > 0
     if name == "bench_sparse_wire":
         assert result["rows"]["topk2"]["sync_step_s"] > 0 and result["codec_s"]["topk2"] > 0
+    if name == "compare_methods":  # the sweep picked EDiT's one setting; both final runs trained and were tabled
+        assert [r["name"] for r in result["sweep"]] == ["sweep_edit_lr0.5_m0.5"]
+        assert [r["method"] for r in result["rows"]] == ["baseline", "edit"] and result["best"] == {
+            "edit": {"outer_lr": 0.5, "outer_momentum": 0.5}}
+        assert all(r["tokens"] > 0 and 0 < r["val_loss"] < 10 for r in result["final"])
+        assert list(result["checks"]) == ["edit within 1% of baseline (or better)"]  # the one both methods allow
+        assert os.path.getsize(os.path.join(str(tmp_path), "compare_methods.png")) > 1000
     if name == "bench_data":
         assert [r["ok"] for r in result["runs"]] == [True]
 

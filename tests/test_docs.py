@@ -2,10 +2,12 @@
 
 Static: every page's paths, modules, config keys and commands (each parsed by its own argparse);
 the generated reference pages are current; the config page lists exactly the dataclasses' fields.
-Run: the README's tour at tiny size, in this process, sharing one run dir: `train` (configs/tiny.py,
-2 steps), the same command again with more steps (a resume), `sample`, `plot`, `plan`, `export`;
-every record key the run wrote is documented in docs/reference/records.md. The other documented
-commands (GPUs, clusters, the paper presets, multi-process runs) are checked statically only.
+Run, in one process of its own: the README's tour at tiny size, sharing one run dir: `train`
+(configs/tiny.py, 2 steps), the same command again with more steps (a resume), `sample`, `plot`,
+`plan`, `export`; every record key the run wrote is documented in docs/reference/records.md. Then
+every other page's CPU commands at tiny size, one per code path (tools/run_docs.py); the rest (GPUs,
+clusters, the paper presets, downloads, multi-process runs, benchmarks) are parsed only, each with
+its reason, and the test prints which is which.
 """
 
 import json
@@ -17,6 +19,7 @@ import sys
 import pytest
 
 from tests.helpers import child_xla_flags
+from tests.stages import runs_here
 from tools import check_docs, gen_docs
 
 
@@ -56,16 +59,26 @@ def test_readme_lists_what_export_writes():
     assert [name for name in WRITTEN if f"`{name}`" not in readme] == []
 
 
-def test_readme_tour_runs_at_tiny_size(tmp_path):
-    """The README's own commands (train, the same again as a resume, sample, plot, export, plan),
-    their paths moved under tmp_path, small sizes appended, in one CLI process of their own (the CLI
-    sets its own CPU device count, which this process's 64 devices would contradict)."""
+@pytest.fixture(scope="module")
+def tour_and_pages(tmp_path_factory):
+    """The README's tour, then every other page's CPU commands (tools/run_docs.py), in one CLI process of
+    their own (the CLI sets its own CPU device count, which this process's 64 devices would contradict)."""
+    work = tmp_path_factory.mktemp("tour")
     env = {**os.environ, "XLA_FLAGS": child_xla_flags(), "PYTHONPATH": check_docs.REPO}
-    proc = subprocess.run([sys.executable, "-m", "tools.check_docs", "--tour", str(tmp_path)], cwd=check_docs.REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("TOUR ")), None)
-    assert proc.returncode == 0 and line, proc.stderr[-3000:]
-    tour = json.loads(line[5:])
+    stage = "both" if runs_here("default") and runs_here("3.12") else "3.12" if runs_here("3.12") else "default"
+    proc = subprocess.run([sys.executable, "-m", "tools.check_docs", "--tour", str(work), "--pages", "--stage", stage],
+                          cwd=check_docs.REPO, env=env, capture_output=True, text=True, timeout=600)
+    lines = {l.split(" ", 1)[0]: json.loads(l.split(" ", 1)[1]) for l in proc.stdout.splitlines()
+             if l.startswith(("TOUR ", "PAGES "))}
+    return proc, lines
+
+
+def test_readme_tour_runs_at_tiny_size(tour_and_pages):
+    """The README's own commands (train, the same again as a resume, sample, plot, export, plan),
+    their paths moved under a temporary dir, small sizes appended."""
+    proc, lines = tour_and_pages
+    assert "TOUR" in lines, proc.stderr[-3000:]
+    tour = lines["TOUR"]
     assert {name: c["exit"] for name, c in tour["commands"].items()} == dict.fromkeys(
         ("train", "resume", "sample", "plot", "export", "plan"), 0), tour["commands"]
     assert tour["last_step"] == 4  # the second train resumed the first's run dir to steps=4
@@ -73,3 +86,28 @@ def test_readme_tour_runs_at_tiny_size(tmp_path):
     from edit_jax.hf.export import WRITTEN
 
     assert tour["exported"] == sorted(WRITTEN) and tour["plot_bytes"] > 1000 and tour["plan_fits"] is True
+
+
+def test_every_page_command_runs_or_says_why_not(tour_and_pages):
+    """Every ```bash command of every page: run at tiny size (exit 0), covered by one that ran (the
+    same code path), or not run for a stated reason (a cluster, SLURM, root, a download, a GPU
+    preset, several processes, a benchmark). Prints which is which (pytest -s, or on failure)."""
+    proc, lines = tour_and_pages
+    assert proc.returncode == 0 and "PAGES" in lines, proc.stderr[-3000:]
+    pages = lines["PAGES"]
+    report = ["ran:"] + [f"  exit {r['exit']} {r['seconds']:5.1f} s  {r['page']}: {r['command']}" for r in pages["ran"]]
+    report += ["covered:"] + [f"  {r['page']}: {r['command']}  <- {r['covered_by']}" for r in pages["covered"]]
+    report += ["parsed only:"] + [f"  {r['page']}: {r['command']}  ({r['not_run']})" for r in pages["not_run"]]
+    report += ["run under the other Python (tests/stages.py):"] + [
+        f"  {r['page']}: {r['command']}  (Python stage {r['stage']})" for r in pages["other_stage"]]
+    print("\n".join(report))
+    listed = sorted((r["page"], r["command"]) for part in pages.values() for r in part)
+    assert listed == sorted((p, c) for p in check_docs.pages() for c in check_docs.bash_commands(
+        open(os.path.join(check_docs.REPO, p)).read())), "every command is accounted for once"
+    assert [r["command"] for r in pages["ran"] if r["exit"] != 0] == [], "\n".join(report) + proc.stderr[-3000:]
+    ran = {(r["argv"][0], next((w.split("=")[0] if w.startswith("model.") else w for w in r["argv"]
+                                if w.startswith(("method=", "sync.f", "model.init_from="))), "")) for r in pages["ran"]}
+    if runs_here("default"):  # EDiT, sampling options, placement, a train from an export
+        assert {("train", ""), ("sample", ""), ("placement", ""), ("train", "model.init_from")} <= ran, ran
+    if runs_here("3.12"):  # DiLoCo, streamed and compressed sync
+        assert {("train", "method=diloco"), ("train", "sync.fragments=4")} <= ran, ran

@@ -3,6 +3,7 @@
     python tools/check_docs.py             # static checks; prints each problem, exits 1 if any
     python tools/check_docs.py --run DIR   # also runs the README's CPU commands in a git clone (was scripts/check_readme.py)
     python tools/check_docs.py --tour DIR  # only the README's tour at tiny size, in one process (tests/test_docs.py)
+    python tools/check_docs.py --tour DIR --pages   # then every page's other CPU commands (tools/run_docs.py)
 
 Static checks (tests/test_docs.py runs them, and runs a representative set of commands at tiny size):
 - every path a page names in backticks (`edit_jax/...`, `configs/...`, `scripts/...`, `tests/...`,
@@ -332,11 +333,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6, help="steps=N appended to train commands (--run)")
     parser.add_argument("--tour", metavar="DIR", help="only run the README's tour at tiny size in this process "
                         "(paths under DIR) and print its outcome as JSON")
+    parser.add_argument("--pages", action="store_true", help="with --tour: then every other page's CPU commands at "
+                        "tiny size, deduplicated by code path (PAGES line: what ran, what was only parsed and why)")
+    parser.add_argument("--stage", choices=("default", "3.12", "both"), default="both",
+                        help="with --pages: run only this CI stage's share (tools/run_docs.py STAGE_312)")
     args = parser.parse_args(argv)
     if args.tour:
         import json
 
-        print("TOUR " + json.dumps(run_tour(args.tour)))
+        # one compilation cache for every command (the suite sets its own): their programs repeat
+        os.environ.setdefault("EDIT_JAX_COMPILE_CACHE", os.path.join(args.tour, "compile_cache"))
+        tour = run_tour(args.tour)
+        print("TOUR " + json.dumps(tour), flush=True)
+        if args.pages:
+            from tools.run_docs import run_pages
+
+            print("PAGES " + json.dumps(run_pages(args.tour, tour, args.stage)), flush=True)
         return 0
     problems = check_all()
     for p in problems:

@@ -153,7 +153,7 @@ RECORDS = {
     },
 }
 SYNC_MEANING = {
-    "pseudo_grad_norm": "per worker: norm of Δ = θ̄ − θ_i", "weight": "per worker: its weight in the average",
+    "pseudo_grad_norm": "per worker: norm of Δ = θ̄ − θᵢ", "weight": "per worker: its weight in the average",
     "flagged": "per worker: units the anomaly detector flagged", "clip_factor": "the pseudo-gradient clip factor",
     "outer_update_norm": "norm of the outer update", "inner_reset": "per worker: reset to θ̄ (non-finite)",
     "unit_pseudo_grad_norm": "per worker and unit (`sync.per_unit_metrics=true`)",

@@ -59,8 +59,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="edit-jax placement", description=__doc__.split("\n\n")[0],
-        epilog=__doc__[__doc__.index("Network:"):], formatter_class=_HelpFormatter)
+        prog="edit-jax placement", description=__doc__.split("\n\n")[0].replace("``", ""),  # the terminal's
+        epilog=__doc__[__doc__.index("Network:"):].replace("``", ""), formatter_class=_HelpFormatter)  # text, not RST
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--scenario", help=f"built-in network: {', '.join(SCENARIOS)} (or 1-5)")
     where.add_argument("--topology", metavar="FILE", help="network file, JSON or CSV (formats below)")

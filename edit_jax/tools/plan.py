@@ -209,7 +209,7 @@ def report(p: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="edit-jax plan", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="edit-jax plan", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--config", required=True, help="a config file (.py / .json) or a preset name in configs/")
     parser.add_argument("--json", default=None, help="also write the plan as JSON here")
     parser.add_argument("--device-memory", type=float, default=None,
