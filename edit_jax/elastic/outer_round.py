@@ -11,6 +11,8 @@ Every round checks it (the manifest's hash); a worker whose host rounds differen
 closer's published state instead (``worker.py``, recorded as ``theta_resync``). The cost is
 host work on each worker: a few element-wise passes over the parameters per participant (norms,
 weights, the weighted sum, clip, Nesterov), against a ``tau_time`` of minutes (BUILD_NOTES 20).
+With a sparse ``sync.compress`` the posts are packed rows and true norms, and the step is
+``packed.round_step`` (decode, then the same penalty, sum and outer step).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+from edit_jax.elastic import packed as PK
 from edit_jax.elastic.rounds import Post, RoundState
 from edit_jax.localsgd.api import stacked_sync
 from edit_jax.localsgd.methods import Plan
@@ -30,10 +33,11 @@ from edit_jax.localsgd.state import init_outer_opt_state
 
 
 class OuterRound:
-    """The compiled outer step of one plan (compiled once per participant count)."""
+    """The compiled outer step of one plan (compiled once per participant count). ``wire``: the
+    posts' form, "none" (float32 Δ) or a sparse wire name (packed posts, ``packed.py``)."""
 
-    def __init__(self, plan: Plan):
-        self.plan = plan
+    def __init__(self, plan: Plan, wire: str = "none"):
+        self.plan, self.wire = plan, wire
         self.opt = make_outer_optimizer(plan.outer)
         self.cpu = jax.devices("cpu")[0]
         self._fn = jax.jit(self._step)
@@ -53,6 +57,9 @@ class OuterRound:
                         jax.tree.map(lambda x: spec(x[0], (n,)), state.detectors),
                         jax.tree.map(lambda x: spec(x, (n,)), state.theta),
                         jax.ShapeDtypeStruct((n,), np.float32, sharding=SingleDeviceSharding(self.cpu)))
+                if self.wire != "none":  # the packed rows per unit and the norms in place of Δ
+                    args = args[:3] + ([spec(x, (n,)) for x in self._rows(state.theta)],
+                                       spec(np.zeros(np.shape(state.detectors.mean)[1], np.float32), (n,)), args[4])
                 self._programs[n] = self._fn.lower(*args).compile()
             return self._programs[n]
 
@@ -69,13 +76,27 @@ class OuterRound:
         thread.start()
         return thread
 
-    def _step(self, theta, outer_opt, dets: Detector, deltas, shares):
+    def _rows(self, theta) -> list[np.ndarray]:
+        """One post's packed rows per unit, as zeros of their shapes."""
+        bits, k, chunk = PK.layout(self.wire)
+        nr, nl = PK.unit_rows(theta, self.plan.layerwise, chunk)
+        out = [np.zeros((nr, PK.payload_bytes(bits, k)), np.uint8)]
+        if self.plan.layerwise:
+            out.append(np.zeros((jax.tree.leaves(theta["layers"])[0].shape[0], nl, out[0].shape[1]), np.uint8))
+        return out
+
+    def _step(self, theta, outer_opt, dets: Detector, deltas, *rest):
+        if self.wire != "none":  # packed posts: deltas are the rows, then the norms [N, U], the shares
+            norms, shares = rest
+            return PK.round_step(theta, outer_opt, dets, deltas, norms, shares, self.plan.penalty, self.opt,
+                                 self.wire, self.plan.layerwise)
+        shares, = rest
         # θ_i = θ̄ - Δ_i: sync_unit forms Δ_i = θ̄ - θ_i again (exact up to one rounding of each
         # value, the same on every worker), then the penalty, the weights and the outer step.
         local = jax.tree.map(lambda o, d: o[None] - d, theta, deltas)
         _, theta, outer_opt, dets, figures = stacked_sync(local, theta, outer_opt, dets, self.plan.penalty,
                                                           self.opt, self.plan.layerwise, shares)
-        return theta, outer_opt, dets, figures
+        return theta, outer_opt, dets, figures, figures["flagged"]
 
     def initial(self, theta: Any, slots: int, n_units: int, window: int) -> RoundState:
         """Round 0: θ̄ = the initial params, a fresh outer state, zero detectors for every slot."""
@@ -92,15 +113,20 @@ class OuterRound:
         """Round state r from r - 1 and the round's posts (in sorted worker order)."""
         posts = sorted(posts, key=lambda p: p.worker)
         ids = np.asarray([p.worker for p in posts])
-        treedef = jax.tree.structure(state.theta)
-        deltas = jax.tree.unflatten(treedef, [np.stack(ls) for ls in zip(*(p.delta for p in posts))])
+        if self.wire == "none":
+            deltas = jax.tree.unflatten(jax.tree.structure(state.theta),
+                                        [np.stack(ls) for ls in zip(*(p.delta for p in posts))])
+            extra = ()
+        else:
+            deltas, extra = self._stack_packed(state, posts)
         steps = np.asarray([p.steps_since for p in posts], np.float32)
         shares = steps / steps.sum() if steps.sum() > 0 else np.full(len(posts), 1.0 / len(posts), np.float32)
         dets = jax.tree.map(lambda x: x[ids], state.detectors)
         put = lambda t: jax.device_put(t, self.cpu)  # noqa: E731
         step = self.program(state, len(posts))
-        theta, outer_opt, new_dets, figures = step(put(state.theta), put(state.outer_opt), put(dets), put(deltas),
-                                                   put(np.asarray(shares, np.float32)))
+        theta, outer_opt, new_dets, figures, unit_flags = step(put(state.theta), put(state.outer_opt), put(dets),
+                                                               put(deltas), *map(put, extra),
+                                                               put(np.asarray(shares, np.float32)))
         host = lambda t: jax.tree.map(np.asarray, jax.device_get(t))  # noqa: E731
         all_dets = host(state.detectors)
         all_dets = jax.tree.map(lambda a, n: _set_rows(a, ids, n), all_dets, host(new_dets))
@@ -109,7 +135,24 @@ class OuterRound:
             cursors[p.worker] = p.cursor
         new = RoundState(state.round + 1, host(theta), host(outer_opt), all_dets,
                          state.tally + int(sum(p.steps_since for p in posts)), cursors, [int(i) for i in ids])
-        return new, {k: np.asarray(v).tolist() for k, v in host(figures).items()}
+        figures = {k: np.asarray(v).tolist() for k, v in host(figures).items()}
+        if self.wire != "none":  # [U, N]: which units of which post were flagged (the posters' residuals)
+            figures["unit_flagged"] = np.asarray(unit_flags).tolist()
+        return new, figures
+
+    def _stack_packed(self, state: RoundState, posts: list[Post]) -> tuple[list[np.ndarray], tuple]:
+        """The posts' rows stacked per unit [N, ...] and their norms [N, U], shapes checked."""
+        want, units = self._rows(state.theta), np.shape(state.detectors.mean)[1]
+        for p in posts:
+            fits = len(p.delta) == len(want) and all(a.shape == b.shape and a.dtype == b.dtype
+                                                     for a, b in zip(p.delta, want))
+            if not fits or np.shape(p.norms) != (units,):
+                raise ValueError(f"round {p.round}: worker {p.worker}'s packed post has rows "
+                                 f"{[(a.shape, str(a.dtype)) for a in p.delta]} and norms {np.shape(p.norms)}, this "
+                                 f"config's model needs {[(b.shape, str(b.dtype)) for b in want]} and ({units},) "
+                                 f"(sync.compress={self.wire})")
+        norms = np.stack([np.asarray(p.norms, np.float32) for p in posts])
+        return [np.stack(rows) for rows in zip(*(p.delta for p in posts))], (norms,)
 
 
 def _set_rows(a: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:

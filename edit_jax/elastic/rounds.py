@@ -5,8 +5,9 @@ Round r (r >= 1) turns the round state r - 1 (θ̄, the outer optimizer's state,
 anomaly detectors, the step tally) into round state r:
 
 1. each worker that applied round r - 1 trains for ``sync.tau_time`` seconds, then **posts**
-   ``posts/rXXXXXXXX/wYYYY.npz``: its pseudo gradient Δ = θ̄_{r-1} − θ_i (every leaf, float32), its
-   steps since its last round (A-EDiT's step share), its data cursor, its loss;
+   ``posts/rXXXXXXXX/wYYYY.npz``: its pseudo gradient Δ = θ̄_{r-1} − θ_i (every leaf, float32; with
+   a sparse ``sync.compress`` its packed rows and true norms, ``packed.py``), its steps since its
+   last round (A-EDiT's step share), its data cursor, its loss;
 2. the round **closes** when every expected worker posted (those whose newest announcement,
    ``members/wYYYY.json``, names round r: a worker announces the round it will post at whenever it
    joins or applies a round) or ``sync.grace`` seconds after the first post that a
@@ -38,6 +39,7 @@ import jax
 import numpy as np
 
 from edit_jax.elastic.exchange import Exchange
+from edit_jax.elastic.packed import PACKED, check_post
 from edit_jax.rundir.integrity import leaves_hash, pack_arrays, unpack_arrays
 
 KEEP_ROUNDS = 8  # posts and published states kept behind the newest round (catch-up by replay)
@@ -81,23 +83,30 @@ def tree_hash(tree: Any) -> str:
 class Post:
     worker: int
     round: int
-    delta: list[np.ndarray]  # Δ's leaves in θ̄'s tree order, float32
+    delta: list[np.ndarray]  # Δ's leaves in θ̄'s tree order, float32; or, packed, each unit's rows (packed.py)
     steps_since: int  # inner steps in Δ (A-EDiT's step share)
     cursor: int  # the worker's inner steps done: its position in its own data stream
     loss: float
     base_hash: str  # θ̄_{r-1} as the poster held it
     carried: int = 0  # steps of a late post carried into this one
+    wire: str = "none"  # "none": float32 Δ (format 1); a sparse wire name: packed rows (format 2)
+    norms: np.ndarray | None = None  # packed: the true per-unit norms of Δ [U], before compression
 
     def encode(self) -> bytes:
         meta = {"worker": self.worker, "round": self.round, "steps_since": self.steps_since, "cursor": self.cursor,
                 "loss": self.loss, "base_hash": self.base_hash, "carried": self.carried}
-        return pack(self.delta, meta)
+        if self.wire == "none":
+            return pack(self.delta, meta)
+        return pack([*self.delta, np.asarray(self.norms, np.float32)], {**meta, "format": PACKED, "wire": self.wire})
 
     @staticmethod
-    def decode(data: bytes, what: str) -> "Post":
+    def decode(data: bytes, what: str, wire: str = "none") -> "Post":
+        """The post at ``what``; ValueError if it is not of this reader's ``wire`` (``packed.check_post``)."""
         leaves, m = unpack(data, what)
+        packed = check_post(m, wire, what) == PACKED
+        norms = leaves.pop() if packed else None
         return Post(int(m["worker"]), int(m["round"]), leaves, int(m["steps_since"]), int(m["cursor"]),
-                    float(m["loss"]), str(m["base_hash"]), int(m.get("carried", 0)))
+                    float(m["loss"]), str(m["base_hash"]), int(m.get("carried", 0)), wire, norms)
 
 
 @dataclass

@@ -25,7 +25,7 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -33,12 +33,14 @@ import numpy as np
 
 from edit_jax.config import Config, dumps
 from edit_jax.data import check_model_vocab, load_corpus, make_train_stream, val_batches
+from edit_jax.elastic import packed as PK
 from edit_jax.elastic import rounds as R
 from edit_jax.elastic.exchange import Exchange, open_exchange
 from edit_jax.elastic.outer_round import OuterRound
 from edit_jax.localsgd.methods import LOCAL, plan_for
 from edit_jax.localsgd.optim import with_step_counts
 from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.localsgd.sparse import wire_name
 from edit_jax.rundir.records import replace_file, worker_log
 from edit_jax.runtime import multihost
 from edit_jax.runtime.mesh import make_mesh
@@ -66,6 +68,8 @@ class Local:
     since: int = 0
     done: int = 0
     carried: int = 0  # steps of a late post carried into the next one
+    residual: list | None = None  # packed posts: the error-feedback residual per unit (packed.py), from zeros
+    pending: list | None = None  # the residual if the round uses the post just made
 
 
 class ElasticWorker:
@@ -83,6 +87,8 @@ class ElasticWorker:
         self.check_slot_free()  # before any work
         self.plan = method_plan.plan
         lcfg = multihost.local_config(cfg)
+        # Its own program only steps (the posts are encoded on the host): no residual buffer on its devices.
+        lcfg = replace(lcfg, sync=replace(lcfg.sync, compress="none", error_feedback=False, ef_decay=1.0))
         self.mesh = make_mesh(lcfg.mesh, jax.local_devices()[:cfg.mesh.shard])
         self.loc = StepPrograms.for_config(lcfg, self.mesh)
         corpus = load_corpus(cfg.data)
@@ -90,7 +96,11 @@ class ElasticWorker:
         self.stream = make_train_stream(corpus, cfg.data.seq_len, cfg.batch_size, cfg.mesh.replica, cfg.data.seed)
         self.val = val_batches(corpus, cfg.data.seq_len, cfg.batch_size // cfg.mesh.replica, cfg.eval_batches) \
             if cfg.eval_batches else []
-        self.outer = OuterRound(self.plan)
+        s = cfg.sync
+        self.wire = "none" if s.compress == "none" else wire_name(s.compress, s.sparse_chunk, s.sparse_k, s.ef_decay)
+        self.outer = OuterRound(self.plan, self.wire)
+        self._encode = jax.jit(lambda d, e: PK.encode_post(d, e, self.wire, self.plan.layerwise))
+        self.my_flags: dict[int, list] = {}  # round -> this worker's per-unit flags (packed posts' residual)
         self.target = cfg.steps * cfg.mesh.replica  # the token budget in inner steps of one worker's rows
         self.slow = parse_slowdown(cfg.debug.slowdown).get(worker, 1.0)
         self.stop, self.compiled = False, False
@@ -147,8 +157,10 @@ class ElasticWorker:
             data = self.ex.get(R.post_key(m.round, w))
             if data is None:  # collected: this worker is too far behind to replay; take the published state
                 return self._published_at_least(m.round)
-            posts.append(R.Post.decode(data, R.post_key(m.round, w)))
+            posts.append(R.Post.decode(data, R.post_key(m.round, w), self.wire))
         new, figures = self.outer.apply(shared, posts)
+        if self.me in m.members and "unit_flagged" in figures:
+            self.my_flags[m.round] = [u[m.members.index(self.me)] for u in figures["unit_flagged"]]
         new.finished = new.tally >= self.target
         if m.closer == self.me and not self.ex.list(R.state_key(new.round)):  # not again after a restart
             self._publish(new, m, posts, figures)
@@ -295,14 +307,23 @@ class ElasticWorker:
             raise SlotInUse(f"--worker {self.me}: slot {self.me} of exchange {self.ex.url} is in use by "
                             f"{info['owner']} (host:pid); pick another slot (0..{self.cfg.mesh.replica - 1}) or stop it")
 
-    def post(self, shared: R.RoundState, local: Local, loss: float) -> tuple[R.Post, bool]:
+    def post(self, shared: R.RoundState, local: Local, loss: float) -> tuple[R.Post, bool, list]:
         """This worker's post to the next round; False if a post of this slot is already there (this
         worker's, from before a restart): posts are immutable, so every reader of the round reads
-        the same one, and this worker's newer progress is carried as a late post's would be."""
+        the same one, and this worker's newer progress is carried as a late post's would be. Also
+        Δ's leaves (float32: what a late post carries). Packed posts: ``packed.encode_post`` on the
+        host CPU, the new residual pending in ``local`` until the round says it was used."""
         mine = jax.tree.map(lambda x: np.asarray(x, np.float32)[0], jax.device_get(local.state.params))
         delta = [np.asarray(t - p, np.float32) for t, p in zip(jax.tree.leaves(shared.theta), jax.tree.leaves(mine))]
         post = R.Post(self.me, shared.round + 1, delta, local.since, local.done, loss, shared.digest(), local.carried)
-        return post, self.ex.create(R.post_key(post.round, self.me), post.encode())
+        if self.wire != "none":
+            cpu = jax.devices("cpu")[0]
+            tree = jax.tree.unflatten(jax.tree.structure(shared.theta), delta)
+            rows, norms, pending = jax.device_get(self._encode(jax.device_put(tree, cpu),
+                                                               jax.device_put(local.residual, cpu)))
+            post.delta, post.norms, post.wire = [np.asarray(r) for r in rows], np.asarray(norms), self.wire
+            local.pending = [np.asarray(e) for e in pending]
+        return post, self.ex.create(R.post_key(post.round, self.me), post.encode()), delta
 
     def await_round(self, shared: R.RoundState) -> R.Manifest | None:
         """Round shared.round + 1's manifest: read, or written by this worker when the round is due
@@ -325,6 +346,9 @@ class ElasticWorker:
         shared = self.join()
         local = Local(self._init_state, done=shared.cursors[self.me])
         local.state = self.restart_from(shared, local.state, count=local.done)
+        if self.wire != "none":  # the residual lives in this process only: every (re)start begins at zero
+            local.residual = PK.zero_residual(shared.theta, self.plan.layerwise, PK.layout(self.wire)[2])
+            self.record({"step": shared.global_step, "worker": self.me, "residual": "zeros", "wire": self.wire})
         self.say(f"edit-jax worker {self.me}: joined at round {shared.round} (data cursor {local.done})")
         self.outer.precompile(shared, self.cfg.mesh.replica, len(shared.members))  # every count, in the background
         while not shared.finished:
@@ -332,19 +356,24 @@ class ElasticWorker:
                                   aligned=shared.round > 0)
             if self.stop:
                 return 130
-            post, fresh = self.post(shared, local, loss)
+            post, fresh, delta = self.post(shared, local, loss)
             self.announce(post.round + 1)  # expected next round even while this one is still being applied
             m = self.await_round(shared)
             if m is None:
                 return 130
             shared = self.catch_up(shared)
             if fresh and self.me in m.members:
+                if self.wire != "none":  # the round used the post: its residual, zeroed where flagged
+                    flags = self.my_flags.pop(post.round, None)
+                    self.my_flags.clear()  # older rounds' (a replay's): no post of this process pends on them
+                    local.residual = PK.settle_residual(local.pending, flags, self.plan.layerwise)
                 local.state = self.restart_from(shared, local.state)
                 local.since, local.carried = 0, 0
                 continue
             # Late: the round closed without this worker's post (it was stopped, or slow).
             carry = self.cfg.sync.late_posts == "carry"
-            delta = jax.tree.unflatten(jax.tree.structure(shared.theta), post.delta) if carry else None
+            # (a packed post not used sent nothing: the residual stays what it was before it)
+            delta = jax.tree.unflatten(jax.tree.structure(shared.theta), delta) if carry else None
             local.state = self.restart_from(shared, local.state, delta=delta)
             if carry:
                 local.carried = local.since

@@ -1,0 +1,175 @@
+"""Compressed posts (``sync.exchange`` with ``sync.compress = topk2 | topk4``; issues 38 and 39):
+the post is the sparse wire's packed form, the same codec as the in-program exchange
+(``localsgd/sparse.py``: top-k per chunk, 2/4-bit levels, 12-bit indices, packed uint8).
+
+Where each step of EDiT's compressed sync happens, in the order ``outer.sync_unit`` runs it:
+
+1. **the poster** (``encode_post``, its host CPU), per unit (the root, each layer; or the whole
+   model with ``sync.layerwise=false``): Δ = θ̄ − θ_i; the true norm ‖Δ‖ (before the residual is
+   added, before compression: what the penalty reads); x = flatten(Δ) + β·e (its own residual,
+   padded to whole chunks as ``compress.flatten_unit`` pads); the packed rows encode(x); the new
+   residual e' = x − decode(encode(x)), kept locally, pending the round. It posts the packed rows
+   and the norms (float32 [U]).
+2. **every participant** (``round_step``, in ``OuterRound``'s CPU program): the anomaly detectors
+   on the posted norms, the softmax weights mixed with the step shares, then decode every post,
+   zero a flagged worker's rows (a NaN post decodes to NaN: ``where``, not a product), the weighted
+   sum in float32 over the workers in sorted order, the clip on the sum, the outer step.
+3. **the poster again**, when the round is applied: e <- e' for each unit, or 0 for a unit the
+   round flagged (the in-program sync resets a flagged worker's residual before encoding, so it
+   sends zeros and keeps zeros: the same result); a post the round did not use (late, or a
+   restart's duplicate) sent nothing, so the residual stays what it was before the post.
+
+Bit for bit this equals the in-program ``compressed_weighted_sum`` (all-gather pattern) on the same
+Δs, norms and residuals (tests/test_packed_posts.py). A worker that (re)starts or joins begins with
+a zero residual, as the in-program ``Compressed.remap_extra`` does on an elastic resume: the
+residual is per worker and lives only in its process (recorded: ``"residual": "zeros"``).
+
+The post's meta says ``"format": 2`` and the wire (``sparse.wire_name``); float32 posts have no
+``format`` (1). A reader whose config reads another format or layout fails naming both.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from edit_jax.localsgd.api import _cat_units, _unit_det, sync_figures
+from edit_jax.localsgd.compress import flatten_unit
+from edit_jax.localsgd.outer import Detector, _outer_step, detector_step, mix_step_weights, softmax_weights
+from edit_jax.localsgd.reduction import _sq_sum
+from edit_jax.localsgd.sparse import BITS, decode, encode, parse, payload_bytes
+
+FLOAT32, PACKED = 1, 2  # post formats: float32 Δ leaves; packed sparse rows + true norms
+FORMATS = (FLOAT32, PACKED)
+
+
+def layout(wire: str) -> tuple[int, int, int]:
+    """(bits, k, chunk): what a reader must agree on (the decay is the poster's own business)."""
+    kind, o = parse(wire)
+    return BITS[kind], o["k"], o["chunk"]
+
+
+def check_post(meta: dict, wire: str, what: str) -> int:
+    """The post's format, checked against this reader's wire; ValueError naming both otherwise."""
+    fmt = int(meta.get("format", FLOAT32))
+    if fmt not in FORMATS:
+        raise ValueError(f"{what}: post format {fmt} is unknown to this reader (reads {list(FORMATS)}): "
+                         "a newer edit-jax wrote it")
+    theirs = str(meta.get("wire", "none")) if fmt == PACKED else "none"
+    same = theirs == wire if "none" in (theirs, wire) else layout(theirs) == layout(wire)
+    if not same:
+        raise ValueError(f"{what}: the post carries {theirs!r} pseudo gradients, this worker reads {wire!r} "
+                         "(sync.compress, sync.sparse_chunk, sync.sparse_k): every worker of a run must use the same")
+    return fmt
+
+
+# ----------------------------------------------------------------------------- units
+
+
+def _units(tree: Any, layerwise: bool) -> tuple[Any, Any]:
+    """(the root's unit, the layers' units stacked [L, ...]) or (the whole tree, None)."""
+    return (tree["root"], tree["layers"]) if layerwise else (tree, None)
+
+
+def unit_rows(theta: Any, layerwise: bool, chunk: int) -> tuple[int, int]:
+    """Chunks per unit: (root or whole model, one layer; 0 without layers)."""
+    root, layers = _units(theta, layerwise)
+    size = lambda t, drop=0: sum(math.prod(np.shape(x)[drop:]) for x in jax.tree.leaves(t))  # noqa: E731
+    return -(-size(root) // chunk), (0 if layers is None else -(-size(layers, 1) // chunk))
+
+
+def zero_residual(theta: Any, layerwise: bool, chunk: int) -> list[np.ndarray]:
+    """A fresh residual: per unit its flat vector padded to whole chunks ([nc·chunk], [L, nc·chunk])."""
+    nr, nl = unit_rows(theta, layerwise, chunk)
+    out = [np.zeros(nr * chunk, np.float32)]
+    if layerwise:
+        out.append(np.zeros((jax.tree.leaves(theta["layers"])[0].shape[0], nl * chunk), np.float32))
+    return out
+
+
+# ----------------------------------------------------------------------------- the poster
+
+
+def _encode_unit(d: Any, e: jax.Array, wire: str):
+    bits, k, chunk = layout(wire)
+    flat, _ = flatten_unit(d, chunk)
+    g = jnp.sqrt(_sq_sum(d))  # the true norm: Δ alone, before the residual and the codec
+    x = (flat + parse(wire)[1]["decay"] * e).reshape(-1, chunk)
+    packed = encode(x, bits, k)
+    return packed, g, (x - decode(packed, bits, k, chunk)).reshape(-1)
+
+
+def encode_post(delta: Any, residual: list, wire: str, layerwise: bool):
+    """(packed rows per unit [root [nc, P], layers [L, nc, P]], true norms [U], new residual per
+    unit) of one worker's Δ (θ̄'s tree) and residual (``zero_residual``'s layout). Jit it."""
+    root, layers = _units(delta, layerwise)
+    p_root, g_root, e_root = _encode_unit(root, residual[0], wire)
+    if not layerwise:
+        return [p_root], g_root[None], [e_root]
+    p_l, g_l, e_l = jax.vmap(lambda d, e: _encode_unit(d, e, wire))(layers, residual[1])
+    return [p_root, p_l], jnp.concatenate([g_root[None], g_l]), [e_root, e_l]
+
+
+def settle_residual(pending: list, flagged_units: np.ndarray | None, layerwise: bool) -> list[np.ndarray]:
+    """The residual after the round used the post: ``pending`` (encode_post's), zero for each
+    unit the round flagged (``flagged_units`` [U] bool, root first)."""
+    if flagged_units is None:
+        return [np.asarray(x) for x in pending]
+    f = np.asarray(flagged_units, bool)
+    out = [np.where(f[0], 0.0, pending[0]).astype(np.float32)]
+    if layerwise:
+        out.append(np.where(f[1:, None], 0.0, pending[1]).astype(np.float32))
+    return out
+
+
+# ----------------------------------------------------------------------------- the round
+
+
+def _round_unit(theta, opt_state, det: Detector, packed, g, shares, p, opt, wire: str):
+    """One unit from every participant's packed rows [N, nc, P] and true norms [N]: ``sync_unit``'s
+    steps 3-6 with the compressed exchange's decode and float32 weighted sum."""
+    bits, k, chunk = layout(wire)
+    n = g.shape[0]
+    det, flagged = jax.vmap(lambda d, x: detector_step(d, x, p))(det, g)
+    w_all = mix_step_weights(softmax_weights(g, flagged, p), shares, flagged, p)
+    got = decode(packed, bits, k, chunk).reshape(n, -1)  # [N, padded]
+    got = jnp.where(flagged[:, None], 0.0, got)  # a flagged post sends zeros (its NaNs too)
+    total = jnp.sum(w_all.reshape((n, 1)) * got, axis=0)
+    _, unflatten = flatten_unit(theta, chunk)
+    new, new_opt, clip, avg_norm, update_norm = _outer_step(unflatten(total), theta, opt_state, jnp.sum(w_all) > 0,
+                                                            p, opt, _sq_sum)
+    metrics = {"pseudo_grad_norm": g, "weight": w_all, "flagged": flagged, "avg_norm": avg_norm, "clip_factor": clip,
+               "update_norm": update_norm}
+    return new, new_opt, det, metrics
+
+
+def round_step(theta, outer_opt, dets: Detector, packed: list, norms, shares, p, opt, wire: str, layerwise: bool):
+    """The round's outer step from packed posts (``packed`` per unit with a leading [N]; ``norms``
+    [N, U]): (θ̄, the outer state, the detectors [N, U], the figures, per-unit flags [U, N])."""
+    one = lambda t, o, d, x, g: _round_unit(t, o, d, x, g, shares, p, opt, wire)  # noqa: E731
+    if not layerwise:
+        new, opt_state, det, m = one(theta, outer_opt, _unit_det(dets, 0), packed[0], norms[:, 0])
+        m = jax.tree.map(lambda x: x[None], m)
+        return new, opt_state, jax.tree.map(lambda x: x[:, None], det), sync_figures(m), m["flagged"]
+    root = one(theta["root"], outer_opt["root"], _unit_det(dets, 0), packed[0], norms[:, 0])
+    layers = jax.vmap(one, in_axes=(0, 0, 1, 1, 1), out_axes=(0, 0, 1, 0))(
+        theta["layers"], outer_opt["layers"], _unit_det(dets, slice(1, None)), packed[1], norms[:, 1:])
+    new, opt_state = ({"root": r, "layers": l} for r, l in zip(root[:2], layers[:2]))
+    m = _cat_units(root[3], layers[3])
+    return new, opt_state, _cat_units(root[2], layers[2], axis=1), sync_figures(m), m["flagged"]
+
+
+def post_bytes(theta: Any, layerwise: bool, wire: str) -> int:
+    """The packed rows' bytes of one post (the norms and the .npz framing not counted)."""
+    bits, k, chunk = layout(wire)
+    nr, nl = unit_rows(theta, layerwise, chunk)
+    n_layers = jax.tree.leaves(theta["layers"])[0].shape[0] if layerwise else 0
+    return (nr + n_layers * nl) * payload_bytes(bits, k)
+
+
+__all__ = ["FLOAT32", "PACKED", "check_post", "encode_post", "layout", "post_bytes", "round_step",
+           "settle_residual", "unit_rows", "zero_residual"]
