@@ -238,3 +238,24 @@ def test_checkpoints_removed_by_another_process_meanwhile_is_not_unwritable(tmp_
     if not os.access(tmp_path / "checkpoints", os.W_OK):  # (root can write anywhere)
         with pytest.raises(RunDirError, match="exists but is not writable"):
             check_writable(str(tmp_path), deepest=False)
+
+
+def test_a_signal_while_the_workers_start_reaches_every_worker_once():
+    """Before: a Ctrl-C that landed while the launcher was starting its workers was written only to
+    the ones already running (none before the first Popen returned): the others trained on, and
+    the run ended 0 (seen once in the suite, under load). Now each worker is told, once and in
+    order, every signal that came before or while it started."""
+    import subprocess
+
+    from edit_jax.runtime.launch import Attempt
+
+    attempt = Attempt()
+    attempt.signals.append((2, 1))  # came before any worker ran
+    for _ in range(2):
+        attempt.procs.append(subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        attempt.pass_on()  # as run_workers does after each start
+    attempt.signals.append((15, 2))  # a second one, as the handler appends it
+    attempt.pass_on()
+    attempt.pass_on()  # nothing new: nothing written
+    outs = [p.communicate(timeout=10)[0] for p in attempt.procs]
+    assert outs == ["2 1\n15 2\n", "2 1\n15 2\n"]

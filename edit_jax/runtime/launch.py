@@ -13,24 +13,22 @@ arrival of the same Ctrl-C must not count as the second Ctrl-C that ends a worke
 a checkpoint. In a launched worker the launcher alone counts: a signal sent to the worker
 directly only asks it to stop; the launcher's second forwarded one ends it at once.
 
-A worker that dies ends the worker set at once: the others are killed (a collective with a lost peer
-could only hang or abort), the message names the lost worker, how it ended and the newest
-checkpoint on disk, and the launcher restarts the worker set (up to ``--max-restarts`` times,
-``restarts.py``) or exits with ``EXIT_WORKER_LOST``. Every lost worker has that
-message, whichever worker's end the launcher sees first: the one killed from outside is named,
-not a survivor that failed because of it (``lost_worker``). A worker that hangs (stopped, e.g. by
-SIGSTOP) makes the others' coordination service give up after ``mesh.heartbeat_seconds``; the
-message then names the hung worker, not the healthy one that aborted. A worker that ends with a
-message of its own (bad input 2, diverged 3, run dir locked 4) passes its code on, and its message
-is the only one. Nothing checkpointed is lost: orbax commits a checkpoint only once it is whole,
-and re-running the same command resumes from the last one.
+A worker that dies ends the worker set at once: the others are killed (a collective with a lost peer could
+only hang or abort), the message names the lost worker, how it ended and the newest checkpoint on disk, and
+the launcher restarts the worker set (up to ``--max-restarts`` times, ``restarts.py``) or exits with
+``EXIT_WORKER_LOST``. Every lost worker has that message, whichever worker's end the launcher sees first: the
+one killed from outside is named, not a survivor that failed because of it (``lost_worker``). A worker that
+hangs (stopped, e.g. by SIGSTOP) makes the others' coordination service give up after
+``mesh.heartbeat_seconds``; the message then names the hung worker, not the healthy one that aborted. A worker
+that ends with a message of its own (bad input 2, diverged 3, run dir locked 4) passes its code on, and its
+message is the only one. Nothing checkpointed is lost: orbax commits a checkpoint only once it is whole, and
+re-running the same command resumes from the last one.
 
-The workers' output passes through here (``relay``): a message every worker prints (they all
-reach the same verdict) is shown once, and the runtime's own chatter (gloo's connection lines,
-also when another line cut one in two, ``gloo_fragment``; absl log lines, the native stack dump
-of an aborting coordination client) and a worker's Python traceback (a survivor's gloo error once
-its peer is gone; a crash) are left out unless ``EDIT_JAX_DEBUG=1``: the launcher's own line
-names the cause, and counts what it left out.
+The workers' output passes through here (``relay``): a message every worker prints (they all reach the same
+verdict) is shown once, and the runtime's own chatter (gloo's connection lines, also when another line cut one
+in two, ``gloo_fragment``; absl log lines, the native stack dump of an aborting coordination client) and a
+worker's Python traceback (a survivor's gloo error once its peer is gone; a crash) are left out unless
+``EDIT_JAX_DEBUG=1``: the launcher's own line names the cause, and counts what it left out.
 """
 
 from __future__ import annotations
@@ -301,6 +299,32 @@ class Attempt:
         self.procs: list[subprocess.Popen] = []
         self.lost: tuple[int, int, str, int] | None = None  # + lines of diagnostics left out
         self.stop_now = False  # a second Ctrl-C / SIGTERM was passed on: the run ends now, with 130
+        self.signals: list[tuple[int, int]] = []  # (signum, nth) the launcher got during this attempt
+        self.told: dict[int, int] = {}  # worker index -> how many of them it was written
+        self._passing = False  # a pass_on under way
+
+    def pass_on(self) -> None:
+        """Writes each running worker the signals it was not told yet, in order; also as each starts (a
+        Ctrl-C while the set starts reaches them all). A handler's call inside a call leaves it the work."""
+        if self._passing:
+            return  # the call under way loops until nobody lacks a line
+        lacking = lambda: any(self.told.get(i, 0) < len(self.signals) and p.poll() is None  # noqa: E731
+                              for i, p in enumerate(self.procs))
+        self._passing = True
+        try:  # (no line twice, none out of order)
+            while lacking():
+                for i, p in enumerate(self.procs):
+                    k = self.told.get(i, 0)
+                    if k < len(self.signals) and p.poll() is None:
+                        self.told[i] = k + 1
+                        try:  # (os.write: one small write to a pipe is atomic, not a buffered writer)
+                            os.write(p.stdin.fileno(), "{} {}\n".format(*self.signals[k]).encode())
+                        except OSError:  # it ended meanwhile (a broken pipe): the watch sees it
+                            self.told[i] = len(self.signals)
+        finally:
+            self._passing = False
+        if lacking():  # a signal that came after the loop's last look
+            self.pass_on()
 
 
 def run_workers(attempt: Attempt, train_argv: list[str], n: int, shard: int, pin_cores: bool, say,
@@ -318,6 +342,7 @@ def run_workers(attempt: Attempt, train_argv: list[str], n: int, shard: int, pin
         procs.append(subprocess.Popen([sys.executable, "-m", "edit_jax", "train", *train_argv], env=env,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       preexec_fn=lambda core=core: _in_child(core)))
+        attempt.pass_on()
         for stream, out in ((procs[i].stdout, sys.stdout), (procs[i].stderr, sys.stderr)):
             pumps.append(threading.Thread(target=relay.pump, args=(i, stream, out), daemon=True))
             pumps[-1].start()
@@ -395,17 +420,14 @@ def launch(train_argv: list[str], n: int, shard: int, pin_cores: bool = False,
 
     def forward(signum, frame):
         received[0] += 1
-        if received[0] > 1:
-            current[0].stop_now = True
-        for p in list(current[0].procs):
-            if p.poll() is None:
-                try:  # (os.write: one small write to a pipe is atomic, and not a buffered
-                    # writer that a second signal arriving during the first one's write would re-enter)
-                    os.write(p.stdin.fileno(), f"{signum} {received[0]}\n".encode())
-                except OSError:  # it ended meanwhile (a broken pipe): the watch below sees it
-                    pass
+        current[0].stop_now = current[0].stop_now or received[0] > 1
+        current[0].signals.append((signum, received[0]))
+        current[0].pass_on()
 
     def start(argv: list[str], workers: int) -> tuple[int, tuple | None]:
+        if received[0]:  # a Ctrl-C / SIGTERM came before the first start: none is started
+            say("edit-jax: stopped before the workers started (a Ctrl-C or SIGTERM came); nothing written")
+            return EXIT_INTERRUPTED, None
         current[0] = Attempt()
         code = run_workers(current[0], argv, workers, shard, pin_cores, say, run_dir)
         return code, current[0].lost
@@ -423,5 +445,5 @@ def launch(train_argv: list[str], n: int, shard: int, pin_cores: bool = False,
                 p.wait()
 
 
-__all__ = ["launch", "run_workers", "die_with_parent", "Attempt", "free_port", "worker_env", "Relay", "process_state", "EXIT_WORKER_LOST",
-           "take_forwarded", "follow_launcher", "lost_worker", "survivors_note", "ENV_FORWARDS"]
+__all__ = ["launch", "run_workers", "die_with_parent", "Attempt", "free_port", "worker_env", "Relay", "process_state",
+           "EXIT_WORKER_LOST", "take_forwarded", "follow_launcher", "lost_worker", "survivors_note", "ENV_FORWARDS"]
