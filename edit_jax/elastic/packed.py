@@ -37,10 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from edit_jax.localsgd.api import _cat_units, _unit_det, sync_figures
+from edit_jax.localsgd.api import cat_units, unit_detector, sync_figures
 from edit_jax.localsgd.compress import flatten_unit
-from edit_jax.localsgd.outer import Detector, _outer_step, detector_step, mix_step_weights, softmax_weights
-from edit_jax.localsgd.reduction import _sq_sum
+from edit_jax.localsgd.outer import Detector, outer_step, detector_step, mix_step_weights, softmax_weights
+from edit_jax.localsgd.reduction import sq_sum
 from edit_jax.localsgd.sparse import BITS, decode, encode, parse, payload_bytes
 
 FLOAT32, PACKED = 1, 2  # post formats: float32 Δ leaves; packed sparse rows + true norms
@@ -97,7 +97,7 @@ def zero_residual(theta: Any, layerwise: bool, chunk: int) -> list[np.ndarray]:
 def _encode_unit(d: Any, e: jax.Array, wire: str):
     bits, k, chunk = layout(wire)
     flat, _ = flatten_unit(d, chunk)
-    g = jnp.sqrt(_sq_sum(d))  # the true norm: Δ alone, before the residual and the codec
+    g = jnp.sqrt(sq_sum(d))  # the true norm: Δ alone, before the residual and the codec
     x = (flat + parse(wire)[1]["decay"] * e).reshape(-1, chunk)
     packed = encode(x, bits, k)
     return packed, g, (x - decode(packed, bits, k, chunk)).reshape(-1)
@@ -140,8 +140,8 @@ def _round_unit(theta, opt_state, det: Detector, packed, g, shares, p, opt, wire
     got = jnp.where(flagged[:, None], 0.0, got)  # a flagged post sends zeros (its NaNs too)
     total = jnp.sum(w_all.reshape((n, 1)) * got, axis=0)
     _, unflatten = flatten_unit(theta, chunk)
-    new, new_opt, clip, avg_norm, update_norm = _outer_step(unflatten(total), theta, opt_state, jnp.sum(w_all) > 0,
-                                                            p, opt, _sq_sum)
+    new, new_opt, clip, avg_norm, update_norm = outer_step(unflatten(total), theta, opt_state, jnp.sum(w_all) > 0,
+                                                            p, opt, sq_sum)
     metrics = {"pseudo_grad_norm": g, "weight": w_all, "flagged": flagged, "avg_norm": avg_norm, "clip_factor": clip,
                "update_norm": update_norm}
     return new, new_opt, det, metrics
@@ -152,15 +152,15 @@ def round_step(theta, outer_opt, dets: Detector, packed: list, norms, shares, p,
     [N, U]): (θ̄, the outer state, the detectors [N, U], the figures, per-unit flags [U, N])."""
     one = lambda t, o, d, x, g: _round_unit(t, o, d, x, g, shares, p, opt, wire)  # noqa: E731
     if not layerwise:
-        new, opt_state, det, m = one(theta, outer_opt, _unit_det(dets, 0), packed[0], norms[:, 0])
+        new, opt_state, det, m = one(theta, outer_opt, unit_detector(dets, 0), packed[0], norms[:, 0])
         m = jax.tree.map(lambda x: x[None], m)
         return new, opt_state, jax.tree.map(lambda x: x[:, None], det), sync_figures(m), m["flagged"]
-    root = one(theta["root"], outer_opt["root"], _unit_det(dets, 0), packed[0], norms[:, 0])
+    root = one(theta["root"], outer_opt["root"], unit_detector(dets, 0), packed[0], norms[:, 0])
     layers = jax.vmap(one, in_axes=(0, 0, 1, 1, 1), out_axes=(0, 0, 1, 0))(
-        theta["layers"], outer_opt["layers"], _unit_det(dets, slice(1, None)), packed[1], norms[:, 1:])
+        theta["layers"], outer_opt["layers"], unit_detector(dets, slice(1, None)), packed[1], norms[:, 1:])
     new, opt_state = ({"root": r, "layers": l} for r, l in zip(root[:2], layers[:2]))
-    m = _cat_units(root[3], layers[3])
-    return new, opt_state, _cat_units(root[2], layers[2], axis=1), sync_figures(m), m["flagged"]
+    m = cat_units(root[3], layers[3])
+    return new, opt_state, cat_units(root[2], layers[2], axis=1), sync_figures(m), m["flagged"]
 
 
 def post_bytes(theta: Any, layerwise: bool, wire: str) -> int:

@@ -309,9 +309,9 @@ class LocalSGD:
                   for u, cut in (("root", 0), ("layers", slice(1, None)))}
             params, opt_state, metrics, ys, reset = self._loss_step(params, opt_state, batch, hook, xs)
             root, layers = ys["root"], ys["layers"]
-            det = _cat_units(root.detector, layers.detector)
+            det = cat_units(root.detector, layers.detector)
             shared = ({"root": root.outer_params, "layers": layers.outer_params},
-                      {"root": root.opt_state, "layers": layers.opt_state}, _cat_units(root.metrics, layers.metrics))
+                      {"root": root.opt_state, "layers": layers.opt_state}, cat_units(root.metrics, layers.metrics))
             return (params, opt_state, metrics, det, reset), shared
 
         (params, opt_state, metrics, det, reset), (outer, outer_state, unit) = self._workers(
@@ -364,12 +364,12 @@ class LocalSGD:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _cat_units(root, layers, axis: int = 0):
+def cat_units(root, layers, axis: int = 0):
     """The root's values and the layers' (stacked on ``axis``) as one unit axis ``axis``: [.., U, ..]."""
     return jax.tree.map(lambda r, l: jnp.concatenate([jnp.expand_dims(r, axis), l], axis=axis), root, layers)
 
 
-def _unit_det(det: Detector, u) -> Detector:
+def unit_detector(det: Detector, u) -> Detector:
     """Every worker's detector of unit(s) ``u`` (from the [N, U] detectors)."""
     return jax.tree.map(lambda x: x[:, u], det)
 
@@ -424,7 +424,7 @@ def stacked_sync(params: Any, outer_params: Any, outer_opt_state: Any, detector:
     What ``LocalSGD.sync`` runs, and the exchange's round (``elastic/outer_round.py``)."""
     red = Stacked()
     if not layerwise:
-        res = sync_unit(params, outer_params, outer_opt_state, _unit_det(detector, 0), penalty, outer_opt,
+        res = sync_unit(params, outer_params, outer_opt_state, unit_detector(detector, 0), penalty, outer_opt,
                         shares=shares, reduction=red)
         det = jax.tree.map(lambda x: x[:, None], res.detector)
         return res.params, res.outer_params, res.opt_state, det, sync_figures(jax.tree.map(lambda x: x[None],
@@ -433,13 +433,13 @@ def stacked_sync(params: Any, outer_params: Any, outer_opt_state: Any, detector:
     def one(local, outer, outer_state, det):
         r = sync_unit(local, outer, outer_state, det, penalty, outer_opt, shares=shares, reduction=red)
         return r.params, r.outer_params, r.opt_state, r.detector, r.metrics
-    root = one(params["root"], outer_params["root"], outer_opt_state["root"], _unit_det(detector, 0))
+    root = one(params["root"], outer_params["root"], outer_opt_state["root"], unit_detector(detector, 0))
     layers = jax.vmap(one, in_axes=(1, 0, 0, 1), out_axes=(1, 0, 0, 1, 0))(
-        params["layers"], outer_params["layers"], outer_opt_state["layers"], _unit_det(detector, slice(1, None)))
+        params["layers"], outer_params["layers"], outer_opt_state["layers"], unit_detector(detector, slice(1, None)))
     new_params, outer, outer_state = ({"root": r, "layers": l} for r, l in zip(root[:3], layers[:3]))
-    return new_params, outer, outer_state, _cat_units(root[3], layers[3], axis=1), sync_figures(
-        _cat_units(root[4], layers[4]))
+    return new_params, outer, outer_state, cat_units(root[3], layers[3], axis=1), sync_figures(
+        cat_units(root[4], layers[4]))
 
 
 __all__ = ["LocalSGD", "LocalSGDRule", "LocalSGDState", "diloco", "post_local_sgd", "edit", "identity_hook",
-           "sync_figures", "stacked_sync", "Penalty", "OuterSpec"]
+           "sync_figures", "stacked_sync", "Penalty", "OuterSpec", "cat_units", "unit_detector"]

@@ -230,7 +230,7 @@ def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: P
         else:
             avg, new_residual = compressed_weighted_sum(delta, w_all, compress, residual)
     # 5.-6. clip, outer step.
-    new_outer, new_opt_state, clip, avg_norm, update_norm = _outer_step(avg, outer_params, opt_state,
+    new_outer, new_opt_state, clip, avg_norm, update_norm = outer_step(avg, outer_params, opt_state,
                                                                         jnp.sum(w_all) > 0, p, opt, red.sq_norm)
     metrics = {
         "pseudo_grad_norm": g_all,  # [N]: every worker's norm of this unit
@@ -247,7 +247,7 @@ def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: P
     return UnitSync(params, new_outer, new_opt_state, det, metrics, new_residual)
 
 
-def _outer_step(avg, outer_params, opt_state, any_ok, p: Penalty, opt, norm_axes):
+def outer_step(avg, outer_params, opt_state, any_ok, p: Penalty, opt, norm_axes):
     """Steps 5-6: clip the averaged pseudo gradient over the whole unit, then the optax outer step,
     skipped (a rollback of the window: θ̄ and the optimizer state kept) when every worker was
     flagged. ``norm_axes``: the mesh axes a unit's blocks are split over, or a function giving
@@ -326,7 +326,7 @@ def _sync_unit_over_replica(local, outer_chunk, opt_chunk, det: Detector, p: Pen
     w_all = mix_step_weights(softmax_weights(g_all, flags, p), shares, flags, p)
     bcast = lambda v, x: v.reshape((n,) + (1,) * (x.ndim - 1))  # noqa: E731
     avg = jax.tree.map(lambda d: jnp.sum(bcast(w_all, d) * jnp.where(bcast(flags, d), 0.0, d), axis=0), delta)
-    new_outer, new_opt_state, clip, avg_norm, update_norm = _outer_step(avg, outer_chunk, opt_chunk,
+    new_outer, new_opt_state, clip, avg_norm, update_norm = outer_step(avg, outer_chunk, opt_chunk,
                                                                         jnp.sum(w_all) > 0, p, opt, (SHARD, REPLICA))
     new_local = jax.tree.map(lambda o, d: jax.lax.all_gather(o, REPLICA, axis=d, tiled=True), new_outer, dims)
     metrics = {"pseudo_grad_norm": g_all, "weight": w_all, "flagged": flags, "avg_norm": avg_norm,
@@ -337,4 +337,4 @@ def _sync_unit_over_replica(local, outer_chunk, opt_chunk, det: Detector, p: Pen
 __all__ = ["Detector", "Penalty", "UnitSync", "sync_unit", "detector_step", "detector_test", "detector_feed",
            "worker_weights", "softmax_weights", "mix_step_weights", "outer_optimizer", "make_outer_optimizer", "sgd_trace",
            "clipped_momentum", "staleness_gap_penalty", "stale_outer_step",
-           "with_sgd_trace"]
+           "with_sgd_trace", "outer_step"]

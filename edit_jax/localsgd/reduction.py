@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from edit_jax.localsgd.sharding import REPLICA, SHARD, replica_gather
 
 
-def _sq_sum(tree: Any) -> jax.Array:
+def sq_sum(tree: Any) -> jax.Array:
+    """Σ x² over every leaf of ``tree``, in float32 (a squared L2 norm)."""
     return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
 
 
@@ -67,7 +68,7 @@ class ReplicaPsum:
         return jax.tree.map(lambda d: jax.lax.psum(w * d, self.axis), tree)
 
     def sq_norm(self, tree: Any) -> jax.Array:
-        local = _sq_sum(tree)
+        local = sq_sum(tree)
         return jax.lax.psum(local, self.norm_axes) if self.norm_axes else local
 
 
@@ -98,7 +99,7 @@ class Stacked:
         return jax.tree.map(one, tree)
 
     def sq_norm(self, tree: Any) -> jax.Array:  # one worker's (called inside per_worker)
-        local = _sq_sum(tree)
+        local = sq_sum(tree)
         return jax.lax.psum(local, self.norm_axes) if self.norm_axes else local
 
 
@@ -113,4 +114,4 @@ def _gather_axis(x: jax.Array, axis: str) -> jax.Array:
     return jax.lax.psum(jnp.where(slot > 0, jnp.asarray(x, jnp.float32)[None], 0.0), axis)
 
 
-__all__ = ["ReplicaPsum", "Stacked", "Reduction"]
+__all__ = ["ReplicaPsum", "Stacked", "Reduction", "sq_sum"]
