@@ -79,10 +79,10 @@ class OuterRound:
     def _rows(self, theta) -> list[np.ndarray]:
         """One post's packed rows per unit, as zeros of their shapes."""
         bits, k, chunk = PK.layout(self.wire)
-        nr, nl = PK.unit_rows(theta, self.plan.layerwise, chunk)
+        nr, n_layers, nl = PK.unit_rows(theta, self.plan.layerwise, chunk)
         out = [np.zeros((nr, PK.payload_bytes(bits, k)), np.uint8)]
         if self.plan.layerwise:
-            out.append(np.zeros((jax.tree.leaves(theta["layers"])[0].shape[0], nl, out[0].shape[1]), np.uint8))
+            out.append(np.zeros((n_layers, nl, out[0].shape[1]), np.uint8))
         return out
 
     def _step(self, theta, outer_opt, dets: Detector, deltas, *rest):

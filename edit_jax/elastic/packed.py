@@ -41,7 +41,7 @@ from edit_jax.localsgd.api import cat_units, unit_detector, sync_figures
 from edit_jax.localsgd.compress import flatten_unit
 from edit_jax.localsgd.outer import Detector, outer_step, detector_step, mix_step_weights, softmax_weights
 from edit_jax.localsgd.reduction import sq_sum
-from edit_jax.localsgd.sparse import BITS, decode, encode, parse, payload_bytes
+from edit_jax.localsgd.sparse import BITS, decode, parse, payload_bytes, sparse_encode
 
 FLOAT32, PACKED = 1, 2  # post formats: float32 Δ leaves; packed sparse rows + true norms
 FORMATS = (FLOAT32, PACKED)
@@ -75,19 +75,22 @@ def _units(tree: Any, layerwise: bool) -> tuple[Any, Any]:
     return (tree["root"], tree["layers"]) if layerwise else (tree, None)
 
 
-def unit_rows(theta: Any, layerwise: bool, chunk: int) -> tuple[int, int]:
-    """Chunks per unit: (root or whole model, one layer; 0 without layers)."""
+def unit_rows(theta: Any, layerwise: bool, chunk: int) -> tuple[int, int, int]:
+    """(chunks of the root or whole model, layers, chunks of one layer); (n, 0, 0) without layers."""
     root, layers = _units(theta, layerwise)
+    if layers is None:
+        return -(-sum(np.size(x) for x in jax.tree.leaves(root)) // chunk), 0, 0
+    n_layers = np.shape(jax.tree.leaves(layers)[0])[0]
     size = lambda t, drop=0: sum(math.prod(np.shape(x)[drop:]) for x in jax.tree.leaves(t))  # noqa: E731
-    return -(-size(root) // chunk), (0 if layers is None else -(-size(layers, 1) // chunk))
+    return -(-size(root) // chunk), n_layers, -(-size(layers, 1) // chunk)
 
 
 def zero_residual(theta: Any, layerwise: bool, chunk: int) -> list[np.ndarray]:
     """A fresh residual: per unit its flat vector padded to whole chunks ([nc·chunk], [L, nc·chunk])."""
-    nr, nl = unit_rows(theta, layerwise, chunk)
+    nr, n_layers, nl = unit_rows(theta, layerwise, chunk)
     out = [np.zeros(nr * chunk, np.float32)]
     if layerwise:
-        out.append(np.zeros((jax.tree.leaves(theta["layers"])[0].shape[0], nl * chunk), np.float32))
+        out.append(np.zeros((n_layers, nl * chunk), np.float32))
     return out
 
 
@@ -96,10 +99,8 @@ def zero_residual(theta: Any, layerwise: bool, chunk: int) -> list[np.ndarray]:
 
 def _encode_unit(d: Any, e: jax.Array, wire: str):
     bits, k, chunk = layout(wire)
-    flat, _ = flatten_unit(d, chunk)
     g = jnp.sqrt(sq_sum(d))  # the true norm: Δ alone, before the residual and the codec
-    x = (flat + parse(wire)[1]["decay"] * e).reshape(-1, chunk)
-    packed = encode(x, bits, k)
+    packed, x = sparse_encode(flatten_unit(d, chunk)[0], e, wire)
     return packed, g, (x - decode(packed, bits, k, chunk)).reshape(-1)
 
 
@@ -166,8 +167,7 @@ def round_step(theta, outer_opt, dets: Detector, packed: list, norms, shares, p,
 def post_bytes(theta: Any, layerwise: bool, wire: str) -> int:
     """The packed rows' bytes of one post (the norms and the .npz framing not counted)."""
     bits, k, chunk = layout(wire)
-    nr, nl = unit_rows(theta, layerwise, chunk)
-    n_layers = jax.tree.leaves(theta["layers"])[0].shape[0] if layerwise else 0
+    nr, n_layers, nl = unit_rows(theta, layerwise, chunk)
     return (nr + n_layers * nl) * payload_bytes(bits, k)
 
 

@@ -155,8 +155,7 @@ def sparse_exchange(flat: jax.Array, e: jax.Array | None, w_all: jax.Array, wire
     kind, o = parse(wire)
     bits, k, chunk = BITS[kind], o["k"], o["chunk"]
     n = jax.lax.axis_size(REPLICA)
-    x = (flat if e is None else flat + o["decay"] * e).reshape(-1, chunk)
-    packed = encode(x, bits, k)
+    packed, x = sparse_encode(flat, e, wire)
     got = decode(jax.lax.all_gather(packed, REPLICA, to="invarying"), bits, k, chunk)  # [N, nc, chunk]
     # The residual from this worker's own row of what every device decoded: no second decode.
     new_e = None if e is None else (x - got[jax.lax.axis_index(REPLICA)]).reshape(-1)
@@ -164,11 +163,20 @@ def sparse_exchange(flat: jax.Array, e: jax.Array | None, w_all: jax.Array, wire
     return total.reshape(-1), new_e
 
 
+def sparse_encode(flat: jax.Array, e: jax.Array | None, wire: str) -> tuple[jax.Array, jax.Array]:
+    """What one worker sends: (its packed rows [nc, P], x [nc, chunk]) for its flat vector (padded to
+    whole chunks) plus β·residual (``e``, same layout, or None); its new residual is x − decode(rows).
+    The in-program exchange, ``reduction.Stacked`` and the exchange's posts (``elastic/packed.py``)."""
+    kind, o = parse(wire)
+    x = (flat if e is None else flat + o["decay"] * e).reshape(-1, o["chunk"])
+    return encode(x, BITS[kind], o["k"]), x
+
+
 def sparse_send(flat: jax.Array, e: jax.Array | None, wire: str) -> tuple[jax.Array, jax.Array | None]:
     """One worker's vector as the receivers decode it, and its new residual (``reduction.Stacked``)."""
-    o = parse(wire)[1]
-    x = (flat if e is None else flat + o["decay"] * e).reshape(-1, o["chunk"])
-    got = roundtrip(x, wire)
+    kind, o = parse(wire)
+    packed, x = sparse_encode(flat, e, wire)
+    got = decode(packed, BITS[kind], o["k"], o["chunk"])
     return got.reshape(-1), (None if e is None else (x - got).reshape(-1))
 
 
@@ -184,6 +192,7 @@ __all__ = [
     "parse",
     "payload_bytes",
     "roundtrip",
+    "sparse_encode",
     "sparse_exchange",
     "sparse_send",
     "wire_name",
