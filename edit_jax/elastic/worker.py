@@ -37,10 +37,10 @@ from edit_jax.elastic import packed as PK
 from edit_jax.elastic import rounds as R
 from edit_jax.elastic.exchange import Exchange, open_exchange
 from edit_jax.elastic.outer_round import OuterRound
+from edit_jax.localsgd.compressed import Compressed
 from edit_jax.localsgd.methods import LOCAL, plan_for
 from edit_jax.localsgd.optim import with_step_counts
 from edit_jax.localsgd.programs import StepPrograms
-from edit_jax.localsgd.sparse import wire_name
 from edit_jax.rundir.records import replace_file, worker_log
 from edit_jax.runtime import multihost
 from edit_jax.runtime.mesh import make_mesh
@@ -96,8 +96,7 @@ class ElasticWorker:
         self.stream = make_train_stream(corpus, cfg.data.seq_len, cfg.batch_size, cfg.mesh.replica, cfg.data.seed)
         self.val = val_batches(corpus, cfg.data.seq_len, cfg.batch_size // cfg.mesh.replica, cfg.eval_batches) \
             if cfg.eval_batches else []
-        s = cfg.sync
-        self.wire = "none" if s.compress == "none" else wire_name(s.compress, s.sparse_chunk, s.sparse_k, s.ef_decay)
+        self.wire = Compressed.wire_of(cfg.sync)
         self.outer = OuterRound(self.plan, self.wire)
         self._encode = jax.jit(lambda d, e: PK.encode_post(d, e, self.wire, self.plan.layerwise))
         self.my_flags: dict[int, list] = {}  # round -> this worker's per-unit flags (packed posts' residual)

@@ -33,7 +33,12 @@ class Compressed(RuleWrapper):
 
     @staticmethod
     def of(rule: SyncRule, s: SyncConfig) -> Compressed:
-        return Compressed(rule, wire_name(s.compress, s.sparse_chunk, s.sparse_k, s.ef_decay), s.error_feedback)
+        return Compressed(rule, Compressed.wire_of(s), s.error_feedback)
+
+    @staticmethod
+    def wire_of(s: SyncConfig) -> str:
+        """The config's wire name ("none" without compression): also the exchange's posts' (elastic)."""
+        return wire_name(s.compress, s.sparse_chunk, s.sparse_k, s.ef_decay)
 
     @staticmethod
     def validate_fields(s: SyncConfig) -> None:
