@@ -328,6 +328,34 @@ def test_workers_leave_and_join_as_processes(tmp_path):
     assert len(hashes) == len({r["round"] for r in rounds()})  # one record per round, by its closer
 
 
+def test_worker_stopped_seconds_after_joining_exits_130(tmp_path):
+    """SIGTERM as soon as a hand-started worker says it joined: its outer-round programs are still
+    compiling in a background thread. It must exit 130, not abort (SIGABRT, "FATAL: exception not
+    rethrown": a daemon thread inside XLA's compiler at interpreter exit; CI's bench_live hit it).
+    Failed 3 of 3 before ``OuterRound.close``, under both Pythons."""
+    one_stage("default", "a worker stopped while its outer rounds compile", 10)
+    args = ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--run-dir", str(tmp_path / "run"),
+            "sync.method=a_edit", f"sync.exchange={tmp_path / 'ex'}", "sync.warmup_steps=0", "mesh.replica=4",
+            "mesh.shard=1", "mesh.processes=2", "sync.tau_time=0.5", "sync.grace=1.5", "steps=1000000",
+            "batch_size=8", "log_every=50", "eval_every=0"]
+    p = subprocess.Popen([sys.executable, "-m", "edit_jax", "worker", "--worker", "0", *args], env=_child_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path))
+    try:
+        seen = []
+        for line in p.stdout:
+            seen.append(line)
+            if "joined at round" in line:
+                p.send_signal(signal.SIGTERM)
+                break
+        rest = p.stdout.read()
+        code = p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert any("joined at round" in line for line in seen), "".join(seen)[-2000:]
+    assert code == 130 and "FATAL" not in rest and "Traceback" not in rest, (code, rest[-2000:])
+
+
 def test_plot_shows_membership(tmp_path):
     """``edit-jax plot`` of an exchange run: a membership panel with a mark per (round, member)."""
     from edit_jax.tools.plot import load_run, make_figure

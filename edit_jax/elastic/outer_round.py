@@ -44,6 +44,8 @@ class OuterRound:
         self._programs: dict[int, Any] = {}  # participant count -> compiled program
         self._locks: dict[int, threading.Lock] = {}  # one per count: two counts compile side by side
         self._lock = threading.Lock()
+        self._compiling: threading.Thread | None = None
+        self._stop_compiling = threading.Event()
 
     def program(self, state: RoundState, n: int):
         """The compiled step for ``n`` participants (compiled once, whichever thread asks first)."""
@@ -71,10 +73,23 @@ class OuterRound:
 
         def run():
             for n in sorted(range(1, slots + 1), key=lambda n: (abs(n - now), -n)):
+                if self._stop_compiling.is_set():
+                    return
                 self.program(state, n)
         thread = threading.Thread(target=run, daemon=True, name="outer-round-compile")
+        self._compiling = thread
         thread.start()
         return thread
+
+    def close(self) -> None:
+        """Stops the background compiles and waits for the one under way (one compile, at most).
+        Why wait: a daemon thread still inside XLA's compiler when the interpreter exits is torn down
+        by a forced unwind that the C++ code catches, and the process aborts (SIGABRT, "FATAL:
+        exception not rethrown") instead of exiting with its code: a worker stopped by SIGTERM
+        seconds after it joined did so in CI."""
+        self._stop_compiling.set()
+        if self._compiling is not None:
+            self._compiling.join()
 
     def _rows(self, theta) -> list[np.ndarray]:
         """One post's packed rows per unit, as zeros of their shapes."""

@@ -399,7 +399,10 @@ def run_worker(cfg: Config, worker: int, run_dir: str, say=print) -> int:
         w.stop = True
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    return w.run()
+    try:
+        return w.run()
+    finally:
+        w.outer.close()  # no compile thread left running into the interpreter's exit
 
 
 __all__ = ["ElasticWorker", "run_worker", "RoundMismatch", "SlotInUse"]
