@@ -5,9 +5,8 @@ is ``edit_jax.config_files.read_config``. Overrides are ``key=value`` strings wi
 (``mesh.replica=4``, ``steps=100``); values are parsed according to the field's declared type.
 Every error names the key.
 
-A leaf module (it imports nothing from ``edit_jax``). ``check_fields`` checks the fields on their
-own; a rule needing a part of the package lives there as its ``validate(cfg)``, and
-``edit_jax.validate.load_config`` runs them all.
+A leaf module (it imports nothing from ``edit_jax``). ``check_fields`` checks the fields on their own;
+a rule needing a part of the package is its ``validate(cfg)``; ``validate.load_config`` runs them all.
 """
 
 from __future__ import annotations
@@ -144,6 +143,7 @@ class SyncConfig:
     compress: str = "none"  # "none" | "bf16" | "int8" | "topk2" | "topk4" (sparse.py): Δ's form crossing `replica`
     error_feedback: bool = False  # carry each worker's compression residual to its next sync
     ef_decay: float = 1.0  # beta in (0, 1]: the residual enters the next sync as beta * e
+    ef_dtype: str = "float32"  # the stored residual: float32 | bfloat16 (half the memory; math in float32)
     sparse_chunk: int = 4096  # topk*: values per chunk (<= 4096: 12-bit indices)
     sparse_k: int = 64  # topk*: values sent per chunk (a multiple of 4)
     # A-EDiT (method=a_edit, one process per worker): a sync is due when this much wall time has

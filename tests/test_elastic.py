@@ -378,9 +378,10 @@ def test_plot_shows_membership(tmp_path):
 @pytest.mark.parametrize("override, key", [
     ("sync.warmup_steps=4", "sync.warmup_steps"), ("sync.compress=int8", "sync.compress"),
     ("mesh.processes=3", "mesh.processes"), ("sync.grace=0", "sync.grace"), ("sync.late_posts=keep", "sync.late_posts"),
-    ("max_seconds=60", "max_seconds"), ("sync.method=edit", "sync.exchange")])
+    ("max_seconds=60", "max_seconds"), ("sync.method=edit", "sync.exchange"),
+    ("sync.compress=topk2 sync.error_feedback=true sync.ef_dtype=bfloat16", "sync.ef_dtype")])
 def test_exchange_config_errors_name_the_field(tmp_path, override, key):
     from edit_jax.validate import ConfigError
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        _config(str(tmp_path / "ex"), override)
+        _config(str(tmp_path / "ex"), *override.split())

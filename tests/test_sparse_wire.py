@@ -268,10 +268,46 @@ def test_hlo_replica_collectives_are_the_packed_bytes(topk2):
     (["sync.compress=topk2", "sync.error_feedback=true", "sync.sparse_k=30"], "sync.sparse_k"),
     (["sync.compress=topk4", "sync.error_feedback=true", "sync.sparse_chunk=8192"], "sync.sparse_chunk"),
     (["sync.compress=int8", "sync.error_feedback=true", "sync.ef_decay=0"], "sync.ef_decay"),
+    (["sync.compress=topk2", "sync.error_feedback=true", "sync.ef_dtype=float16"], "sync.ef_dtype"),
+    (["sync.compress=int8", "sync.ef_dtype=bfloat16"], "sync.ef_dtype"),  # no residual to store
 ])
 def test_config_errors_name_the_field(overrides, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):
         _cfg(*BASE4, "sync.method=edit", *overrides)
+
+
+def test_bfloat16_residual_is_the_float32_one_rounded_once(tmp_path, topk2):
+    """sync.ef_dtype=bfloat16: the state holds the residual in bfloat16 and the sync computes in
+    float32. From the same state (a residual exactly representable in bfloat16), θ̄, trace, params
+    and detectors equal the float32 residual's sync bit for bit, and the new residual is the
+    float32 sync's rounded to bfloat16 once. A float32 run's checkpoint resumes into bfloat16 (cast)."""
+    from edit_jax.rundir.checkpoint import Checkpointer
+    from edit_jax.training.resume import restore
+
+    cfg, m, start = topk2
+    half = StepPrograms.for_config(_cfg(*TOPK2, "sync.ef_dtype=bfloat16"), _mesh(cfg))
+    assert {x.dtype for x in jax.tree.leaves(half.abstract_state().outer.extra["residual"])} == {jnp.dtype(jnp.bfloat16)}
+    rng = np.random.default_rng(5)
+    res16 = jax.tree.map(lambda x: jnp.asarray(1e-3 * rng.standard_normal(x.shape), jnp.bfloat16),
+                         start.outer.extra["residual"])
+    full, _ = _host(m.sync_fn()(_put(m, start.replace(outer=start.outer.replace(
+        extra={"residual": jax.tree.map(lambda x: np.asarray(x, np.float32), res16)})))))
+    got, _ = _host(half.sync_fn()(_put(half, start.replace(outer=start.outer.replace(extra={"residual": res16})))))
+    for a, b in zip(jax.tree.leaves((full.params, full.outer.params, full.outer.trace, full.outer.detector)),
+                    jax.tree.leaves((got.params, got.outer.params, got.outer.trace, got.outer.detector))):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(full.outer.extra["residual"]), jax.tree.leaves(got.outer.extra["residual"])):
+        assert b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a).astype(jnp.bfloat16), b)
+    assert max(float(np.max(np.abs(np.asarray(x, np.float32)))) for x in jax.tree.leaves(got.outer.extra["residual"])) > 0
+    ck = Checkpointer(str(tmp_path), 2)
+    try:
+        ck.save(1, _put(m, full), {"position": 0}, cfg)
+        restored, _ = restore(ck, 1, _cfg(*TOPK2, "sync.ef_dtype=bfloat16"), half)  # verified as written, then cast
+    finally:
+        ck.close()
+    for a, b in zip(jax.tree.leaves(full.outer.extra["residual"]), jax.tree.leaves(_host(restored).outer.extra["residual"])):
+        np.testing.assert_array_equal(np.asarray(a).astype(jnp.bfloat16), b)
 
 
 # ============================================================================= resume and the guards

@@ -21,19 +21,25 @@ from edit_jax.localsgd.rule import RuleWrapper, Span, SyncRule, SyncSpec, worker
 from edit_jax.localsgd.sparse import BITS, CHUNK, wire_name
 
 
+# The residual's stored dtype (sync.ef_dtype). bfloat16 halves error feedback's memory (at 7B a
+# float32 residual is one more fp32 copy of a worker's params per device: +6.2% of the H100 peak,
+# BUILD_NOTES 18); the sync reads it into float32 and rounds the new residual once on store.
+EF_DTYPES = ("float32", "bfloat16")
+
+
 class Compressed(RuleWrapper):
     """``rule`` with its pseudo gradients crossing ``replica`` in ``compress`` ("bf16" | "int8" |
     "topk2" | "topk4"), and with ``error_feedback`` each worker's residual carried to its next sync.
     ``compress`` is the wire name (``sparse.wire_name``: the kind with its chunk, k and decay)."""
 
-    def __init__(self, rule: SyncRule, compress: str, error_feedback: bool = False):
+    def __init__(self, rule: SyncRule, compress: str, error_feedback: bool = False, ef_dtype: str = "float32"):
         super().__init__(rule)
-        self.compress, self.error_feedback = compress, error_feedback
+        self.compress, self.error_feedback, self.ef_dtype = compress, error_feedback, jnp.dtype(ef_dtype)
         self.name = f"compressed({rule.name})"
 
     @staticmethod
     def of(rule: SyncRule, s: SyncConfig) -> Compressed:
-        return Compressed(rule, Compressed.wire_of(s), s.error_feedback)
+        return Compressed(rule, Compressed.wire_of(s), s.error_feedback, s.ef_dtype)
 
     @staticmethod
     def wire_of(s: SyncConfig) -> str:
@@ -47,6 +53,11 @@ class Compressed(RuleWrapper):
                 "needs a lossy sync.compress (bf16, int8, topk2, topk4); with compress=none there is no residual")
         require(0.0 < s.ef_decay <= 1.0, "sync.ef_decay", f"must be in (0, 1], got {s.ef_decay}")
         require(s.ef_decay == 1.0 or s.error_feedback, "sync.ef_decay", "decays the residual: needs sync.error_feedback=true")
+        require(s.ef_dtype in EF_DTYPES, "sync.ef_dtype", f"must be one of {', '.join(EF_DTYPES)}, got {s.ef_dtype!r}")
+        require(s.ef_dtype == "float32" or s.error_feedback, "sync.ef_dtype", "stores the residual: needs sync.error_feedback=true")
+        require(s.ef_dtype == "float32" or not s.exchange, "sync.ef_dtype",
+                "bfloat16 halves the device-resident residual of the in-program sync; exchange workers (sync.exchange) "
+                "keep theirs in host memory as float32, bit for bit the in-program float32 sync: leave it float32")
         require(s.compress not in BITS or s.error_feedback, "sync.error_feedback",
                 f"sync.compress={s.compress} sends {s.sparse_k} of every {s.sparse_chunk} values: without the "
                 "residual the rest is lost for good; set sync.error_feedback=true")
@@ -80,7 +91,7 @@ class Compressed(RuleWrapper):
         inner = self.rule.init_extra(rep_params)
         if not self.error_feedback:
             return inner
-        return {**(inner or {}), "residual": jax.tree.map(jnp.zeros_like, rep_params)}
+        return {**(inner or {}), "residual": jax.tree.map(lambda x: jnp.zeros(x.shape, self.ef_dtype), rep_params)}
 
     def extra_specs(self, param_specs):
         inner = self.rule.extra_specs(param_specs)

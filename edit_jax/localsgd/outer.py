@@ -218,7 +218,7 @@ def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: P
     # 4. weighted average over workers (every worker's norm and flag: a few scalars over `replica`).
     g_all, flags = red.gather(g), red.gather_flags(flagged)
     w_all = mix_step_weights(softmax_weights(g_all, flags, p), shares, flags, p)
-    new_residual = None
+    new_residual, stored = None, residual
     if compress == "none":
         avg = red.weighted_sum(w_all, delta)
     else:
@@ -229,6 +229,8 @@ def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: P
             avg, new_residual = stacked_compressed_sum(delta, w_all, compress, residual)
         else:
             avg, new_residual = compressed_weighted_sum(delta, w_all, compress, residual)
+        if new_residual is not None:  # stored as it came (sync.ef_dtype), computed in float32
+            new_residual = jax.tree.map(lambda n, e: n.astype(e.dtype), new_residual, stored)
     # 5.-6. clip, outer step.
     new_outer, new_opt_state, clip, avg_norm, update_norm = outer_step(avg, outer_params, opt_state,
                                                                         jnp.sum(w_all) > 0, p, opt, red.sq_norm)

@@ -336,6 +336,23 @@ def as_format(state: TrainState, fmt: int, rule: SyncRule) -> TrainState:
     return state.replace(outer=OuterStateV2(o.params, o.opt_state, o.detector, o.syncs, **fields))
 
 
+def with_residual_dtype(state: TrainState, dtype) -> TrainState:
+    """``state`` (arrays or abstract ones, format 2 or 3) with its error-feedback residual in
+    ``dtype`` (``sync.ef_dtype``): a checkpoint is restored as it was written (its checksums are of
+    those bytes), then cast to the config's dtype. No residual: ``state`` itself."""
+    o, dtype = state.outer, jax.numpy.dtype(dtype)
+
+    def cast(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        return x.astype(dtype)
+    if isinstance(o, OuterStateV2) and o.residual is not None:
+        return state.replace(outer=o.replace(residual=jax.tree.map(cast, o.residual)))
+    if isinstance(o, OuterState) and isinstance(o.extra, dict) and "residual" in o.extra:
+        return state.replace(outer=o.replace(extra={**o.extra, "residual": jax.tree.map(cast, o.extra["residual"])}))
+    return state
+
+
 __all__ = ["TrainState", "OuterState", "LegacyOuterState", "OuterStateV2", "StateLayout", "STATE_FORMAT", "make_state",
            "state_shapes", "put_host", "state_shapes_of_format", "legacy_state_shapes", "as_format",
-           "init_outer_opt_state", "n_units"]
+           "init_outer_opt_state", "n_units", "with_residual_dtype"]

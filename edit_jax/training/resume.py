@@ -25,7 +25,7 @@ import jax
 
 from edit_jax.config import Config, ConfigError
 from edit_jax.localsgd.programs import StepPrograms
-from edit_jax.localsgd.state import TrainState, state_shapes_of_format
+from edit_jax.localsgd.state import TrainState, state_shapes_of_format, with_residual_dtype
 from edit_jax.rundir.checkpoint import Checkpointer, CheckpointError, UnreadableCheckpointError, debug_enabled
 from edit_jax.rundir.integrity import finite_report, nonfinite_parts
 
@@ -42,14 +42,18 @@ def restore(ckpt: Checkpointer, step: int, cfg: Config, programs: StepPrograms, 
     layout = programs.layout
     fmt = meta.get("state_format", 1)  # older formats are restored as written, then upgraded
     old_n = meta["config"]["mesh"]["replica"]
+    # The residual as it was written (sync.ef_dtype may change on resume: cast after the checksums)
+    saved_ef = (meta["config"].get("sync") or {}).get("ef_dtype", "float32")
     try:
         if old_n == cfg.mesh.replica:
-            state, data_state = ckpt.restore(step, layout.abstract_state_of_format(fmt), meta)
-            state = jax.device_put(layout.upgrade(state), layout.state_shardings)
+            target = with_residual_dtype(layout.abstract_state_of_format(fmt), saved_ef)
+            state, data_state = ckpt.restore(step, target, meta)
+            state = with_residual_dtype(layout.upgrade(state), cfg.sync.ef_dtype)
+            state = jax.device_put(state, layout.state_shardings)
         else:
             old_cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, replica=old_n))
             host, data_state = ckpt.restore_host(step, state_shapes_of_format(old_cfg, fmt), meta)
-            state = layout.elastic_state(layout.upgrade(host), old_n)
+            state = layout.elastic_state(with_residual_dtype(layout.upgrade(host), cfg.sync.ef_dtype), old_n)
     except ConfigError as e:
         raise CheckpointError(f"checkpoint {os.path.join(ckpt.directory, str(step))}: {e}") from e
     return state, data_state
