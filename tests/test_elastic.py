@@ -261,6 +261,15 @@ def _wait_for(what, pred, timeout=120.0, procs=()):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _worker_args(run: str, ex: str, slots: int) -> list[str]:
+    """``edit-jax train`` / ``worker`` arguments of an exchange run of ``slots`` one-device workers
+    on the tiny config, two rows each, rounds every 0.5 s, no end of its own (stopped by signals)."""
+    return ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--run-dir", run, "sync.method=a_edit",
+            f"sync.exchange={ex}", "sync.warmup_steps=0", f"mesh.replica={slots}", "mesh.shard=1", "mesh.processes=2",
+            "sync.tau_time=0.5", "sync.grace=1.5", "steps=1000000", f"batch_size={2 * slots}", "log_every=50",
+            "eval_every=0"]
+
+
 def _pid_of(launcher: subprocess.Popen, worker: int) -> int:
     for pid in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split():
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -277,10 +286,7 @@ def test_workers_leave_and_join_as_processes(tmp_path):
     one_stage("3.12", "exchange workers as processes, killed, stopped, joined", 40,
               other="test_two_workers_in_threads_finish_with_one_theta")
     run, ex = str(tmp_path / "run"), str(tmp_path / "ex")
-    args = ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--run-dir", run, "sync.method=a_edit",
-            f"sync.exchange={ex}", "sync.warmup_steps=0", "mesh.replica=3", "mesh.shard=1", "mesh.processes=2",
-            "sync.tau_time=0.5", "sync.grace=1.5", "steps=1000000", "batch_size=6", "log_every=50",
-            "eval_every=0"]
+    args = _worker_args(run, ex, slots=3)
     log = open(tmp_path / "launcher.log", "w")
     launcher = subprocess.Popen([sys.executable, "-m", "edit_jax", "train", *args, "--max-restarts", "2"],
                                 env=_child_env(), stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path))
@@ -334,10 +340,7 @@ def test_worker_stopped_seconds_after_joining_exits_130(tmp_path):
     rethrown": a daemon thread inside XLA's compiler at interpreter exit; CI's bench_live hit it).
     Failed 3 of 3 before ``OuterRound.close``, under both Pythons."""
     one_stage("default", "a worker stopped while its outer rounds compile", 10)
-    args = ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--run-dir", str(tmp_path / "run"),
-            "sync.method=a_edit", f"sync.exchange={tmp_path / 'ex'}", "sync.warmup_steps=0", "mesh.replica=4",
-            "mesh.shard=1", "mesh.processes=2", "sync.tau_time=0.5", "sync.grace=1.5", "steps=1000000",
-            "batch_size=8", "log_every=50", "eval_every=0"]
+    args = _worker_args(str(tmp_path / "run"), str(tmp_path / "ex"), slots=4)  # 4 programs to compile
     p = subprocess.Popen([sys.executable, "-m", "edit_jax", "worker", "--worker", "0", *args], env=_child_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path))
     try:
