@@ -5,6 +5,7 @@ worker. Subprocesses are started through the CLI's launcher and killed by PID on
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -362,6 +363,23 @@ def test_killed_worker_stops_the_others_and_the_rerun_resumes(tmp_path):
     code, out = _run_cli(tmp_path, *[o if not o.startswith("steps=") else "steps=10" for o in over])
     assert code == 0, out[-3000:]
     assert "resumed from" in out
+
+
+def test_signal_to_one_worker_stops_both_at_one_step_and_resumes(tmp_path):
+    """SIGTERM to worker 1 alone: the processes agree on it at their next agreement (about once a
+    second of steps, drivers.AGREE_S, no longer before every step), both stop at the same step with
+    one checkpoint there, the launcher exits 130, and the rerun resumes from that step."""
+    one_stage("3.12", "a signal to one of 2 worker processes", 40,
+              other="test_killed_worker_stops_the_others_and_the_rerun_resumes runs under 3.12 too; "
+                    "test_failures.py's 2-process stops run in both")
+    code, out, took, _, over = _fault_after_first_checkpoint(tmp_path, signal.SIGTERM, timeout=60)
+    assert code == 130 and took < 20, (code, took, out[-2000:])
+    stopped = [int(n) for n in re.findall(r"stopped at step (\d+)", out)]
+    assert stopped and len(set(stopped)) == 1, out[-2000:]
+    step = stopped[0]
+    assert (tmp_path / "checkpoints" / str(step)).is_dir(), sorted(os.listdir(tmp_path / "checkpoints"))
+    code, out = _run_cli(tmp_path, *[o if not o.startswith("steps=") else f"steps={step + 2}" for o in over])
+    assert code == 0 and f"resumed from {tmp_path / 'checkpoints' / str(step)}" in out, out[-3000:]
 
 
 def test_hung_worker_is_named_and_ends_the_run(tmp_path):

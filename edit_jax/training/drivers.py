@@ -3,8 +3,8 @@
 - ``LockStep``: one program over the global (replica, shard) mesh runs each step the schedule
   names, for every method and for A-EDiT's synchronous warmup. With one process it drives every
   device; with one process per worker (multi-controller JAX) every process runs the same program
-  on its own devices, feeds only its replica's rows of the batch, and the processes agree on
-  stopping before each step. The numbers are the same either way (tests/test_multiprocess.py).
+  on its own devices, feeds only its replica's rows of the batch, and the processes agree on a
+  signal or max_seconds about once a second of steps (``AGREE_S``). The numbers are the same either way (tests/test_multiprocess.py).
 - ``AsyncWorkers``: A-EDiT after its warmup (one process per worker). Each worker takes local
   steps at its own pace, as a program over its own devices only; when ``sync.tau_time`` seconds
   have passed since the last meeting it enters the next one: every worker's step counts are
@@ -39,14 +39,21 @@ from edit_jax.runtime.multihost import parse_slowdown
 from edit_jax.training.throughput import StepFigures
 
 MAX_IN_FLIGHT = 2  # steps the host may run ahead of the devices (see LockStep.advance)
+# Several processes in one program agree on a signal or max_seconds about once a second of steps
+# (at least every step), not before every step: each agreement is a round trip between all worker
+# processes, the one thing a local step would otherwise send across a slow link. A stop waits at
+# most this long; stop_after and the step budget need no agreement (every process counts the same).
+AGREE_S = 1.0
+AGREE_MAX_STEPS = 1000
 
 
 @dataclass
 class Wants:
     """This process's view before agreement."""
 
-    stop: bool  # a signal arrived, or stop_after was reached
-    time_up: bool  # max_seconds ran out
+    stop: bool  # a signal arrived (this process only: agreed before it acts)
+    time_up: bool  # max_seconds ran out (this process's clock: agreed)
+    planned: bool = False  # stop_after was reached: the same step in every process, no agreement
 
 
 @dataclass
@@ -107,6 +114,7 @@ class LockStep:
         self.figures = StepFigures(self.cfg, self.cfg.mesh.replica * self.cfg.mesh.shard, jax.devices()[0].device_kind)
         self.record_next = False  # the loop asks for a record after a checkpoint (it vouches for it: spike.py)
         self.lr_spike = parse_lr_spike(self.cfg.debug.lr_spike)
+        self.agree_at, self.agreed_since = 0, None  # the next step the processes agree at; (time, step) of the last
 
     def global_state(self, state):
         return state
@@ -133,9 +141,11 @@ class LockStep:
     def advance(self, state, k: int, wants: Wants) -> Advance:
         cfg, schedule = self.cfg, self.schedule
         stop, time_up = wants.stop, wants.time_up
-        if self.multi:  # the processes agree before each step (every one has finished the last)
-            agreed = multihost.exchange([int(stop), int(time_up)])
-            stop, time_up = bool(agreed[:, 0].any()), bool(agreed[:, 1].any())
+        if self.multi:  # a signal or max_seconds: acted on where the processes agree (AGREE_S)
+            due = self.agreed_since is None or not self.agreed_since[1] < k < self.agree_at  # (a rollback: k went back)
+            stop, time_up = self._agree(k, stop, time_up) if due else (False, False)
+        if wants.planned:
+            stop = True
         if stop or time_up:
             return Advance(state, k, stop=stop, time_up=time_up)
         if self.last_record is None:
@@ -189,6 +199,19 @@ class LockStep:
         if kind.syncs:
             adv.sync = metrics
         return adv
+
+    def _agree(self, k: int, stop: bool, time_up: bool) -> tuple[bool, bool]:
+        """Every process's stop and time-up wishes, and its seconds per step since the last
+        agreement; the next agreement AGREE_S of the slowest process's steps ahead, the same step
+        in every process (computed from the same gathered figures)."""
+        now = time.perf_counter()
+        per_step = -1.0 if self.agreed_since is None else \
+            (now - self.agreed_since[0]) / max(k - self.agreed_since[1], 1)
+        got = multihost.exchange_floats([float(stop), float(time_up), per_step])
+        slowest = float(np.max(got[:, 2]))
+        ahead = 1 if slowest <= 0 or not np.isfinite(slowest) else int(min(max(AGREE_S // slowest, 1), AGREE_MAX_STEPS))
+        self.agree_at, self.agreed_since = k + ahead, (now, k)
+        return bool(got[:, 0].any()), bool(got[:, 1].any())
 
     def _spikes(self, k: int) -> bool:
         """debug.lr_spike covers the batch step ``k`` trains on (k + the batches rollbacks skipped)."""
@@ -337,7 +360,8 @@ class AsyncWorkers:
                 break
         # The meeting: every worker's counts and wishes, one decision everywhere.
         finite = int(np.isfinite(loss) and np.isfinite(gnorm))
-        info = multihost.exchange([self.steps.since_sync, self.steps.done, int(wants.stop), int(wants.time_up),
+        info = multihost.exchange([self.steps.since_sync, self.steps.done, int(wants.stop or wants.planned),
+                                   int(wants.time_up),
                                    finite])
         since, done = [int(x) for x in info[:, 0]], [int(x) for x in info[:, 1]]
         decision = schedule.decide(since, done)
@@ -386,4 +410,4 @@ class AsyncWorkers:
         return {"worker_steps": list(self.all_steps), "worker_steps_since": list(self.all_since)}
 
 
-__all__ = ["LockStep", "AsyncWorkers", "WorkerSteps", "Wants", "Advance", "loss_divergence", "MAX_IN_FLIGHT"]
+__all__ = ["LockStep", "AsyncWorkers", "WorkerSteps", "Wants", "Advance", "loss_divergence", "MAX_IN_FLIGHT", "AGREE_S"]

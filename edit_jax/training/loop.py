@@ -192,8 +192,9 @@ class Training:
                 return end
 
     def _wants(self) -> Wants:
-        stop = self.stop.signal is not None or (self.stop_after is not None and self.done_here >= self.stop_after)
-        return Wants(stop=stop, time_up=bool(self.cfg.max_seconds) and self.elapsed() >= self.cfg.max_seconds)
+        return Wants(stop=self.stop.signal is not None,
+                     time_up=bool(self.cfg.max_seconds) and self.elapsed() >= self.cfg.max_seconds,
+                     planned=self.stop_after is not None and self.done_here >= self.stop_after)
 
     def finish(self, end: End) -> str | None:
         """The final evaluation and save of a run that was not interrupted; a divergence message."""
