@@ -208,7 +208,8 @@ def census(args, say) -> dict:
     subprocess.run(["rm", "-rf", run_dir])
     argv = [sys.executable, "-m", "edit_jax", "train", "--config", args.config, "--run-dir", run_dir, "--no-progress",
             *overrides, f"mesh.processes={args.processes}", f"mesh.replica={args.processes}", f"mesh.shard={args.shard}",
-            "steps=80", f"log_every={args.census_log_every}", "eval_every=0", "checkpoint_every=0", "train.spike.enabled=false",
+            "steps=80", f"log_every={args.census_log_every}", "eval_every=0", "checkpoint_every=0",
+            "train.spike.enabled=false", *args.census_set,
             f"train.compile_cache={os.path.join(args.run_root, 'compile_cache')}"]
     log = open(os.path.join(args.run_root, f"census_{args.census}.log"), "w")
     proc = subprocess.Popen(argv, cwd=common.REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -509,6 +510,8 @@ def parse_args(argv=None):
                    "step kind: hsdp, local, sync) of edit_t8 on the tiny config, the connection scan, the JSON; no tc, no run")
     p.add_argument("--census-log-every", type=int, default=1, help="--census: the run's log_every (a record is a "
                    "gather between the worker processes; steps 40 and 72 must be multiples of it)")
+    p.add_argument("--census-set", action="append", default=[], metavar="KEY=VALUE", help="--census: an override "
+                   "of the run's config (repeatable; e.g. model.d_model=512 for a payload larger than the framing)")
     p.add_argument("--census", default=None, metavar="METHOD", help="instead: where the bytes on lo go, per step, "
                    "in one unthrottled run of METHOD (no qdisc; needs no root)")
     args = p.parse_args(argv)
