@@ -370,8 +370,8 @@ def test_signal_to_one_worker_stops_both_at_one_step_and_resumes(tmp_path):
     second of steps, drivers.AGREE_S, no longer before every step), both stop at the same step with
     one checkpoint there, the launcher exits 130, and the rerun resumes from that step."""
     one_stage("3.12", "a signal to one of 2 worker processes", 40,
-              other="test_killed_worker_stops_the_others_and_the_rerun_resumes runs under 3.12 too; "
-                    "test_failures.py's 2-process stops run in both")
+              other="test_failures.py::test_ctrl_c_while_compiling_is_a_clean_stop (2 processes, a signal "
+                    "before the first agreement)")
     code, out, took, _, over = _fault_after_first_checkpoint(tmp_path, signal.SIGTERM, timeout=60)
     assert code == 130 and took < 20, (code, took, out[-2000:])
     stopped = [int(n) for n in re.findall(r"stopped at step (\d+)", out)]
