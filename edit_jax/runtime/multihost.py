@@ -187,8 +187,8 @@ def barrier() -> None:
 def _control_mesh() -> Mesh:
     """One device per process (its lowest id), in process order: the mesh of the control exchanges.
     An all-gather over every device (``process_allgather``) sends a message between every pair of
-    devices; over one device per process it sends one per pair of processes: the per-step control
-    traffic between workers was 85% of what crossed a 10 Mbit/s link beside a 2-bit sync."""
+    devices; over one device per process it sends one per pair of processes (with EDiT tau 8 and a
+    2-bit sync, the control gathers had been two thirds of the bytes between 2 workers: BUILD_NOTES 18)."""
     firsts: dict[int, Any] = {}
     for d in jax.devices():
         if d.process_index not in firsts or d.id < firsts[d.process_index].id:
@@ -196,7 +196,7 @@ def _control_mesh() -> Mesh:
     return Mesh(np.array([firsts[p] for p in sorted(firsts)]), ("process",))
 
 
-_CONTROL: dict = {}  # (mesh devices, shape) -> the compiled gather
+_CONTROL: dict = {}  # the control mesh's device ids -> its gather (one jit: it compiles once per shape)
 
 
 def _gather_rows(row: np.ndarray) -> np.ndarray:
@@ -204,7 +204,7 @@ def _gather_rows(row: np.ndarray) -> np.ndarray:
     from jax.sharding import NamedSharding, PartitionSpec
 
     mesh = _control_mesh()
-    key = (tuple(d.id for d in mesh.devices.flat), row.shape)
+    key = tuple(d.id for d in mesh.devices.flat)
     if key not in _CONTROL:
         _CONTROL.clear()  # one mesh per run: a cache, not a store
         _CONTROL[key] = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
