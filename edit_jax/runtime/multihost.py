@@ -31,7 +31,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from edit_jax.config import Config, ConfigError, require
 from edit_jax.localsgd.sharding import BATCH_SPEC, REPLICA, SHARD, MeshError, named
@@ -121,16 +121,21 @@ def local_value(x) -> np.ndarray:
     return np.asarray(x.addressable_shards[0].data)
 
 
+def _split_over_processes(x) -> bool:
+    """A global array whose value lies in several processes (a per-replica metric [N]): gathered."""
+    return hasattr(x, "addressable_shards") and not x.is_fully_addressable and not x.sharding.is_fully_replicated
+
+
 def host_value(x) -> np.ndarray:
     """The whole value of ``x`` on this host, whatever its sharding: a host or fully addressable
     array as it is, a replicated one from this process's copy, and one split over several
     processes (a per-replica metric [N]) gathered from all of them (a collective: every process
     must call it)."""
+    if _split_over_processes(x):
+        return _gather_split(x)[0]
     if not hasattr(x, "addressable_shards") or x.is_fully_addressable:
         return np.asarray(x)
-    if x.sharding.is_fully_replicated:
-        return local_value(x)
-    return _gather_split(x)[0]
+    return local_value(x)
 
 
 def _gather_split(*xs) -> list[np.ndarray]:
@@ -144,8 +149,9 @@ def _gather_split(*xs) -> list[np.ndarray]:
     for i, x in enumerate(xs):
         for d, index in sorted(x.sharding.devices_indices_map(x.shape).items(), key=lambda kv: kv[0].id):
             blocks = held.setdefault(d.process_index, [])
-            if (i, block(x, index)) not in blocks:
-                blocks.append((i, block(x, index)))
+            ib = (i, block(x, index))
+            if ib not in blocks:
+                blocks.append(ib)
     dtypes = [np.dtype(x.dtype) for x in xs]
     size = lambda i, b: int(np.prod([hi - lo for lo, hi in b])) * dtypes[i].itemsize  # noqa: E731
     mine = {(i, block(x, s.index)): np.ascontiguousarray(np.asarray(s.data))
@@ -160,7 +166,8 @@ def _gather_split(*xs) -> list[np.ndarray]:
         for i, b in blocks:
             shape = tuple(hi - lo for lo, hi in b)
             n = size(i, b)
-            out[i][tuple(slice(lo, hi) for lo, hi in b)] = np.frombuffer(buf[at:at + n].tobytes(), dtypes[i]).reshape(shape)
+            value = np.frombuffer(buf[at:at + n].tobytes(), dtypes[i]).reshape(shape)
+            out[i][tuple(slice(lo, hi) for lo, hi in b)] = value
             at += n
     return out
 
@@ -169,12 +176,9 @@ def host_values(tree: Any) -> Any:
     """``host_value`` of every leaf (the metrics of a step); the leaves split over processes in one
     gather (a collective: every process must call it)."""
     leaves, treedef = jax.tree.flatten(tree)
-    split = [i for i, x in enumerate(leaves) if hasattr(x, "addressable_shards") and not x.is_fully_addressable
-             and not x.sharding.is_fully_replicated]
-    out = [None if i in split else host_value(x) for i, x in enumerate(leaves)]
-    if split:
-        for i, v in zip(split, _gather_split(*(leaves[i] for i in split))):
-            out[i] = v
+    split = [i for i, x in enumerate(leaves) if _split_over_processes(x)]
+    gathered = dict(zip(split, _gather_split(*(leaves[i] for i in split)))) if split else {}
+    out = [gathered[i] if i in gathered else host_value(x) for i, x in enumerate(leaves)]
     return jax.tree.unflatten(treedef, out)
 
 
@@ -201,16 +205,14 @@ _CONTROL: dict = {}  # the control mesh's device ids -> its gather (one jit: it 
 
 def _gather_rows(row: np.ndarray) -> np.ndarray:
     """Every process's ``row`` (int32, same shape everywhere), stacked [processes, ...]."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
     mesh = _control_mesh()
     key = tuple(d.id for d in mesh.devices.flat)
     if key not in _CONTROL:
         _CONTROL.clear()  # one mesh per run: a cache, not a store
-        _CONTROL[key] = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))
+        _CONTROL[key] = jax.jit(lambda x: x, out_shardings=named(mesh, PartitionSpec()))
     mine = mesh.devices[jax.process_index()]
     arr = jax.make_array_from_single_device_arrays((mesh.size,) + row.shape,
-                                                   NamedSharding(mesh, PartitionSpec("process")),
+                                                   named(mesh, PartitionSpec("process")),
                                                    [jax.device_put(row[None], mine)])
     return np.asarray(_CONTROL[key](arr).addressable_data(0))
 

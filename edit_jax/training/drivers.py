@@ -4,7 +4,8 @@
   names, for every method and for A-EDiT's synchronous warmup. With one process it drives every
   device; with one process per worker (multi-controller JAX) every process runs the same program
   on its own devices, feeds only its replica's rows of the batch, and the processes agree on a
-  signal or max_seconds about once a second of steps (``AGREE_S``). The numbers are the same either way (tests/test_multiprocess.py).
+  signal or max_seconds about once a second of steps (``AGREE_S``). The numbers are the same
+  either way (tests/test_multiprocess.py).
 - ``AsyncWorkers``: A-EDiT after its warmup (one process per worker). Each worker takes local
   steps at its own pace, as a program over its own devices only; when ``sync.tau_time`` seconds
   have passed since the last meeting it enters the next one: every worker's step counts are
