@@ -96,6 +96,8 @@ class LiveRun:
                                      start_new_session=True)
         self.hand = None
         self.done = False
+        self.cpu: dict[int, list] = {}  # worker pid -> [(time, its CPU s so far)], sampled with the posts
+        self.slot_of: dict[int, int] = {}
         threading.Thread(target=self._read, args=(self.proc, "launcher"), daemon=True).start()
         threading.Thread(target=self._watch, daemon=True).start()
 
@@ -123,7 +125,21 @@ class LiveRun:
                         os.link(f.path, keep)
             except OSError:
                 pass  # not made yet, or collected while we looked
+            self._sample_cpu()
             time.sleep(0.2)
+
+    def _sample_cpu(self) -> None:
+        """Every worker process's CPU seconds (user + system, from /proc), with the time: where a
+        run's CPU goes (training, starting, work lost at a kill), ``cpu_ledger``."""
+        now = time.time()
+        pids = dict(self.slots())
+        if self.hand is not None and self.hand.poll() is None:
+            pids[self.args.live_workers] = self.hand.pid
+        for slot, pid in pids.items():
+            c = common.cpu_seconds(pid)
+            if c is not None:
+                self.slot_of[pid] = slot
+                self.cpu.setdefault(pid, []).append((now, c))
 
     def start_hand_worker(self) -> float:
         slot = self.args.live_workers
@@ -142,7 +158,12 @@ class LiveRun:
         """The launcher's live workers: slot -> pid (from /proc: the child's ``--worker I``)."""
         out = {}
         for pid in common.child_pids(self.proc.pid):
-            try:
+            try:  # forked by the launcher: named "edit-jax wI"; else its command line's --worker I
+                with open(f"/proc/{pid}/comm") as f:
+                    name = f.read().strip()
+                if name.startswith("edit-jax w"):
+                    out[int(name[len("edit-jax w"):])] = pid
+                    continue
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     argv = f.read().decode().split("\0")
                 out[int(argv[argv.index("--worker") + 1])] = pid
@@ -346,6 +367,40 @@ def analyse(t0, events, manifests, records, posts, lines, tokens_per_step, bin_s
             "lines": [[_rel(t, t0), x] for t, _, x in lines if JOINED.search(x) or RESTARTED.search(x)]}
 
 
+def cpu_ledger(run: LiveRun, events: list[dict], window_tokens: float) -> dict:
+    """Where the worker processes' CPU went (from /proc, sampled every 0.2 s): in the window from the
+    first round to the end, all of it and per token; each (re)started or joining process's CPU until
+    its "joined" line and its first post (its start-up, paid from the machine's cores); each killed
+    process's CPU since its last post (work lost)."""
+    def used(samples, t):  # CPU s by time t: the last sample at or before it (0 before the first)
+        return max((c for ts, c in samples if ts <= t), default=0.0)
+
+    origin = _first(e["at"] for e in events if e["event"] == "origin")
+    end = _first(e["at"] for e in events if e["event"] == "end")
+    core_s = sum(used(s, end) - used(s, origin) for s in run.cpu.values())
+    joins = [(t, int(m[1])) for t, _, x in run.lines if (m := JOINED.search(x))]
+    starts = []
+    for pid, samples in run.cpu.items():
+        born, slot = samples[0][0], run.slot_of[pid]
+        if born < origin + 1.0:
+            continue  # a worker of the run's start
+        joined = _first(t for t, w in joins if w == slot and t >= born - 0.5)
+        post = min((t for (r, w), t in run.posts.items() if w == slot and t >= born), default=None)
+        starts.append({"slot": slot, "t": _rel(born, run.t0),
+                       "cpu_to_joined_s": None if joined is None else round(used(samples, joined), 2),
+                       "cpu_to_first_post_s": None if post is None else round(used(samples, post), 2)})
+    kills = []
+    for e in events:
+        if e["event"] == "kill" and e.get("pid") in run.cpu:
+            last = max((t for (r, w), t in run.posts.items() if w == e["slot"] and t < e["at"]), default=None)
+            s = run.cpu[e["pid"]]
+            kills.append({"slot": e["slot"], "t": _rel(e["at"], run.t0),
+                          "cpu_since_last_post_s": None if last is None else round(used(s, e["at"]) - used(s, last), 2)})
+    return {"cores": os.cpu_count(), "window_s": round(end - origin, 2), "workers_core_s": round(core_s, 1),
+            "machine_core_s": round((os.cpu_count() or 1) * (end - origin), 1),
+            "tokens_per_core_s": window_tokens / core_s if core_s else None, "starts": starts, "kills": kills}
+
+
 def evaluate_states(args, runs: dict) -> dict:
     """In this process (public classes only): a joiner's ``ElasticWorker.join()`` on the live run's
     exchange, timed (it compiles the init program), and the read of the newest round state alone
@@ -460,6 +515,8 @@ def part_live(args) -> dict:
         events = drive(run, args, faults, random.Random(args.seed))
         out[name] = analyse(run.t0, events, run.manifests(), run.records(), run.posts, run.lines, per_step,
                             2.0 if args.smoke else 15.0)
+        o = out[name]
+        out[name]["cpu"] = cpu_ledger(run, events, o["tokens_per_s_window"] * (o["wall_s"] - o["window_s"][0]))
     out["ratio"] = out["live"]["tokens_per_s_window"] / out["fault_free"]["tokens_per_s_window"]
     out["ratio_whole_run"] = out["live"]["tokens_per_s"] / out["fault_free"]["tokens_per_s"]
     out["common_eval"] = common_eval({k: out[k] for k in runs}, args.eval_every)
@@ -497,6 +554,18 @@ def _print(out: dict) -> None:
                        note=f"reading the newest round state (get + decode, {st['live']['state_bytes']:,} bytes): "
                             f"{st['live']['read_state_s']:.4f} s; ElasticWorker.join() in process: {st['join_s']:.2f} "
                             f"s (with its init program's compile); figure {out['figure']}")
+    mean = lambda xs: float(np.mean(xs)) if xs else float("nan")  # noqa: E731
+    rows = []
+    for n in ("fault_free", "live"):
+        c = out[n]["cpu"]
+        rows.append([n, c["window_s"], c["workers_core_s"], c["machine_core_s"], c["tokens_per_core_s"],
+                     len(c["starts"]), mean([x["cpu_to_joined_s"] for x in c["starts"] if x["cpu_to_joined_s"]]),
+                     mean([x["cpu_to_first_post_s"] for x in c["starts"] if x["cpu_to_first_post_s"]]),
+                     mean([x["cpu_since_last_post_s"] for x in c["kills"] if x["cpu_since_last_post_s"] is not None])])
+    common.print_table("live: the workers' CPU from round 1 (/proc, every 0.2 s)",
+                       ["run", "window s", "workers core-s", "machine core-s", "tokens / worker core-s",
+                        "starts after round 1", "core-s to joined", "core-s to first post",
+                        "core-s lost per kill"], rows)
 
 
 __all__ = ["add_args", "part_live", "overrides", "LiveRun", "drive"]

@@ -120,6 +120,16 @@ def child_pids(pid: int) -> list[int]:
     return sorted(out)
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used so far, from /proc (None: it ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def child_env() -> dict:
     """The environment for an ``edit-jax`` process a bench starts: this one's, the repo on
     PYTHONPATH, and XLA_FLAGS less the CPU device count (the CLI sets its own from the mesh; other

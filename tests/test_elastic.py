@@ -271,9 +271,10 @@ def _worker_args(run: str, ex: str, slots: int) -> list[str]:
 
 
 def _pid_of(launcher: subprocess.Popen, worker: int) -> int:
+    """The launcher's worker ``worker``: forked (named ``edit-jax wI``) or spawned (``--worker I``)."""
     for pid in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split():
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if f"--worker\x00{worker}\x00".encode() in f.read():
+        with open(f"/proc/{pid}/comm") as f, open(f"/proc/{pid}/cmdline", "rb") as g:
+            if f.read().strip() == f"edit-jax w{worker}" or f"--worker\x00{worker}\x00".encode() in g.read():
                 return int(pid)
     raise AssertionError(f"worker {worker} is not running")
 
@@ -305,6 +306,8 @@ def test_workers_leave_and_join_as_processes(tmp_path):
         assert "worker 1 ended (signal SIGKILL); starting it again (1 of 2)" in text and "worker 0 ended" not in text
         assert any(r["members"] == [0] and first["round"] < r["round"] < back["round"] for r in rounds())
         stopped = _pid_of(launcher, 1)
+        with open(f"/proc/{stopped}/comm") as f:  # forked from the launcher (no imports again), named
+            assert f.read().strip() == "edit-jax w1"
         os.kill(stopped, signal.SIGSTOP)
         t_stop = time.time()
         without = _wait_for("a round without the stopped worker",
@@ -332,6 +335,21 @@ def test_workers_leave_and_join_as_processes(tmp_path):
     assert "Traceback" not in text and "differs from the closer" not in text, text[-3000:]
     hashes = [r["theta_hash"] for r in rounds()]
     assert len(hashes) == len({r["round"] for r in rounds()})  # one record per round, by its closer
+
+
+def test_launcher_forks_workers_only_where_safe():
+    """The launcher forks its workers only from a process with one thread and no JAX backend (a
+    fork copies neither another thread's locks nor a backend's thread pools safely), and never
+    with EDIT_JAX_WORKER_START=spawn; JAX's backend check is a private name, so a JAX that
+    renamed it would show here, not as a silent fallback to spawning."""
+    code = ("import os, threading, jax; from edit_jax.elastic import launch as L; a = L.can_fork(); "
+            "t = threading.Thread(target=threading.Event().wait, args=(5,), daemon=True); t.start(); "
+            "b = L.can_fork(); t.join(); jax.devices(); c = L.can_fork(); os.environ[L.ENV_START] = 'spawn'; "
+            "print(repr((a, b, c, L.can_fork())))")
+    env = {k: v for k, v in _child_env().items() if k != "EDIT_JAX_WORKER_START"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == repr((None, "2 threads", "a JAX backend is running", "EDIT_JAX_WORKER_START=spawn"))
 
 
 def test_worker_stopped_seconds_after_joining_exits_130(tmp_path):

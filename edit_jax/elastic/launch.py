@@ -9,6 +9,15 @@ the newest round state (``worker.py``). The launcher never waits on a stopped wo
 on without it (``sync.grace``). A signal to the launcher (Ctrl-C, SIGTERM) is passed to every
 worker, which ends where it stands (exit 130). Workers can also be started and stopped by hand, or
 by SLURM (one job step per worker): ``edit-jax worker --worker I`` pointing at the same run dir.
+
+How a worker starts (``EDIT_JAX_WORKER_START``): "fork" (the default on Linux) forks it from the
+launcher, which imported the worker's modules (JAX, the data pipeline, the model: ~1.4 CPU s) once
+and never starts a JAX backend itself; the child sets its own XLA flags and platform, then builds
+its backend and programs as ``edit-jax worker`` would. A restarted worker thus skips the imports,
+which on a machine whose cores the workers share come out of the others' training (BUILD_NOTES
+20). Forking is safe only from a process with one thread and no JAX backend: where that does not
+hold, or with "spawn", each worker is a fresh ``python -m edit_jax worker`` process. A forked
+worker is named ``edit-jax wI`` (``/proc/PID/comm``, what ``ps`` and ``top`` show).
 """
 
 from __future__ import annotations
@@ -17,13 +26,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 
+from edit_jax.elastic import command
 from edit_jax.elastic.exchange import Exchange, open_exchange
 from edit_jax.elastic.rounds import retract
 from edit_jax.runtime.launch import die_with_parent, without_cpu_device_count
 
 EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_WORKER_LOST = 0, 2, 130, 5
+ENV_START = "EDIT_JAX_WORKER_START"  # "fork" (default where safe) or "spawn"
 
 
 def worker_argv(worker: int, config: str, run_dir: str, overrides: list[str]) -> list[str]:
@@ -39,6 +52,94 @@ def _child_env(shard: int) -> dict:
     return env
 
 
+class Forked:
+    """A worker forked from the launcher, with what the launcher uses of ``subprocess.Popen``."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)  # -N for signal N, as Popen
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass  # ended, not yet reaped
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def can_fork() -> str | None:
+    """Why workers cannot be forked from this process (None: they can)."""
+    if os.environ.get(ENV_START, "fork") == "spawn":
+        return f"{ENV_START}=spawn"
+    if not hasattr(os, "fork") or sys.platform != "linux":
+        return "not Linux"
+    if threading.active_count() > 1:  # a lock held by another thread would stay held in the child
+        return f"{threading.active_count()} threads"
+    try:
+        from jax._src import xla_bridge
+        if xla_bridge._backends:  # a backend's thread pools do not survive a fork
+            return "a JAX backend is running"
+    except (ImportError, AttributeError):
+        return "cannot tell whether a JAX backend runs"
+    return None
+
+
+def fork_worker(worker: int, argv: list[str], env: dict) -> Forked:
+    """Worker ``worker`` (``edit-jax worker`` arguments ``argv``) in a child of this process."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    stops = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # none runs the launcher's handler in the child
+    pid = os.fork()
+    if pid:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+        return Forked(pid)
+    code = 1
+    try:  # the child: never returns into the launcher's code
+        die_with_parent()
+        for sig in stops:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+        os.environ.clear()
+        os.environ.update(env)
+        _name_process(f"edit-jax w{worker}")
+        import jax
+
+        jax.config.update("jax_platforms", env.get("JAX_PLATFORMS") or None)  # (read at import, in the launcher)
+        code = command.main(argv[argv.index("worker") + 1:])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported, and the launcher restarts the worker
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _name_process(name: str) -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME: /proc/PID/comm
+    except (OSError, AttributeError):
+        pass
+
+
 def launch_workers(config: str, run_dir: str, overrides: list[str], workers: int, shard: int, max_restarts: int,
                    say=lambda m: print(m, file=sys.stderr, flush=True), poll_s: float = 0.2,
                    exchange: Exchange | None = None) -> int:
@@ -46,13 +147,15 @@ def launch_workers(config: str, run_dir: str, overrides: list[str], workers: int
     finished (some worker ended it), 130 when interrupted, 5 when every worker was lost. With
     ``exchange``, a worker that dies is retracted from the rounds at once (``rounds.retract``)."""
     env = _child_env(shard)
-    procs: dict[int, subprocess.Popen] = {}
+    procs: dict[int, subprocess.Popen | Forked] = {}
     restarts = {i: 0 for i in range(workers)}
     ended: dict[int, int] = {}
     interrupted = [0]
+    fork = can_fork() is None  # (this module imported the worker's modules: ``command``)
 
     def start(i: int) -> None:
-        procs[i] = subprocess.Popen(worker_argv(i, config, run_dir, overrides), env=env, preexec_fn=die_with_parent)
+        argv = worker_argv(i, config, run_dir, overrides)
+        procs[i] = fork_worker(i, argv, env) if fork else subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)
 
     def forward(signum, frame):
         del frame

@@ -65,14 +65,11 @@ class OuterRound:
                 self._programs[n] = self._fn.lower(*args).compile()
             return self._programs[n]
 
-    def precompile(self, state: RoundState, slots: int, now: int | None = None) -> threading.Thread:
-        """Compiles the step for every participant count 1..slots in a background thread, nearest
-        to ``now`` (the last round's member count) first: a round whose membership changed (a
-        worker left or joined) then waits on no compile."""
-        now = now or slots
-
+    def precompile(self, state: RoundState, counts: list[int]) -> threading.Thread:
+        """Compiles the step for each participant count of ``counts``, in that order, in a
+        background thread: a round whose membership changed then waits on no compile."""
         def run():
-            for n in sorted(range(1, slots + 1), key=lambda n: (abs(n - now), -n)):
+            for n in counts:
                 if self._stop_compiling.is_set():
                     return
                 self.program(state, n)

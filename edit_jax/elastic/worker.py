@@ -339,6 +339,20 @@ class ElasticWorker:
             time.sleep(poll)
         return None
 
+    def counts_to_compile(self, shared: R.RoundState) -> list[int]:
+        """The participant counts whose outer step this worker compiles ahead (the rest compile when a
+        round first needs them). A worker of the run's first start (round 0) compiles every count
+        1..slots, nearest to all slots first: under load a compile takes seconds, and a round
+        whose membership changed would wait on it (each such change cost every worker ~15 s on the
+        2-core host before this); they land in the compile cache. A restarted or joining worker
+        loads from that cache only the count of its first round (the last round's members, with
+        itself); loading all of them cost ~1.3 CPU s of its ~3.5 s restart, taken from the others'
+        training on shared cores (BUILD_NOTES 20). Without a compile cache, every count."""
+        slots = self.cfg.mesh.replica
+        if shared.round == 0 or self.cfg.train.compile_cache in ("", "off"):
+            return sorted(range(1, slots + 1), key=lambda c: (abs(c - slots), -c))
+        return [min(slots, len(set(shared.members) | {self.me}))]
+
     # -- the loop ----------------------------------------------------------------------------------
 
     def run(self) -> int:
@@ -349,7 +363,7 @@ class ElasticWorker:
             local.residual = PK.zero_residual(shared.theta, self.plan.layerwise, PK.layout(self.wire)[2])
             self.record({"step": shared.global_step, "worker": self.me, "residual": "zeros", "wire": self.wire})
         self.say(f"edit-jax worker {self.me}: joined at round {shared.round} (data cursor {local.done})")
-        self.outer.precompile(shared, self.cfg.mesh.replica, len(shared.members))  # every count, in the background
+        self.outer.precompile(shared, self.counts_to_compile(shared))  # in the background
         while not shared.finished:
             loss = self.train_for(local, self.due_in(shared), lambda r=shared.round + 1: self.announce(r),
                                   aligned=shared.round > 0)
