@@ -343,8 +343,8 @@ def test_launcher_forks_workers_only_where_safe():
     with EDIT_JAX_WORKER_START=spawn; JAX's backend check is a private name, so a JAX that
     renamed it would show here, not as a silent fallback to spawning."""
     code = ("import os, threading, jax; from edit_jax.elastic import launch as L; a = L.can_fork(); "
-            "t = threading.Thread(target=threading.Event().wait, args=(5,), daemon=True); t.start(); "
-            "b = L.can_fork(); t.join(); jax.devices(); c = L.can_fork(); os.environ[L.ENV_START] = 'spawn'; "
+            "e = threading.Event(); t = threading.Thread(target=e.wait, daemon=True); t.start(); "
+            "b = L.can_fork(); e.set(); t.join(); jax.devices(); c = L.can_fork(); os.environ[L.ENV_START] = 'spawn'; "
             "print(repr((a, b, c, L.can_fork())))")
     env = {k: v for k, v in _child_env().items() if k != "EDIT_JAX_WORKER_START"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
