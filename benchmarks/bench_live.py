@@ -555,13 +555,13 @@ def _print(out: dict) -> None:
                             f"{st['live']['read_state_s']:.4f} s; ElasticWorker.join() in process: {st['join_s']:.2f} "
                             f"s (with its init program's compile); figure {out['figure']}")
     mean = lambda xs: float(np.mean(xs)) if xs else float("nan")  # noqa: E731
+    known = lambda rows, key: [x[key] for x in rows if x[key] is not None]  # noqa: E731
     rows = []
     for n in ("fault_free", "live"):
         c = out[n]["cpu"]
         rows.append([n, c["window_s"], c["workers_core_s"], c["machine_core_s"], c["tokens_per_core_s"],
-                     len(c["starts"]), mean([x["cpu_to_joined_s"] for x in c["starts"] if x["cpu_to_joined_s"]]),
-                     mean([x["cpu_to_first_post_s"] for x in c["starts"] if x["cpu_to_first_post_s"]]),
-                     mean([x["cpu_since_last_post_s"] for x in c["kills"] if x["cpu_since_last_post_s"] is not None])])
+                     len(c["starts"]), mean(known(c["starts"], "cpu_to_joined_s")),
+                     mean(known(c["starts"], "cpu_to_first_post_s")), mean(known(c["kills"], "cpu_since_last_post_s"))])
     common.print_table("live: the workers' CPU from round 1 (/proc, every 0.2 s)",
                        ["run", "window s", "workers core-s", "machine core-s", "tokens / worker core-s",
                         "starts after round 1", "core-s to joined", "core-s to first post",

@@ -106,15 +106,20 @@ def env_info() -> dict:
             "loadavg_at_start": loadavg(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """``/proc/PID/stat`` after the command name: [state, ppid, ...]; field n of proc(5) is [n - 3]."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def child_pids(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (from /proc), sorted: a launcher's worker processes."""
     out = []
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
+                if int(_stat_fields(int(d))[1]) == pid:
+                    out.append(int(d))
             except (OSError, IndexError, ValueError):
                 pass  # ended meanwhile
     return sorted(out)
@@ -123,8 +128,7 @@ def child_pids(pid: int) -> list[int]:
 def cpu_seconds(pid: int) -> float | None:
     """CPU seconds (user + system) process ``pid`` has used so far, from /proc (None: it ended)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        fields = _stat_fields(pid)
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
     except (OSError, IndexError, ValueError):
         return None

@@ -39,9 +39,13 @@ EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_WORKER_LOST = 0, 2, 130, 5
 ENV_START = "EDIT_JAX_WORKER_START"  # "fork" (default where safe) or "spawn"
 
 
+def worker_args(worker: int, config: str, run_dir: str, overrides: list[str]) -> list[str]:
+    """The ``edit-jax worker`` arguments of worker ``worker``."""
+    return ["--config", config, "--run-dir", run_dir, "--worker", str(worker), *overrides]
+
+
 def worker_argv(worker: int, config: str, run_dir: str, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "edit_jax", "worker", "--config", config, "--run-dir", run_dir,
-            "--worker", str(worker), *overrides]
+    return [sys.executable, "-m", "edit_jax", "worker", *worker_args(worker, config, run_dir, overrides)]
 
 
 def _child_env(shard: int) -> dict:
@@ -98,8 +102,8 @@ def can_fork() -> str | None:
     return None
 
 
-def fork_worker(worker: int, argv: list[str], env: dict) -> Forked:
-    """Worker ``worker`` (``edit-jax worker`` arguments ``argv``) in a child of this process."""
+def fork_worker(worker: int, args: list[str], env: dict) -> Forked:
+    """Worker ``worker`` (its ``edit-jax worker`` arguments ``args``) in a child of this process."""
     sys.stdout.flush()
     sys.stderr.flush()
     stops = {signal.SIGINT, signal.SIGTERM}
@@ -120,7 +124,7 @@ def fork_worker(worker: int, argv: list[str], env: dict) -> Forked:
         import jax
 
         jax.config.update("jax_platforms", env.get("JAX_PLATFORMS") or None)  # (read at import, in the launcher)
-        code = command.main(argv[argv.index("worker") + 1:])
+        code = command.main(args)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001 - reported, and the launcher restarts the worker
@@ -154,8 +158,10 @@ def launch_workers(config: str, run_dir: str, overrides: list[str], workers: int
     fork = can_fork() is None  # (this module imported the worker's modules: ``command``)
 
     def start(i: int) -> None:
-        argv = worker_argv(i, config, run_dir, overrides)
-        procs[i] = fork_worker(i, argv, env) if fork else subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)
+        if fork:
+            procs[i] = fork_worker(i, worker_args(i, config, run_dir, overrides), env)
+        else:
+            procs[i] = subprocess.Popen(worker_argv(i, config, run_dir, overrides), env=env, preexec_fn=die_with_parent)
 
     def forward(signum, frame):
         del frame
