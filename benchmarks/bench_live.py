@@ -56,6 +56,8 @@ def add_args(p) -> None:
     p.add_argument("--live-workers", type=int, default=4, help="live: the launcher's workers (a joiner makes +1)")
     p.add_argument("--tau-time", type=float, default=5.0, help="live: sync.tau_time (s of local steps per round)")
     p.add_argument("--grace", type=float, default=3.0, help="live: sync.grace (s a round waits for late posts)")
+    p.add_argument("--progress-every", type=float, default=1.0,
+                   help="live: sync.progress_every (s between saves of a worker's unposted steps; 0: off)")
     p.add_argument("--stop-s", type=float, default=60.0, help="live: how long one worker stays SIGSTOPped")
     p.add_argument("--eval-every", type=int, default=2000, help="live: eval_every (global steps) of both runs")
     p.add_argument("--eval-batches", type=int, default=16, help="live: batches of this bench's own evaluations")
@@ -67,7 +69,7 @@ def overrides(args, ex: str) -> list[str]:
     slots = w + 1
     return [f"sync.exchange={ex}", "sync.method=a_edit", "sync.warmup_steps=0", f"mesh.replica={slots}",
             "mesh.shard=1", f"mesh.processes={w}", f"batch_size={4 * slots}", f"sync.tau_time={args.tau_time}",
-            f"sync.grace={args.grace}", "steps=100000000", "optim.decay_steps=100000", "log_every=20",
+            f"sync.grace={args.grace}", f"sync.progress_every={args.progress_every}", "steps=100000000", "optim.decay_steps=100000", "log_every=20",
             f"eval_every={args.eval_every}", *(SMOKE_SIZES if args.smoke else [])] + \
         ([f"train.compile_cache={os.path.join(args.run_root, 'live', 'compile_cache')}"] if args.smoke else [])
 
@@ -350,10 +352,19 @@ def analyse(t0, events, manifests, records, posts, lines, tokens_per_step, bin_s
             mine = [r for r in records if r.get("worker") == w and "loss" in r and r["at"] < at]
             cur = _first(r["cursors"][r["members"].index(w)] for r in sorted(recs.values(), key=lambda r: -r["at"])
                          if r["at"] < at and w in r["members"])
+            res = _first(r for r in records if r.get("worker") == w and "progress_resumed" in r and r["at"] > at)
+            row["steps_restored"] = res["progress_resumed"] if res else 0  # saved steps its restart carried on
+            cur = max(cur, res["cursor"]) if res and cur is not None else cur
             row["steps_lost"] = max(0, mine[-1]["step"] - cur) if mine and cur is not None else None
         faults.append(row)
     evals = [{"step": r["step"], "val_loss": r["val_loss"], "round": r.get("round")} for r in records
              if "val_loss" in r]
+    saving, last = 0.0, {}  # seconds the workers spent saving progress (per process; a restart starts at 0)
+    for r in records:
+        if "progress_s" in r:
+            w, v = r["worker"], r["progress_s"]
+            saving += v - last.get(w, 0.0) if v >= last.get(w, 0.0) else v
+            last[w] = v
     return {"exit": end["exit"], "wall_s": round(span, 2), "rounds": len(rounds), "tokens": tokens,
             "tokens_per_s": tokens / span, "tokens_per_s_window": window,
             "window_s": [round(origin, 2), round(span, 2)],
@@ -361,7 +372,7 @@ def analyse(t0, events, manifests, records, posts, lines, tokens_per_step, bin_s
             "left_out": short, "left_out_by_cause": by(short), "late_posts": late, "late_by_cause": by(late),
             "rounds_leaving_out_a_live_worker": len({x["round"] for x in short if x["cause"] == "live"}),
             "live_steps_dropped": sum(x["steps"] for x in late if x["cause"] == "live" and x["how"] == "drop"),
-            "faults": faults, "evals": evals, "timeline": rounds, "bin_s": bin_s, "tokens_per_s_bins": bins,
+            "faults": faults, "evals": evals, "progress_save_s": round(saving, 3), "timeline": rounds, "bin_s": bin_s, "tokens_per_s_bins": bins,
             "events": [{**e, "at": _rel(e["at"], t0)} for e in events],
             "posts": sorted([r, w, _rel(t, t0)] for (r, w), t in posts.items()),
             "lines": [[_rel(t, t0), x] for t, _, x in lines if JOINED.search(x) or RESTARTED.search(x)]}
@@ -507,7 +518,8 @@ def part_live(args) -> dict:
     per_step = cfg.batch_size // cfg.mesh.replica * cfg.data.seq_len
     out = {"config": args.kill_config, "workers": args.live_workers, "slots": args.live_workers + 1,
            "tau_time": args.tau_time, "grace": args.grace, "mtbf_s": args.mtbf_live, "duration_s": args.duration,
-           "stop_s": args.stop_s, "eval_every": args.eval_every, "tokens_per_step": per_step}
+           "stop_s": args.stop_s, "eval_every": args.eval_every, "tokens_per_step": per_step,
+           "progress_every": args.progress_every}
     runs = {}
     for name, faults in (("fault_free", False), ("live", True)):
         print(f"live: the {name} run", flush=True)
@@ -547,7 +559,7 @@ def _print(out: dict) -> None:
                             "the last common multiple of "
                             f"eval_every ({ce['multiple']}): {ce.get('rel_diff', float('nan')):+.4f}")
     keys = ["t", "round_without", "to_round_without_s", "closed_by", "survivors_wait_s", "restart_s",
-            "joined_line_s", "first_post_s", "round_back", "to_member_s", "steps_lost"]
+            "joined_line_s", "first_post_s", "round_back", "to_member_s", "steps_restored", "steps_lost"]
     common.print_table("live: per fault (s; for the stop, 'first post' and 'back' count from the SIGCONT)",
                        ["event", "slot", *keys], [[f["event"], f["slot"], *(f.get(k, "-") for k in keys)]
                                                   for f in lv["faults"]],
@@ -565,7 +577,10 @@ def _print(out: dict) -> None:
     common.print_table("live: the workers' CPU from round 1 (/proc, every 0.2 s)",
                        ["run", "window s", "workers core-s", "machine core-s", "tokens / worker core-s",
                         "starts after round 1", "core-s to joined", "core-s to first post",
-                        "core-s lost per kill"], rows)
+                        "core-s since last post, per kill"], rows,
+                       note=f"saving unposted steps (sync.progress_every {out['progress_every']:g} s): "
+                            + ", ".join(f"{n} {out[n]['progress_save_s']:.2f} s" for n in ("fault_free", "live"))
+                            + " of the workers' time (seen in records every log_every steps)")
 
 
 __all__ = ["add_args", "part_live", "overrides", "LiveRun", "drive"]

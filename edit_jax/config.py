@@ -146,16 +146,16 @@ class SyncConfig:
     ef_dtype: str = "float32"  # the stored residual: float32 | bfloat16 (half the memory; math in float32)
     sparse_chunk: int = 4096  # topk*: values per chunk (<= 4096: 12-bit indices)
     sparse_k: int = 64  # topk*: values sent per chunk (a multiple of 4)
-    # A-EDiT (method=a_edit, one process per worker): a sync is due when this much wall time has
-    # passed since the last one; skipped when the workers took fewer steps than min_total_steps.
+    # A-EDiT (a_edit, a process per worker): a sync is due tau_time s after the last; skipped under min_total_steps.
     tau_time: float = 600.0
     min_total_steps: int = 1
     step_weight_ratio: float = 0.5  # rho: w <- (1 - rho) w + rho * (worker's share of the steps)
-    # A-EDiT, workers meeting through a directory or s3://bucket/prefix (elastic/): a round closes
-    # `grace` s after a post (clusters: ~60 s); a late post is carried over or dropped (carry | drop).
+    # A-EDiT through a directory or s3://bucket/prefix (elastic/): a round closes `grace` s after a post
+    # (clusters ~60 s); late posts: carry | drop; unposted steps saved every progress_every s (0: off).
     exchange: str = ""
     grace: float = 10.0
     late_posts: str = "carry"
+    progress_every: float = 0.0
     # CO2: the staleness-gap penalty Lambda (a constant, as in the released code); co2_momentum_clip
     # = phi > 0 clamps the stored outer momentum to [-phi, phi] element-wise (0: off).
     co2_gap_penalty: float = 1.0

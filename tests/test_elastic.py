@@ -163,7 +163,7 @@ def test_round_state_is_whole_or_reported():
     data = state.encode()
     back = R.RoundState.decode(data, state, "state/r00000000.npz")
     assert back.digest() == state.digest() and back.cursors == [0, 0]
-    with pytest.raises(ValueError, match="state/r00000000.npz: not a readable"):
+    with pytest.raises(ValueError, match="state/r00000000.npz: not a whole, readable"):
         R.RoundState.decode(data[: len(data) // 2], state, "state/r00000000.npz")
     other = OuterRound(plan).initial(_theta(rng, layers=3), slots=2, n_units=4, window=3)
     with pytest.raises(ValueError, match="does not fit this config"):
@@ -399,6 +399,7 @@ def test_plot_shows_membership(tmp_path):
 @pytest.mark.parametrize("override, key", [
     ("sync.warmup_steps=4", "sync.warmup_steps"), ("sync.compress=int8", "sync.compress"),
     ("mesh.processes=3", "mesh.processes"), ("sync.grace=0", "sync.grace"), ("sync.late_posts=keep", "sync.late_posts"),
+    ("sync.progress_every=-1", "sync.progress_every"),
     ("max_seconds=60", "max_seconds"), ("sync.method=edit", "sync.exchange"),
     ("sync.compress=topk2 sync.error_feedback=true sync.ef_dtype=bfloat16", "sync.ef_dtype")])
 def test_exchange_config_errors_name_the_field(tmp_path, override, key):

@@ -144,7 +144,11 @@ RECORDS = {
     "Exchange worker events": {
         "late_post": "the round a post missed", "late_steps": "steps in that post",
         "late_posts": "`carry` or `drop`", "caught_up_to": "the round the worker caught up to",
-        "finished_round": "a worker's last round", "theta_hash": "θ̄'s hash as that worker ends (the same on every worker)"},
+        "finished_round": "a worker's last round", "theta_hash": "θ̄'s hash as that worker ends (the same on every worker)",
+        "progress_resumed": "`sync.progress_every`: saved steps a (re)started worker carried onto θ̄",
+        "from_round": "the round whose θ̄ those steps started from", "cursor": "the data cursor it resumed at",
+        "progress_ignored": "why a saved progress file was not resumed (counted by a round, another run, unreadable)",
+        "progress_s": "on a worker's training records: seconds this process spent saving its progress"},
     "Every kind, extra fields": {
         "time": "seconds of training time at this record",
         "global_step": "multi-process: the global (mean) step; a worker's own `step` may be ahead of it",

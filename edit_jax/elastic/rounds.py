@@ -31,6 +31,8 @@ of its next post), or with ``drop`` restarts from θ̄ (a record says which).
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,6 +194,30 @@ def posted(ex: Exchange, r: int) -> list[int]:
     return sorted(int(k.rsplit("/w", 1)[-1].split(".")[0]) for k in ex.list(f"posts/r{r:08d}/"))
 
 
+def posted_rounds(ex: Exchange, worker: int) -> list[int]:
+    """The rounds holding a post of ``worker`` (those not yet collected)."""
+    return sorted(_round_of(k.split("/")[1]) for k in ex.list("posts/r") if k.endswith(f"/w{worker:04d}.npz"))
+
+
+def live_owner(ex: Exchange, worker: int, me: str, stale_s: float) -> str | None:
+    """The process (host:pid) other than ``me`` that announced on slot ``worker`` and may still be
+    alive (on this host: its PID exists; on another: it announced within ``stale_s`` seconds)."""
+    data = ex.get(hello_key(worker))
+    info = json.loads(data.decode()) if data else {}
+    host, _, pid = str(info.get("owner", "")).rpartition(":")
+    if not host or info["owner"] == me:
+        return None
+    if host != socket.gethostname():
+        return info["owner"] if time.time() - float(info.get("time", 0)) < stale_s else None
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError):
+        return None
+    except PermissionError:
+        pass  # exists, another user's
+    return info["owner"]
+
+
 def announced(ex: Exchange) -> dict[int, int]:
     """Workers that said they (re)joined: slot -> the round they will post at first."""
     out = {}
@@ -235,5 +261,5 @@ def collect_garbage(ex: Exchange, r: int) -> None:
 
 
 __all__ = ["Post", "Manifest", "RoundState", "KEEP_ROUNDS", "post_key", "manifest_key", "state_key", "hello_key",
-           "newest_round", "newest_state", "read_manifest", "posted", "expected", "collect", "collect_garbage",
-           "announced", "retract", "tree_hash", "pack", "unpack"]
+           "newest_round", "newest_state", "read_manifest", "posted", "posted_rounds", "expected", "collect", "collect_garbage",
+           "announced", "live_owner", "retract", "tree_hash", "pack", "unpack"]

@@ -34,6 +34,7 @@ import numpy as np
 from edit_jax.config import Config, dumps
 from edit_jax.data import check_model_vocab, load_corpus, make_train_stream, val_batches
 from edit_jax.elastic import packed as PK
+from edit_jax.elastic import progress as PG
 from edit_jax.elastic import rounds as R
 from edit_jax.elastic.exchange import Exchange, open_exchange
 from edit_jax.elastic.outer_round import OuterRound
@@ -106,6 +107,7 @@ class ElasticWorker:
         self._eval_fn = None  # compiled at the first evaluation
         self.t0 = self._start_time()
         self.log = worker_log(run_dir)  # whole lines, shared with the other workers
+        self.progress_file, self.progress_s = PG.progress_path(run_dir, worker), 0.0
 
     # -- records -----------------------------------------------------------------------------------
 
@@ -234,13 +236,15 @@ class ElasticWorker:
             state = state.replace(opt_state=jax.device_put(opt, jax.tree.map(lambda a: a.sharding, state.opt_state)))
         return state
 
-    def train_for(self, local: Local, seconds: float, started=lambda: None, aligned: bool = False) -> float:
+    def train_for(self, local: Local, seconds: float, started=lambda: None, aligned: bool = False,
+                  save=None) -> float:
         """Local steps until ``seconds`` passed (at least one); returns the last loss. ``started``
         runs after the first step (the first of a process compiles: announcing a round only then
         keeps the others from waiting on a compile). ``aligned``: ``seconds`` lead to the round's due
-        time, so a compile counts against them."""
+        time, so a compile counts against them. ``save`` runs every ``sync.progress_every`` s."""
         step = self.loc.step_fn(LOCAL)
         start, loss, last_log = time.monotonic(), float("nan"), (time.perf_counter(), local.done)
+        saved = start
         compiling = not self.compiled  # the first step compiles: the round's clock starts after it
         self.compiled = True
         while True:
@@ -259,7 +263,7 @@ class ElasticWorker:
                 last_log = (now, local.done)
                 rows_n = self.cfg.batch_size // self.cfg.mesh.replica
                 self.record({"step": local.done, "worker": self.me, "loss": loss, "kind": "local", "step_time": dt,
-                             "tokens_per_s": rows_n * self.cfg.data.seq_len / dt})
+                             "tokens_per_s": rows_n * self.cfg.data.seq_len / dt, "progress_s": self.progress_s})
             if compiling:  # the run's first round: its clock starts after the compile (every worker compiles)
                 start = start if aligned else time.monotonic()
                 last_log, compiling = (time.perf_counter(), local.done), False
@@ -268,6 +272,9 @@ class ElasticWorker:
                 started = None
             if self.stop or time.monotonic() - start >= seconds:
                 return loss
+            if save is not None and 0 < self.cfg.sync.progress_every <= time.monotonic() - saved:
+                save()
+                saved = time.monotonic()
 
     def due_in(self, shared: R.RoundState) -> float:
         """Seconds of training before this worker's next post: the next round's posts are due
@@ -285,26 +292,11 @@ class ElasticWorker:
                                                       "time": time.time()}).encode())
 
     def check_slot_free(self) -> None:
-        """Refuses to start on a slot another live process announced on (on this host: its PID is
-        alive; on another: it announced within the last 2 x (tau_time + grace) seconds)."""
-        data = self.ex.get(R.hello_key(self.me))
-        info = json.loads(data.decode()) if data else {}
-        host, _, pid = str(info.get("owner", "")).rpartition(":")
-        if not host or info["owner"] == self.owner:
-            return
-        if host == socket.gethostname():
-            try:
-                os.kill(int(pid), 0)
-                alive = True
-            except (ProcessLookupError, ValueError):
-                alive = False
-            except PermissionError:
-                alive = True
-        else:
-            alive = time.time() - float(info.get("time", 0)) < 2 * (self.cfg.sync.tau_time + self.cfg.sync.grace)
-        if alive:
+        """Refuses to start on a slot another live process announced on (``rounds.live_owner``)."""
+        other = R.live_owner(self.ex, self.me, self.owner, 2 * (self.cfg.sync.tau_time + self.cfg.sync.grace))
+        if other:
             raise SlotInUse(f"--worker {self.me}: slot {self.me} of exchange {self.ex.url} is in use by "
-                            f"{info['owner']} (host:pid); pick another slot (0..{self.cfg.mesh.replica - 1}) or stop it")
+                            f"{other} (host:pid); pick another slot (0..{self.cfg.mesh.replica - 1}) or stop it")
 
     def post(self, shared: R.RoundState, local: Local, loss: float) -> tuple[R.Post, bool, list]:
         """This worker's post to the next round; False if a post of this slot is already there (this
@@ -312,8 +304,7 @@ class ElasticWorker:
         the same one, and this worker's newer progress is carried as a late post's would be. Also
         Δ's leaves (float32: what a late post carries). Packed posts: ``packed.encode_post`` on the
         host CPU, the new residual pending in ``local`` until the round says it was used."""
-        mine = jax.tree.map(lambda x: np.asarray(x, np.float32)[0], jax.device_get(local.state.params))
-        delta = [np.asarray(t - p, np.float32) for t, p in zip(jax.tree.leaves(shared.theta), jax.tree.leaves(mine))]
+        delta = self.delta_of(shared, jax.device_get(local.state.params))
         post = R.Post(self.me, shared.round + 1, delta, local.since, local.done, loss, shared.digest(), local.carried)
         if self.wire != "none":
             cpu = jax.devices("cpu")[0]
@@ -323,6 +314,39 @@ class ElasticWorker:
             post.delta, post.norms, post.wire = [np.asarray(r) for r in rows], np.asarray(norms), self.wire
             local.pending = [np.asarray(e) for e in pending]
         return post, self.ex.create(R.post_key(post.round, self.me), post.encode()), delta
+
+    def delta_of(self, shared: R.RoundState, params) -> list[np.ndarray]:
+        """Δ = θ̄ − θ_i per leaf, float32, from this worker's host params (leading axis: its replica)."""
+        return [np.asarray(t - np.asarray(p, np.float32)[0], np.float32)
+                for t, p in zip(jax.tree.leaves(shared.theta), jax.tree.leaves(params))]
+
+    def save_progress(self, shared: R.RoundState, local: Local) -> None:
+        """This worker's steps no round counted yet, on disk (``progress.py``)."""
+        t = time.perf_counter()
+        params, opt = jax.device_get((local.state.params, local.state.opt_state))
+        PG.save(self.progress_file, PG.Progress(
+            self.t0, shared.round, shared.cursors[self.me], local.done, local.since, self.delta_of(shared, params),
+            [np.asarray(x) for x in jax.tree.leaves(opt)], list(local.residual or [])))
+        self.progress_s += time.perf_counter() - t
+
+    def resume_progress(self, shared: R.RoundState, local: Local) -> None:
+        """A (re)starting worker carries its saved steps onto θ̄ when no round counted or can still
+        count them (``progress.why_not``); otherwise it starts from θ̄, recorded."""
+        p, why = PG.resumable(self.progress_file, run_start=self.t0, cursor=shared.cursors[self.me],
+                              posted_rounds=R.posted_rounds(self.ex, self.me),
+                              delta_like=[jax.ShapeDtypeStruct(np.shape(t), np.float32) for t in jax.tree.leaves(shared.theta)],
+                              opt_like=jax.tree.leaves(local.state.opt_state), residual_like=list(local.residual or []))
+        if p is None:
+            if why:
+                self.record({"step": shared.global_step, "worker": self.me, "progress_ignored": why})
+            return
+        state = self.restart_from(shared, local.state, delta=jax.tree.unflatten(jax.tree.structure(shared.theta), p.delta))
+        opt = jax.tree.unflatten(jax.tree.structure(state.opt_state), p.opt)
+        local.state = state.replace(opt_state=jax.device_put(opt, jax.tree.map(lambda a: a.sharding, state.opt_state)))
+        local.done, local.since, local.carried = p.done, p.since, p.since
+        local.residual = p.residual if local.residual is not None else None
+        self.record({"step": shared.global_step, "worker": self.me, "progress_resumed": p.since, "from_round": p.round,
+                     "cursor": p.done})
 
     def await_round(self, shared: R.RoundState) -> R.Manifest | None:
         """Round shared.round + 1's manifest: read, or written by this worker when the round is due
@@ -362,11 +386,13 @@ class ElasticWorker:
         if self.wire != "none":  # the residual lives in this process only: every (re)start begins at zero
             local.residual = PK.zero_residual(shared.theta, self.plan.layerwise, PK.layout(self.wire)[2])
             self.record({"step": shared.global_step, "worker": self.me, "residual": "zeros", "wire": self.wire})
+        if self.cfg.sync.progress_every > 0:
+            self.resume_progress(shared, local)
         self.say(f"edit-jax worker {self.me}: joined at round {shared.round} (data cursor {local.done})")
         self.outer.precompile(shared, self.counts_to_compile(shared))  # in the background
         while not shared.finished:
             loss = self.train_for(local, self.due_in(shared), lambda r=shared.round + 1: self.announce(r),
-                                  aligned=shared.round > 0)
+                                  aligned=shared.round > 0, save=lambda s=shared: self.save_progress(s, local))
             if self.stop:
                 return 130
             post, fresh, delta = self.post(shared, local, loss)

@@ -31,6 +31,9 @@ class Timed(RuleWrapper):
                 f"must be in [0, 1], got {s.step_weight_ratio}")
         require(s.grace > 0, "sync.grace", f"must be positive (seconds a round waits for posts), got {s.grace}")
         require(s.late_posts in ("carry", "drop"), "sync.late_posts", f"expected carry or drop, got {s.late_posts!r}")
+        require(s.progress_every >= 0, "sync.progress_every", f"must be >= 0 seconds (0: off), got {s.progress_every}")
+        require(not s.progress_every or s.exchange, "sync.progress_every",
+                "saves an exchange worker's unposted steps: set sync.exchange too, or 0")
         require(not s.exchange or s.method == "a_edit", "sync.exchange",
                 f"workers meeting through an exchange are A-EDiT's (method=a_edit), got method={s.method}")
 

@@ -50,7 +50,7 @@ def unpack_arrays(data: bytes, what: str) -> tuple[list[np.ndarray], dict]:
             meta = json.loads(bytes(z["meta"]).decode())
             arrays = [z[k] for k in sorted(k for k in z.files if k != "meta")]
     except Exception as e:  # a truncated or foreign object: say which
-        raise ValueError(f"{what}: not a readable post / state ({type(e).__name__}: {e})") from e
+        raise ValueError(f"{what}: not a whole, readable .npz object ({type(e).__name__}: {e})") from e
     return arrays, meta
 
 
