@@ -345,6 +345,9 @@ def analyse(t0, events, manifests, records, posts, lines, tokens_per_step, bin_s
             row["cont_t"], after = _rel(cont["at"], t0) if cont else None, cont["at"] if cont else at
         row.update(back(w, after))
         row["restart_s"] = _rel(_first(t for t, x in starts if x == w and t >= at and e["event"] == "kill"), at)
+        joined = _first(r for r in records if r.get("worker") == w and "joined" in r and r["at"] > at)
+        if joined and e["event"] != "stop":  # its catch-up: the newest state read, later rounds replayed
+            row.update({k: joined.get(k) for k in ("read_s", "catch_up_s", "replayed")})
         row["joined_line_s"] = _rel(_first(t for t, x, _ in joins if x == w and t >= at), at)
         row["first_post_s"] = _rel(min((t for (r, x), t in posts.items() if x == w and t >= after), default=None),
                                    after)
@@ -559,7 +562,8 @@ def _print(out: dict) -> None:
                             "the last common multiple of "
                             f"eval_every ({ce['multiple']}): {ce.get('rel_diff', float('nan')):+.4f}")
     keys = ["t", "round_without", "to_round_without_s", "closed_by", "survivors_wait_s", "restart_s",
-            "joined_line_s", "first_post_s", "round_back", "to_member_s", "steps_restored", "steps_lost"]
+            "joined_line_s", "read_s", "catch_up_s", "replayed", "first_post_s", "round_back", "to_member_s",
+            "steps_restored", "steps_lost"]
     common.print_table("live: per fault (s; for the stop, 'first post' and 'back' count from the SIGCONT)",
                        ["event", "slot", *keys], [[f["event"], f["slot"], *(f.get(k, "-") for k in keys)]
                                                   for f in lv["faults"]],

@@ -111,6 +111,8 @@ def test_bench_smoke(name, tmp_path, monkeypatch, capsys):
         assert live["fault_free"]["exit"] == live["live"]["exit"] == {"launcher": 130, "hand": 130}
         kills = [f for f in live["live"]["faults"] if f["event"] == "kill"]
         assert len(kills) == 1 and kills[0]["restart_s"] is not None
+        join = next(f for f in live["live"]["faults"] if f["event"] == "join")  # its catch-up, from its record
+        assert join["catch_up_s"] >= join["read_s"] > 0 and join["replayed"] >= 0
         assert live["live"]["tokens"] > 0 and live["states"]["live"]["read_state_s"] > 0
         assert os.path.exists(live["figure"])
     if name == "bench_late_posts":  # both policies ran to the budget, every worker exit 0

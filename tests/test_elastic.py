@@ -217,7 +217,8 @@ def _two_workers(tmp_path, ElasticWorker):
     assert sum(sum(r["steps"]) for r in rounds) >= cfg.steps * 2
     assert any(r.get("val_loss") for r in recs)
     assert ElasticWorker(cfg, 1, run, say=lambda m: None).run() == 0  # finished: nothing to do
-    assert len(_records(run)) == len(recs) + 1
+    assert [sorted({"joined", "finished_round"} & set(r)) for r in _records(run)[len(recs):]] == \
+        [["joined"], ["finished_round"]]  # it joined, then found the budget spent
     # A larger budget: the run resumes from the newest round, each worker at its own cursor.
     more = ElasticWorker(_config(ex, "steps=60"), 0, run, say=lambda m: None)
     shared = more.join()
@@ -229,7 +230,9 @@ def _two_workers(tmp_path, ElasticWorker):
     assert model.source == "outer" and model.step == shared.tally // 2
     jax.tree.map(np.testing.assert_array_equal, model.params, shared.theta)
     posted = {w: [c for r in rounds for m, c in zip(r["members"], r["cursors"]) if m == w] for w in (0, 1)}
-    assert shared.cursors == [posted[0][-1], posted[1][-1]] and min(shared.cursors) > 0
+    # (a worker whose first step compiled slower than the other spent the budget posted in no round: cursor 0;
+    # seen when an earlier test of the same process had compiled the step already)
+    assert shared.cursors == [posted[w][-1] if posted[w] else 0 for w in (0, 1)] and max(shared.cursors) > 0
     # A worker whose θ̄ differs from the closer's (a host that rounds differently) takes the
     # published state, recorded; with no published state of the closer's hash it stops.
     from edit_jax.elastic.worker import RoundMismatch

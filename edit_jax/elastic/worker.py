@@ -12,10 +12,9 @@ step program, the data (its slot's rows of the global batch), the exchange. Then
         apply round r (and any it missed); restart from θ̄ (a late post: carried or dropped)
 
 No JAX collective spans two workers: a worker that dies, stops or joins changes only the rounds'
-membership (``rounds.py``). Records go to ``RUN/metrics.jsonl`` (appended whole lines): each
-worker's training records, each round's record (written by its closer: members, who was late,
-the sync's figures), evaluations of θ̄ (by the closer, every ``eval_every`` global steps and at
-the end). Exit codes: 0 when the run's token budget is spent, 130 on SIGINT / SIGTERM.
+membership (``rounds.py``). Records (``RUN/metrics.jsonl``, whole lines): each worker's training
+records, each round's (by its closer: members, who was late, the sync's figures), evaluations of θ̄
+(by the closer). Exit codes: 0 when the run's token budget is spent, 130 on SIGINT / SIGTERM.
 """
 
 from __future__ import annotations
@@ -64,7 +63,6 @@ class RoundMismatch(RuntimeError):
 @dataclass
 class Local:
     """This worker's position: its state, steps since it last entered a round, its data cursor."""
-
     state: object
     since: int = 0
     done: int = 0
@@ -132,13 +130,14 @@ class ElasticWorker:
 
     def join(self) -> R.RoundState:
         """The newest round state: round 0 created if nobody did yet; the newest published state,
-        then every later round replayed from its posts."""
-        template = self._template()
-        self.template = template
+        then every later round replayed from its posts (``self.caught_up``: how long each took)."""
+        self.template = template = self._template()
         if R.newest_state(self.ex) is None:  # a new run (not again once round 0 was collected)
             self.ex.create(R.state_key(0), template.encode())
-        r = R.newest_state(self.ex)
-        shared = self.catch_up(R.RoundState.decode(self.ex.get(R.state_key(r)), template, R.state_key(r)))
+        t, r = time.perf_counter(), R.newest_state(self.ex)
+        shared = R.RoundState.decode(self.ex.get(R.state_key(r)), template, R.state_key(r))
+        read_s, shared = time.perf_counter() - t, self.catch_up(shared)
+        self.caught_up = {"read_s": read_s, "catch_up_s": time.perf_counter() - t, "replayed": shared.round - r}
         shared.finished = shared.tally >= self.target  # this config's budget (a restart may raise `steps`)
         return shared
 
@@ -224,15 +223,16 @@ class ElasticWorker:
 
     # -- local training ----------------------------------------------------------------------------
 
-    def restart_from(self, shared: R.RoundState, state, delta=None, count: int | None = None):
+    def restart_from(self, shared: R.RoundState, state, delta=None, count: int | None = None, opt=None):
         """This worker's params at θ̄ (minus a carried Δ); with ``count``, a fresh inner optimizer
-        whose step counts (the schedule's position) are ``count``."""
+        whose step counts (the schedule's position) are ``count``; with ``opt``, that optimizer state."""
         theta = shared.theta if delta is None else jax.tree.map(lambda t, d: t - d, shared.theta, delta)
         params = jax.tree.map(lambda t, p: jax.device_put(np.asarray(t, p.dtype)[None], p.sharding), theta,
                               state.params)
         state = state.replace(params=params)
         if count is not None:  # the initial state's optimizer: its moments are zero
             opt = with_step_counts(self._init_state.opt_state, count)
+        if opt is not None:
             state = state.replace(opt_state=jax.device_put(opt, jax.tree.map(lambda a: a.sharding, state.opt_state)))
         return state
 
@@ -329,24 +329,24 @@ class ElasticWorker:
             [np.asarray(x) for x in jax.tree.leaves(opt)], list(local.residual or [])))
         self.progress_s += time.perf_counter() - t
 
-    def resume_progress(self, shared: R.RoundState, local: Local) -> None:
+    def resume_progress(self, shared: R.RoundState, local: Local) -> bool:
         """A (re)starting worker carries its saved steps onto θ̄ when no round counted or can still
         count them (``progress.why_not``); otherwise it starts from θ̄, recorded."""
         p, why = PG.resumable(self.progress_file, run_start=self.t0, cursor=shared.cursors[self.me],
                               posted_rounds=R.posted_rounds(self.ex, self.me),
                               delta_like=[jax.ShapeDtypeStruct(np.shape(t), np.float32) for t in jax.tree.leaves(shared.theta)],
                               opt_like=jax.tree.leaves(local.state.opt_state), residual_like=list(local.residual or []))
+        if p is None and why:
+            self.record({"step": shared.global_step, "worker": self.me, "progress_ignored": why})
         if p is None:
-            if why:
-                self.record({"step": shared.global_step, "worker": self.me, "progress_ignored": why})
-            return
-        state = self.restart_from(shared, local.state, delta=jax.tree.unflatten(jax.tree.structure(shared.theta), p.delta))
-        opt = jax.tree.unflatten(jax.tree.structure(state.opt_state), p.opt)
-        local.state = state.replace(opt_state=jax.device_put(opt, jax.tree.map(lambda a: a.sharding, state.opt_state)))
+            return False
+        local.state = self.restart_from(shared, local.state, jax.tree.unflatten(jax.tree.structure(shared.theta), p.delta),
+                                        opt=jax.tree.unflatten(jax.tree.structure(local.state.opt_state), p.opt))
         local.done, local.since, local.carried = p.done, p.since, p.since
         local.residual = p.residual if local.residual is not None else None
         self.record({"step": shared.global_step, "worker": self.me, "progress_resumed": p.since, "from_round": p.round,
                      "cursor": p.done})
+        return True
 
     def await_round(self, shared: R.RoundState) -> R.Manifest | None:
         """Round shared.round + 1's manifest: read, or written by this worker when the round is due
@@ -383,11 +383,11 @@ class ElasticWorker:
         shared = self.join()
         local = Local(self._init_state, done=shared.cursors[self.me])
         local.state = self.restart_from(shared, local.state, count=local.done)
-        if self.wire != "none":  # the residual lives in this process only: every (re)start begins at zero
+        if self.wire != "none":  # the residual lives in this process (or its saved progress): a (re)start begins at zero
             local.residual = PK.zero_residual(shared.theta, self.plan.layerwise, PK.layout(self.wire)[2])
-            self.record({"step": shared.global_step, "worker": self.me, "residual": "zeros", "wire": self.wire})
-        if self.cfg.sync.progress_every > 0:
-            self.resume_progress(shared, local)
+        resumed = self.cfg.sync.progress_every > 0 and self.resume_progress(shared, local)
+        wire = {"wire": self.wire, "residual": "saved" if resumed else "zeros"} if self.wire != "none" else {}
+        self.record({"step": shared.global_step, "worker": self.me, "joined": shared.round, **self.caught_up, **wire})
         self.say(f"edit-jax worker {self.me}: joined at round {shared.round} (data cursor {local.done})")
         self.outer.precompile(shared, self.counts_to_compile(shared))  # in the background
         while not shared.finished:
