@@ -147,6 +147,7 @@ RECORDS = {
         "finished_round": "a worker's last round", "theta_hash": "θ̄'s hash as that worker ends (the same on every worker)",
         "joined": "the round a (re)started or new worker joined at", "read_s": "seconds to read and decode the newest round state",
         "catch_up_s": "seconds to that plus replaying the later rounds", "replayed": "rounds replayed from their posts",
+        "residual": "packed posts: the error-feedback residual it starts with, `zeros` or `saved` (its progress file)",
         "progress_resumed": "`sync.progress_every`: saved steps a (re)started worker carried onto θ̄",
         "from_round": "the round whose θ̄ those steps started from", "cursor": "the data cursor it resumed at",
         "progress_ignored": "why a saved progress file was not resumed (counted by a round, another run, unreadable)",
