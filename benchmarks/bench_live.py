@@ -355,7 +355,8 @@ def analyse(t0, events, manifests, records, posts, lines, tokens_per_step, bin_s
             mine = [r for r in records if r.get("worker") == w and "loss" in r and r["at"] < at]
             cur = _first(r["cursors"][r["members"].index(w)] for r in sorted(recs.values(), key=lambda r: -r["at"])
                          if r["at"] < at and w in r["members"])
-            res = _first(r for r in records if r.get("worker") == w and "progress_resumed" in r and r["at"] > at)
+            nxt = _first(x["at"] for x in events if x["event"] == "kill" and x["slot"] == w and x["at"] > at) or 1e18
+            res = _first(r for r in records if r.get("worker") == w and "progress_resumed" in r and at < r["at"] < nxt)
             row["steps_restored"] = res["progress_resumed"] if res else 0  # saved steps its restart carried on
             cur = max(cur, res["cursor"]) if res and cur is not None else cur
             row["steps_lost"] = max(0, mine[-1]["step"] - cur) if mine and cur is not None else None
