@@ -247,12 +247,18 @@ def drive(run: LiveRun, args, faults: bool, rng: random.Random) -> list[dict]:
         elif what == "stop" and live:  # a worker of the newest round, not one restarting
             recent = {e["slot"] for e in events if e["event"] == "kill" and time.time() - e["at"] < 60}
             members = set((run.manifests() or [{"members": []}])[-1]["members"])
-            s = rng.choice(sorted(x for x in live if x not in recent and x in members) or sorted(live))
-            os.kill(live[s], signal.SIGSTOP)
-            stopped = {"event": "stop", "at": time.time(), "slot": s, "pid": live[s]}
-            events.append(stopped)
+            fresh = sorted(x for x in live if x not in recent)  # (a just-killed slot's pid may be the dead one)
+            pick = sorted(x for x in fresh if x in members) or fresh
+            if pick:
+                s = rng.choice(pick)
+                os.kill(live[s], signal.SIGSTOP)
+                stopped = {"event": "stop", "at": time.time(), "slot": s, "pid": live[s]}
+                events.append(stopped)
         elif what == "cont" and stopped:
-            os.kill(stopped["pid"], signal.SIGCONT)
+            try:
+                os.kill(stopped["pid"], signal.SIGCONT)
+            except ProcessLookupError:  # it died while stopped (the smoke under load: a pid the launcher had lost)
+                pass
             events.append({"event": "cont", "at": time.time(), "slot": stopped["slot"], "pid": stopped["pid"]})
         print(f"  [{time.time() - run.t0:7.1f}s] bench: {events[-1]['event'] if events else what} "
               f"{events[-1].get('slot', '') if events else ''}", flush=True)
@@ -528,7 +534,11 @@ def part_live(args) -> dict:
     for name, faults in (("fault_free", False), ("live", True)):
         print(f"live: the {name} run", flush=True)
         runs[name] = run = LiveRun(os.path.join(args.run_root, "live", name), args)
-        events = drive(run, args, faults, random.Random(args.seed))
+        try:
+            events = drive(run, args, faults, random.Random(args.seed))
+        except BaseException:
+            run.stop()  # a failed drive leaves no launcher or worker running (they outlived a test once)
+            raise
         out[name] = analyse(run.t0, events, run.manifests(), run.records(), run.posts, run.lines, per_step,
                             2.0 if args.smoke else 15.0)
         o = out[name]
