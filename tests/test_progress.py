@@ -110,6 +110,33 @@ def test_saved_progress_resumes_exactly_and_only_when_uncounted(tmp_path):
             assert open(path, "rb").read() == broken and local5.done == shared5.cursors[0]
 
 
+def test_saved_residual_of_a_packed_wire_resumes(tmp_path):
+    """With sparse posts the error-feedback residual is part of the saved progress: a restart gets
+    it back instead of zeros; an .npz of another kind is refused."""
+    from edit_jax.elastic import packed as PK
+    from edit_jax.runtime.compile_cache import compile_cache
+
+    ex, run = str(tmp_path / "ex"), str(tmp_path / "run")
+    cfg = _config(ex, "sync.progress_every=0.05", "sync.compress=topk2", "sync.error_feedback=true")
+    with compile_cache(os.environ.get("EDIT_JAX_COMPILE_CACHE")):
+        w, shared, local = _started(cfg, run)
+        zeros = PK.zero_residual(shared.theta, w.plan.layerwise, PK.layout(w.wire)[2])
+        rng = np.random.default_rng(0)
+        local.residual = [rng.standard_normal(z.shape).astype(np.float32) for z in zeros]
+        w.train_for(local, 0.0)
+        w.save_progress(shared, local)
+        w2, shared2, local2 = _started(cfg, run)
+        local2.residual = [z.copy() for z in zeros]
+        assert w2.resume_progress(shared2, local2)
+        for a, b in zip(local2.residual, local.residual):
+            np.testing.assert_array_equal(a, b)
+        from edit_jax.rundir.integrity import pack_arrays
+
+        with open(PG.progress_path(run, 0), "wb") as f:
+            f.write(pack_arrays([np.zeros(3)], {"round": 1}))  # an .npz of another kind
+        assert not w2.resume_progress(shared2, local2) and "not a progress file" in _ignored(run)[-1]
+
+
 def test_progress_needs_an_exchange():
     import pytest
 

@@ -53,12 +53,15 @@ class Progress:
     @staticmethod
     def decode(data: bytes, what: str) -> "Progress":
         arrays, meta = unpack_arrays(data, what)  # (zipfile checks each array's CRC-32)
-        n_delta, n_opt, n_res = meta["sizes"]
+        try:
+            n_delta, n_opt, n_res = meta["sizes"]
+            head = (float(meta["run_start"]), int(meta["round"]), int(meta["counted"]), int(meta["done"]),
+                    int(meta["since"]))
+        except (KeyError, TypeError, ValueError) as e:  # an .npz of another kind
+            raise ValueError(f"{what}: not a progress file (its header lacks {e})") from e
         if n_delta + n_opt + n_res != len(arrays):
             raise ValueError(f"{what}: {len(arrays)} arrays, its header says {n_delta + n_opt + n_res}")
-        return Progress(float(meta["run_start"]), int(meta["round"]), int(meta["counted"]), int(meta["done"]),
-                        int(meta["since"]), arrays[:n_delta], arrays[n_delta:n_delta + n_opt],
-                        arrays[n_delta + n_opt:])
+        return Progress(*head, arrays[:n_delta], arrays[n_delta:n_delta + n_opt], arrays[n_delta + n_opt:])
 
 
 def progress_path(run_dir: str, worker: int) -> str:

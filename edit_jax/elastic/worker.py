@@ -383,7 +383,7 @@ class ElasticWorker:
         shared = self.join()
         local = Local(self._init_state, done=shared.cursors[self.me])
         local.state = self.restart_from(shared, local.state, count=local.done)
-        if self.wire != "none":  # the residual lives in this process (or its saved progress): a (re)start begins at zero
+        if self.wire != "none":  # the residual lives in this process: zeros, unless its saved progress resumes
             local.residual = PK.zero_residual(shared.theta, self.plan.layerwise, PK.layout(self.wire)[2])
         resumed = self.cfg.sync.progress_every > 0 and self.resume_progress(shared, local)
         wire = {"wire": self.wire, "residual": "saved" if resumed else "zeros"} if self.wire != "none" else {}
