@@ -50,6 +50,7 @@ JOINED = re.compile(r"edit-jax worker (\d+): joined at round (\d+)")
 RESTARTED = re.compile(r"edit-jax: worker (\d+) ended \((.*?)\); starting it again")
 SMOKE_SIZES = ["model.n_layers=1", "data.seq_len=32", "eval_batches=1"]
 MTBF_S = 30.0  # the default --mtbf of this part
+FIT_ROUNDS = 20  # the val loss at equal tokens, also from a line through each run's last this many rounds
 
 
 def add_args(p) -> None:
@@ -62,6 +63,8 @@ def add_args(p) -> None:
     p.add_argument("--eval-every", type=int, default=2000, help="live: eval_every (global steps) of both runs")
     p.add_argument("--eval-batches", type=int, default=16, help="live: batches of this bench's own evaluations")
     p.add_argument("--figure", default=None, help="live: the figure (default: beside --json, bench_live.png)")
+    p.add_argument("--abba", action="store_true", help="live: four runs, fault-free, live, live, fault-free, and the "
+                   "ratio of the two runs of each kind (a machine whose speed drifts linearly cancels out)")
 
 
 def overrides(args, ex: str) -> list[str]:
@@ -465,6 +468,13 @@ def evaluate_states(args, runs: dict) -> dict:
     out["target_tally"], out["rel_diff"] = target, (a - b) / b
     a, b = out["live"]["interp_val_loss"], out["fault_free"]["interp_val_loss"]
     out["rel_diff_interp"] = None if a is None or b is None else (a - b) / b  # both at the target tally
+    # One θ̄ against another carries θ̄'s round-to-round noise (+-2% late in a 600 s run): a line fitted
+    # to each run's last FIT_ROUNDS published θ̄ (val loss against tally), both read at the target tally.
+    for name in runs:
+        k = np.array([[t, v] for _, t, v in out[name]["kept"][-FIT_ROUNDS:]])
+        out[name]["fit_val_loss"] = float(np.polyval(np.polyfit(k[:, 0], k[:, 1], 1), target)) if len(k) >= 3 else None
+    a, b = out["live"]["fit_val_loss"], out["fault_free"]["fit_val_loss"]
+    out["rel_diff_fit"] = None if a is None or b is None else (a - b) / b
     return out
 
 
@@ -516,6 +526,17 @@ def common_eval(runs: dict, every: int) -> dict:
     return out
 
 
+def abba(out: dict) -> dict:
+    """Four runs in the order fault-free, live, live, fault-free: tokens/s from round 1 of each, the
+    ratio of the means (a drift of the machine's speed that is linear in time cancels: each kind's
+    mean sits at the same mid-time) and each adjacent pair's own ratio."""
+    tps = {n: out[n]["tokens_per_s_window"] for n in ("fault_free", "live", "live_b", "fault_free_b")}
+    ff, lv = (tps["fault_free"] + tps["fault_free_b"]) / 2, (tps["live"] + tps["live_b"]) / 2
+    return {"tokens_per_s_window": tps, "ratio": lv / ff, "ratio_first_pair": tps["live"] / tps["fault_free"],
+            "ratio_second_pair": tps["live_b"] / tps["fault_free_b"],
+            "fault_free_drift": tps["fault_free_b"] / tps["fault_free"]}
+
+
 def part_live(args) -> dict:
     from edit_jax.validate import load_config
 
@@ -531,7 +552,8 @@ def part_live(args) -> dict:
            "stop_s": args.stop_s, "eval_every": args.eval_every, "tokens_per_step": per_step,
            "progress_every": args.progress_every}
     runs = {}
-    for name, faults in (("fault_free", False), ("live", True)):
+    order = [("fault_free", False), ("live", True)] + ([("live_b", True), ("fault_free_b", False)] if args.abba else [])
+    for name, faults in order:
         print(f"live: the {name} run", flush=True)
         runs[name] = run = LiveRun(os.path.join(args.run_root, "live", name), args)
         try:
@@ -545,13 +567,22 @@ def part_live(args) -> dict:
         out[name]["cpu"] = cpu_ledger(run, events, o["tokens_per_s_window"] * (o["wall_s"] - o["window_s"][0]))
     out["ratio"] = out["live"]["tokens_per_s_window"] / out["fault_free"]["tokens_per_s_window"]
     out["ratio_whole_run"] = out["live"]["tokens_per_s"] / out["fault_free"]["tokens_per_s"]
-    out["common_eval"] = common_eval({k: out[k] for k in runs}, args.eval_every)
+    first = {k: runs[k] for k in ("fault_free", "live")}
+    out["common_eval"] = common_eval({k: out[k] for k in first}, args.eval_every)
+    if args.abba:
+        out["abba"] = abba(out)
     common.write_json(args.json, out)  # (what was measured, should the rest fail)
-    out["states"] = evaluate_states(args, runs)
+    out["states"] = evaluate_states(args, first)
+    if args.abba:  # the second pair's val loss at equal tokens too
+        out["states_b"] = evaluate_states(args, {"fault_free": runs["fault_free_b"], "live": runs["live_b"]})
     out["figure"] = plot(out, args.figure or os.path.join(os.path.dirname(os.path.abspath(args.json)),
                                                           "bench_live.png"))
     _print(out)
     return out
+
+
+def _num(x) -> float:
+    return float("nan") if x is None else x
 
 
 def _print(out: dict) -> None:
@@ -569,9 +600,18 @@ def _print(out: dict) -> None:
                             f"{out['ratio_whole_run']:.3f}; restart-everything "
                             "mode, --part kill: goodput 0.833 at MTBF 60 s, 2 workers, BUILD_NOTES); val loss at equal "
                             f"tokens: {st['rel_diff']:+.4f} (target within 1%), both at tally "
-                            f"{st['target_tally']} {float('nan') if interp is None else interp:+.4f}; at "
+                            f"{st['target_tally']} {float('nan') if interp is None else interp:+.4f}, a line "
+                            f"through each run's last {FIT_ROUNDS} rounds {_num(st['rel_diff_fit']):+.4f}; at "
                             "the last common multiple of "
                             f"eval_every ({ce['multiple']}): {ce.get('rel_diff', float('nan')):+.4f}")
+    if "abba" in out:
+        a, sb = out["abba"], out["states_b"]
+        print("live, ABBA (fault-free, live, live, fault-free): tokens/s from round 1 " +
+              ", ".join(f"{n} {v:,.0f}" for n, v in a["tokens_per_s_window"].items()) +
+              f"; live / fault-free of the means {a['ratio']:.3f} (pairs {a['ratio_first_pair']:.3f}, "
+              f"{a['ratio_second_pair']:.3f}; fault-free second / first {a['fault_free_drift']:.3f}); the second "
+              f"pair's val loss at equal tokens {sb['rel_diff']:+.4f} (a line through the last {FIT_ROUNDS} rounds "
+              f"{_num(sb['rel_diff_fit']):+.4f})", flush=True)
     keys = ["t", "round_without", "to_round_without_s", "closed_by", "survivors_wait_s", "restart_s",
             "joined_line_s", "read_s", "catch_up_s", "replayed", "first_post_s", "round_back", "to_member_s",
             "steps_restored", "steps_lost"]

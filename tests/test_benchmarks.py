@@ -114,6 +114,7 @@ def test_bench_smoke(name, tmp_path, monkeypatch, capsys):
         join = next(f for f in live["live"]["faults"] if f["event"] == "join")  # its catch-up, from its record
         assert join["catch_up_s"] >= join["read_s"] > 0 and join["replayed"] >= 0
         assert live["live"]["tokens"] > 0 and live["states"]["live"]["read_state_s"] > 0
+        assert "rel_diff_fit" in live["states"]  # (None where a run published under 3 rounds)
         assert os.path.exists(live["figure"])
     if name == "bench_late_posts":  # both policies ran to the budget, every worker exit 0
         assert [r["policy"] for r in result["runs"]] == ["carry", "drop"]
@@ -145,6 +146,17 @@ def test_bench_smoke(name, tmp_path, monkeypatch, capsys):
         assert os.path.getsize(os.path.join(str(tmp_path), "compare_methods.png")) > 1000
     if name == "bench_data":
         assert [r["ok"] for r in result["runs"]] == [True]
+
+
+def test_live_abba_ratio_by_hand():
+    """bench_live --abba: the ratio of the two live runs' mean to the two fault-free runs' mean (a
+    linear drift of the machine cancels), by hand."""
+    from benchmarks.bench_live import abba
+
+    runs = {"fault_free": 100.0, "live": 90.0, "live_b": 80.0, "fault_free_b": 80.0}
+    got = abba({n: {"tokens_per_s_window": v} for n, v in runs.items()})
+    assert got["ratio"] == pytest.approx(85 / 90) and got["fault_free_drift"] == pytest.approx(0.8)
+    assert (got["ratio_first_pair"], got["ratio_second_pair"]) == (pytest.approx(0.9), pytest.approx(1.0))
 
 
 def test_gitignore_covers_what_the_commands_create():
