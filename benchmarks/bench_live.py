@@ -468,14 +468,19 @@ def evaluate_states(args, runs: dict) -> dict:
     out["target_tally"], out["rel_diff"] = target, (a - b) / b
     a, b = out["live"]["interp_val_loss"], out["fault_free"]["interp_val_loss"]
     out["rel_diff_interp"] = None if a is None or b is None else (a - b) / b  # both at the target tally
-    # One θ̄ against another carries θ̄'s round-to-round noise (+-2% late in a 600 s run): a line fitted
-    # to each run's last FIT_ROUNDS published θ̄ (val loss against tally), both read at the target tally.
     for name in runs:
-        k = np.array([[t, v] for _, t, v in out[name]["kept"][-FIT_ROUNDS:]])
-        out[name]["fit_val_loss"] = float(np.polyval(np.polyfit(k[:, 0], k[:, 1], 1), target)) if len(k) >= 3 else None
+        out[name]["fit_val_loss"] = fitted_val_loss(out[name]["kept"], target)
     a, b = out["live"]["fit_val_loss"], out["fault_free"]["fit_val_loss"]
     out["rel_diff_fit"] = None if a is None or b is None else (a - b) / b
     return out
+
+
+def fitted_val_loss(kept: list, tally: float) -> float | None:
+    """The val loss at ``tally`` read off a line fitted to the last FIT_ROUNDS of ``kept`` ([round,
+    tally, val loss] per published θ̄): one θ̄ against another carries θ̄'s round-to-round noise (+-2%
+    late in a 600 s run). None under 3 rounds."""
+    k = np.array([[t, v] for _, t, v in kept[-FIT_ROUNDS:]], dtype=float)
+    return float(np.polyval(np.polyfit(k[:, 0], k[:, 1], 1), tally)) if len(k) >= 3 else None
 
 
 def plot(out: dict, path: str) -> str:
@@ -600,7 +605,7 @@ def _print(out: dict) -> None:
                             f"{out['ratio_whole_run']:.3f}; restart-everything "
                             "mode, --part kill: goodput 0.833 at MTBF 60 s, 2 workers, BUILD_NOTES); val loss at equal "
                             f"tokens: {st['rel_diff']:+.4f} (target within 1%), both at tally "
-                            f"{st['target_tally']} {float('nan') if interp is None else interp:+.4f}, a line "
+                            f"{st['target_tally']} {_num(interp):+.4f}, a line "
                             f"through each run's last {FIT_ROUNDS} rounds {_num(st['rel_diff_fit']):+.4f}; at "
                             "the last common multiple of "
                             f"eval_every ({ce['multiple']}): {ce.get('rel_diff', float('nan')):+.4f}")

@@ -159,6 +159,17 @@ def test_live_abba_ratio_by_hand():
     assert (got["ratio_first_pair"], got["ratio_second_pair"]) == (pytest.approx(0.9), pytest.approx(1.0))
 
 
+def test_live_fitted_val_loss_by_hand():
+    """bench_live's val loss at equal tokens from a line: exact on points of a line, the rounds
+    before the last FIT_ROUNDS left out, None under 3 rounds."""
+    from benchmarks.bench_live import FIT_ROUNDS, fitted_val_loss
+
+    on_line = [[r, 1000 * r, 3.0 - 0.0001 * 1000 * r] for r in range(1, FIT_ROUNDS + 1)]
+    outliers = [[0, -1000, 50.0]] * 5  # older rounds far off the line: outside the fit
+    assert fitted_val_loss(outliers + on_line, 12345.0) == pytest.approx(3.0 - 1.2345)
+    assert fitted_val_loss(on_line[:2], 100.0) is None
+
+
 def test_gitignore_covers_what_the_commands_create():
     made = ["runs/demo/metrics.jsonl", "runs/demo/compile_cache/x", "plots/compare.png", "data/shards/index.json",
             "exports/demo/edit_jax_export.json", "plan.json", "plan_h100.json", "site/index.html",
