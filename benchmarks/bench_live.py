@@ -330,16 +330,20 @@ def analyse(t0, events, manifests, records, posts, lines, tokens_per_step, bin_s
         for i in range(max(0, int(a // bin_s)), min(len(bins), int(b // bin_s) + 1)):
             bins[i] += (r["tokens"] or 0) * (min(b, (i + 1) * bin_s) - max(a, i * bin_s)) / (b - a) / bin_s
 
-    def without(w, after):  # the first round closed after ``after`` that left w out; the survivors' wait in it
-        m = _first(m for m in manifests if m["close"] > after and w not in m["members"])
-        if m is None:
-            return {}
+    def without(w, after, before):  # the first round closed between the fault and w's return that left w out
+        m = _first(m for m in manifests if after < m["close"] < before and w not in m["members"])
+        if m is None:  # it missed no round (posted before the kill, back in time for the next): say so
+            return {"round_without": None}
         last = max((posts[(m["round"], x)] for x in m["members"] if (m["round"], x) in posts), default=None)
         return {"round_without": m["round"], "to_round_without_s": _rel(m["close"], after), "closed_by": m["closed_by"],
                 "survivors_wait_s": None if last is None else round(m["close"] - last, 2)}
 
-    def back(w, after):  # the first round after ``after`` with w a member
-        m = _first(m for m in manifests if m["close"] > after and w in m["members"])
+    def back_round(w, after):  # the first round with a post w made after ``after`` (None: never); a round that
+        return _first(m for m in manifests if m["close"] > after and w in m["members"]  # closed after a kill on
+                      and posts.get((m["round"], w), float("-inf")) >= after)  # the dead worker's post is not it
+
+    def back(w, after):
+        m = back_round(w, after)
         return {} if m is None else {"round_back": m["round"], "to_member_s": _rel(m["close"], after)}
 
     faults = []
@@ -347,11 +351,14 @@ def analyse(t0, events, manifests, records, posts, lines, tokens_per_step, bin_s
         if e["event"] not in ("kill", "stop", "join"):
             continue
         w, at = e["slot"], e["at"]
-        row = {"event": e["event"], "slot": w, "t": _rel(at, t0), **(without(w, at) if e["event"] != "join" else {})}
+        row = {"event": e["event"], "slot": w, "t": _rel(at, t0)}
         after = at
         if e["event"] == "stop":
             cont = _first(x for x in events if x["event"] == "cont")
             row["cont_t"], after = _rel(cont["at"], t0) if cont else None, cont["at"] if cont else at
+        if e["event"] != "join":  # a round it missed must close before the round it is back in
+            returned = back_round(w, after)
+            row.update(without(w, at, returned["close"] if returned else float("inf")))
         row.update(back(w, after))
         row["restart_s"] = _rel(_first(t for t, x in starts if x == w and t >= at and e["event"] == "kill"), at)
         joined = _first(r for r in records if r.get("worker") == w and "joined" in r and r["at"] > at)

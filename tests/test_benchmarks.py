@@ -170,6 +170,26 @@ def test_live_fitted_val_loss_by_hand():
     assert fitted_val_loss(on_line[:2], 100.0) is None
 
 
+def test_live_fault_rows_by_hand():
+    """bench_live's per-kill rows: a worker killed after its post, before that round closed, misses
+    the next round and is back when it posts again; one killed just after a round closed that posts
+    in time for the next misses none (it used to be matched to a round without it much later)."""
+    from benchmarks.bench_live import analyse
+
+    members = {1: [0, 1], 2: [0, 1], 3: [0], 4: [0, 1], 5: [0, 1], 6: [0, 1], 7: [0]}
+    manifests = [{"round": r, "close": 10.0 * r, "members": m, "expected": [0, 1], "closed_by": "all posted"}
+                 for r, m in members.items()]
+    posts = {(r, w): 10.0 * r - (5.0 if (r, w) == (5, 1) else 1.0) for r, m in members.items() for w in m}
+    events = [{"event": "origin", "at": 1.0}, {"event": "kill", "slot": 1, "at": 19.5},
+              {"event": "kill", "slot": 1, "at": 40.5}, {"event": "end", "at": 100.0, "exit": {"launcher": 0}}]
+    out = analyse(0.0, events, manifests, [], posts, [], 256, 15.0)
+    after_post, after_close = out["faults"]
+    assert (after_post["round_without"], after_post["round_back"]) == (3, 4)
+    assert after_post["to_round_without_s"] == pytest.approx(10.5)
+    assert (after_close["round_without"], after_close["round_back"]) == (None, 5)
+    assert after_close["to_member_s"] == pytest.approx(9.5)
+
+
 def test_gitignore_covers_what_the_commands_create():
     made = ["runs/demo/metrics.jsonl", "runs/demo/compile_cache/x", "plots/compare.png", "data/shards/index.json",
             "exports/demo/edit_jax_export.json", "plan.json", "plan_h100.json", "site/index.html",
