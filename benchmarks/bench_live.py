@@ -338,13 +338,10 @@ def analyse(t0, events, manifests, records, posts, lines, tokens_per_step, bin_s
         return {"round_without": m["round"], "to_round_without_s": _rel(m["close"], after), "closed_by": m["closed_by"],
                 "survivors_wait_s": None if last is None else round(m["close"] - last, 2)}
 
-    def back_round(w, after):  # the first round with a post w made after ``after`` (None: never); a round that
-        return _first(m for m in manifests if m["close"] > after and w in m["members"]  # closed after a kill on
-                      and posts.get((m["round"], w), float("-inf")) >= after)  # the dead worker's post is not it
-
-    def back(w, after):
-        m = back_round(w, after)
-        return {} if m is None else {"round_back": m["round"], "to_member_s": _rel(m["close"], after)}
+    def back_round(w, after):  # the first round holding a post w made after ``after`` (None: never); a round
+        # that closed after a kill with the dead worker's earlier post in it is not its return
+        return _first(m for m in manifests if m["close"] > after and w in m["members"]
+                      and posts.get((m["round"], w), float("-inf")) >= after)
 
     faults = []
     for e in events:
@@ -356,10 +353,11 @@ def analyse(t0, events, manifests, records, posts, lines, tokens_per_step, bin_s
         if e["event"] == "stop":
             cont = _first(x for x in events if x["event"] == "cont")
             row["cont_t"], after = _rel(cont["at"], t0) if cont else None, cont["at"] if cont else at
+        returned = back_round(w, after)
+        if returned:
+            row.update({"round_back": returned["round"], "to_member_s": _rel(returned["close"], after)})
         if e["event"] != "join":  # a round it missed must close before the round it is back in
-            returned = back_round(w, after)
             row.update(without(w, at, returned["close"] if returned else float("inf")))
-        row.update(back(w, after))
         row["restart_s"] = _rel(_first(t for t, x in starts if x == w and t >= at and e["event"] == "kill"), at)
         joined = _first(r for r in records if r.get("worker") == w and "joined" in r and r["at"] > at)
         if joined and e["event"] != "stop":  # its catch-up: the newest state read, later rounds replayed
