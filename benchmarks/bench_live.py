@@ -59,6 +59,8 @@ def add_args(p) -> None:
     p.add_argument("--grace", type=float, default=3.0, help="live: sync.grace (s a round waits for late posts)")
     p.add_argument("--progress-every", type=float, default=1.0,
                    help="live: sync.progress_every (s between saves of a worker's unposted steps; 0: off)")
+    p.add_argument("--carried-weight", type=float, default=1.0,
+                   help="live: sync.carried_weight (a carried, one-round-stale Δ re-based at this fraction)")
     p.add_argument("--stop-s", type=float, default=60.0, help="live: how long one worker stays SIGSTOPped")
     p.add_argument("--eval-every", type=int, default=2000, help="live: eval_every (global steps) of both runs")
     p.add_argument("--eval-batches", type=int, default=16, help="live: batches of this bench's own evaluations")
@@ -72,7 +74,8 @@ def overrides(args, ex: str) -> list[str]:
     slots = w + 1
     return [f"sync.exchange={ex}", "sync.method=a_edit", "sync.warmup_steps=0", f"mesh.replica={slots}",
             "mesh.shard=1", f"mesh.processes={w}", f"batch_size={4 * slots}", f"sync.tau_time={args.tau_time}",
-            f"sync.grace={args.grace}", f"sync.progress_every={args.progress_every}", "steps=100000000", "optim.decay_steps=100000", "log_every=20",
+            f"sync.grace={args.grace}", f"sync.progress_every={args.progress_every}",
+            f"sync.carried_weight={args.carried_weight}", "steps=100000000", "optim.decay_steps=100000", "log_every=20",
             f"eval_every={args.eval_every}", *(SMOKE_SIZES if args.smoke else [])] + \
         ([f"train.compile_cache={os.path.join(args.run_root, 'live', 'compile_cache')}"] if args.smoke else [])
 
@@ -560,7 +563,7 @@ def part_live(args) -> dict:
     out = {"config": args.kill_config, "workers": args.live_workers, "slots": args.live_workers + 1,
            "tau_time": args.tau_time, "grace": args.grace, "mtbf_s": args.mtbf_live, "duration_s": args.duration,
            "stop_s": args.stop_s, "eval_every": args.eval_every, "tokens_per_step": per_step,
-           "progress_every": args.progress_every}
+           "progress_every": args.progress_every, "carried_weight": args.carried_weight}
     runs = {}
     order = [("fault_free", False), ("live", True)] + ([("live_b", True), ("fault_free_b", False)] if args.abba else [])
     for name, faults in order:

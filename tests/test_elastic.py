@@ -122,6 +122,17 @@ def test_round_plain_mean_against_numpy():
     assert got.members == [0, 3] and got.cursors == [0, 0, 0, 30]
     assert np.all(np.asarray(got.detectors.count)[[1, 2]] == 0)  # slots 1, 2 did not take part
 
+    # Weights from the step shares alone (rho 1): worker 3's post carries 10 stale steps of its 14,
+    # counted at sync.carried_weight 0.25: shares (5, 4 + 0.25 * 10) / 11.5.
+    plan = Plan("a_edit", "timed:layerwise", True, Penalty(anomaly=False, weighting=False, clip=False,
+                                                           step_weight_ratio=1.0), plan.outer)
+    posts[1].carried = 10
+    got, _ = OuterRound(plan, carried_weight=0.25).apply(start, posts)
+    s = np.array([5.0, 6.5], np.float32) / np.float32(11.5)
+    for i, (a, t) in enumerate(zip(jax.tree.leaves(got.theta), jax.tree.leaves(start.theta))):
+        np.testing.assert_allclose(a, t - (s[0] * posts[0].delta[i] + s[1] * posts[1].delta[i]), rtol=1e-6, atol=1e-7)
+    assert got.tally == 5 + 14  # tokens are tokens: the carried steps are counted in full
+
 
 def test_protocol_on_a_directory(tmp_path):
     ex = DirExchange(str(tmp_path / "ex"))

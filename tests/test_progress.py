@@ -5,6 +5,7 @@ them; anything else is refused with a record saying why."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import jax
 import numpy as np
@@ -51,13 +52,24 @@ def test_saved_progress_resumes_exactly_and_only_when_uncounted(tmp_path):
         # A restart on the same round: params, inner optimizer state and position exactly as saved.
         w2, shared2, local2 = _started(cfg, run)
         w2.resume_progress(shared2, local2)
-        assert (local2.done, local2.since, local2.carried) == (5, 5, 5)
+        assert (local2.done, local2.since, local2.carried) == (5, 5, 0)  # from the same θ̄: not stale, not carried
         for a, b, t in zip(_host(local2.state.params), _host(local.state.params), jax.tree.leaves(shared.theta)):
             # θ̄ − (θ̄ − θ_i): two float32 roundings, as a carried late post's; 5 steps moved θ_i ~1e-3 from θ̄
             assert np.abs(a - b).max() <= 2.0 ** -22 * np.abs(t).max(), np.abs(a - b).max()
             assert np.abs(b[0] - t).max() > 1e-5
         for a, b in zip(_host(local2.state.opt_state), _host(local.state.opt_state)):
             np.testing.assert_array_equal(a, b)
+
+        # Restored after a round closed without it: its steps are a round stale, carried, their Δ
+        # damped to sync.carried_weight (θ̄_new − w Δ, as NumPy computes it in float32).
+        w2.cfg = replace(w2.cfg, sync=replace(w2.cfg.sync, carried_weight=0.25))
+        later = R.RoundState(1, jax.tree.map(lambda t: t + np.float32(0.5), shared2.theta), shared2.outer_opt,
+                             shared2.detectors, shared2.tally, list(shared2.cursors))
+        assert w2.resume_progress(later, local2) and (local2.since, local2.carried) == (5, 5)
+        for a, t, d in zip(_host(local2.state.params), jax.tree.leaves(later.theta), p.delta):
+            np.testing.assert_array_equal(a[0], t - np.float32(0.25) * d)
+        w2.cfg = replace(w2.cfg, sync=replace(w2.cfg.sync, carried_weight=1.0))
+        w2.resume_progress(shared2, local2)  # back as it was, for the checks below
 
         # Refused, recorded, the worker left at θ̄ with its posted cursor:
         other_run = PG.Progress(**{**vars(p), "run_start": p.run_start + 1})
@@ -80,14 +92,14 @@ def test_saved_progress_resumes_exactly_and_only_when_uncounted(tmp_path):
         bad = dict(like, delta_like=[np.zeros((2, 2), np.float32)] + p.delta[1:])
         assert "does not fit" in PG.why_not(p, run_start=p.run_start, cursor=0, later_posts=[], **bad)
 
-        # The whole loop: the restarted worker's first round counts the saved steps as carried.
+        # The whole loop: the restarted worker's first round counts the saved steps (its own, not carried).
         w4 = _started(cfg, run)[0]
         assert w4.run() == 0
         recs = read_records(os.path.join(run, "metrics.jsonl"))
         resumed = [r for r in recs if "progress_resumed" in r]
-        assert [(r["progress_resumed"], r["from_round"], r["cursor"]) for r in resumed] == [(5, 0, 5)] * 2  # w2, w4
+        assert [(r["progress_resumed"], r["from_round"], r["cursor"]) for r in resumed] == [(5, 0, 5)] * 4  # w2 (3), w4
         first = next(r for r in recs if r.get("sync"))
-        assert first["members"] == [0] and first["carried"] == [5] and first["steps"][0] > 5
+        assert first["members"] == [0] and first["carried"] == [0] and first["steps"][0] > 5
         assert first["cursors"][0] == first["steps"][0]  # 5 saved + those after the restart
 
         # Its snapshots since are older than its posts: a rerun never counts them twice.
@@ -144,3 +156,5 @@ def test_progress_needs_an_exchange():
 
     with pytest.raises(ConfigError, match=r"sync\.progress_every.*sync\.exchange"):
         load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py"), ["sync.progress_every=1"])
+    with pytest.raises(ConfigError, match=r"sync\.carried_weight.*\[0, 1\].*1\.5"):
+        load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py"), ["sync.carried_weight=1.5"])

@@ -34,10 +34,12 @@ from edit_jax.localsgd.state import init_outer_opt_state
 
 class OuterRound:
     """The compiled outer step of one plan (compiled once per participant count). ``wire``: the
-    posts' form, "none" (float32 Δ) or a sparse wire name (packed posts, ``packed.py``)."""
+    posts' form, "none" (float32 Δ) or a sparse wire name (packed posts, ``packed.py``).
+    ``carried_weight`` (``sync.carried_weight``): a post's carried steps (a round or more stale)
+    count at this fraction in its share of the steps, as its worker re-based their Δ at it."""
 
-    def __init__(self, plan: Plan, wire: str = "none"):
-        self.plan, self.wire = plan, wire
+    def __init__(self, plan: Plan, wire: str = "none", carried_weight: float = 1.0):
+        self.plan, self.wire, self.carried_weight = plan, wire, carried_weight
         self.opt = make_outer_optimizer(plan.outer)
         self.cpu = jax.devices("cpu")[0]
         self._fn = jax.jit(self._step)
@@ -131,7 +133,7 @@ class OuterRound:
             extra = ()
         else:
             deltas, extra = self._stack_packed(state, posts)
-        steps = np.asarray([p.steps_since for p in posts], np.float32)
+        steps = np.asarray([p.steps_since - (1.0 - self.carried_weight) * p.carried for p in posts], np.float32)
         shares = steps / steps.sum() if steps.sum() > 0 else np.full(len(posts), 1.0 / len(posts), np.float32)
         dets = jax.tree.map(lambda x: x[ids], state.detectors)
         put = lambda t: jax.device_put(t, self.cpu)  # noqa: E731

@@ -78,8 +78,7 @@ class ElasticWorker:
         if not cfg.sync.exchange and exchange is None:
             raise ValueError("sync.exchange: required for an elastic worker (a directory or s3://bucket/prefix)")
         if not 0 <= worker < cfg.mesh.replica:
-            raise ValueError(f"--worker: expected a worker slot 0..{cfg.mesh.replica - 1} (mesh.replica slots), "
-                             f"got {worker}")
+            raise ValueError(f"--worker: expected a worker slot 0..{cfg.mesh.replica - 1} (mesh.replica slots), got {worker}")
         self.me, self.run_dir, self.say = worker, run_dir, say
         self.ex = exchange or open_exchange(cfg.sync.exchange)
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
@@ -96,7 +95,7 @@ class ElasticWorker:
         self.val = val_batches(corpus, cfg.data.seq_len, cfg.batch_size // cfg.mesh.replica, cfg.eval_batches) \
             if cfg.eval_batches else []
         self.wire = Compressed.wire_of(cfg.sync)
-        self.outer = OuterRound(self.plan, self.wire)
+        self.outer = OuterRound(self.plan, self.wire, cfg.sync.carried_weight)
         self._encode = jax.jit(lambda d, e: PK.encode_post(d, e, self.wire, self.plan.layerwise))
         self.my_flags: dict[int, list] = {}  # round -> this worker's per-unit flags (packed posts' residual)
         self.target = cfg.steps * cfg.mesh.replica  # the token budget in inner steps of one worker's rows
@@ -199,8 +198,7 @@ class ElasticWorker:
                      "flagged": per_slot(figures["flagged"]), "clip_factor": figures["clip_factor"],
                      "outer_update_norm": figures["outer_update_norm"],
                      "steps": [p.steps_since for p in posts], "carried": [p.carried for p in posts],
-                     "cursors": [p.cursor for p in posts],
-                     "finished": new.finished})
+                     "cursors": [p.cursor for p in posts], "finished": new.finished})
         before = (new.tally - sum(p.steps_since for p in posts)) // slots
         crossed = lambda every: new.finished or (every > 0 and step // every > before // every)  # noqa: E731
         if crossed(self.cfg.checkpoint_every):  # what `edit-jax sample / export` read (rundir/trained.py)
@@ -223,10 +221,13 @@ class ElasticWorker:
 
     # -- local training ----------------------------------------------------------------------------
 
-    def restart_from(self, shared: R.RoundState, state, delta=None, count: int | None = None, opt=None):
-        """This worker's params at θ̄ (minus a carried Δ); with ``count``, a fresh inner optimizer
-        whose step counts (the schedule's position) are ``count``; with ``opt``, that optimizer state."""
-        theta = shared.theta if delta is None else jax.tree.map(lambda t, d: t - d, shared.theta, delta)
+    def restart_from(self, shared: R.RoundState, state, delta=None, count: int | None = None, opt=None,
+                     stale: bool = False):
+        """This worker's params at θ̄ (minus a carried Δ, a ``stale`` one damped to ``sync.carried_weight``);
+        with ``count``, a fresh inner optimizer whose step counts (the schedule's position) are
+        ``count``; with ``opt``, that optimizer state. (w * Δ with w = 1 is Δ, exactly.)"""
+        w = np.float32(self.cfg.sync.carried_weight if stale else 1.0)
+        theta = shared.theta if delta is None else jax.tree.map(lambda t, d: t - w * d, shared.theta, delta)
         params = jax.tree.map(lambda t, p: jax.device_put(np.asarray(t, p.dtype)[None], p.sharding), theta,
                               state.params)
         state = state.replace(params=params)
@@ -340,9 +341,10 @@ class ElasticWorker:
             self.record({"step": shared.global_step, "worker": self.me, "progress_ignored": why})
         if p is None:
             return False
+        stale = shared.round > p.round  # a round closed since the save: its steps are carried, a round stale
         local.state = self.restart_from(shared, local.state, jax.tree.unflatten(jax.tree.structure(shared.theta), p.delta),
-                                        opt=jax.tree.unflatten(jax.tree.structure(local.state.opt_state), p.opt))
-        local.done, local.since, local.carried = p.done, p.since, p.since
+                                        opt=jax.tree.unflatten(jax.tree.structure(local.state.opt_state), p.opt), stale=stale)
+        local.done, local.since, local.carried = p.done, p.since, p.since if stale else 0
         local.residual = p.residual if local.residual is not None else None
         self.record({"step": shared.global_step, "worker": self.me, "progress_resumed": p.since, "from_round": p.round,
                      "cursor": p.done})
@@ -413,7 +415,7 @@ class ElasticWorker:
             carry = self.cfg.sync.late_posts == "carry"
             # (a packed post not used sent nothing: the residual stays what it was before it)
             delta = jax.tree.unflatten(jax.tree.structure(shared.theta), delta) if carry else None
-            local.state = self.restart_from(shared, local.state, delta=delta)
+            local.state = self.restart_from(shared, local.state, delta=delta, stale=True)
             if carry:
                 local.carried = local.since
             else:

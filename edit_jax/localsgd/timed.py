@@ -32,6 +32,8 @@ class Timed(RuleWrapper):
         require(s.grace > 0, "sync.grace", f"must be positive (seconds a round waits for posts), got {s.grace}")
         require(s.late_posts in ("carry", "drop"), "sync.late_posts", f"expected carry or drop, got {s.late_posts!r}")
         require(s.progress_every >= 0, "sync.progress_every", f"must be >= 0 seconds (0: off), got {s.progress_every}")
+        require(0.0 <= s.carried_weight <= 1.0, "sync.carried_weight",
+                f"must be in [0, 1] (1: carried steps count as fresh ones), got {s.carried_weight}")
         require(not s.progress_every or s.exchange, "sync.progress_every",
                 "saves an exchange worker's unposted steps: set sync.exchange too, or 0")
         require(not s.exchange or s.method == "a_edit", "sync.exchange",
