@@ -59,8 +59,9 @@ def add_args(p) -> None:
     p.add_argument("--grace", type=float, default=3.0, help="live: sync.grace (s a round waits for late posts)")
     p.add_argument("--progress-every", type=float, default=1.0,
                    help="live: sync.progress_every (s between saves of a worker's unposted steps; 0: off)")
-    p.add_argument("--carried-weight", type=float, default=1.0,
-                   help="live: sync.carried_weight (a carried, one-round-stale Δ re-based at this fraction)")
+    p.add_argument("--carried-weight", type=float, default=0.5,
+                   help="live: sync.carried_weight (a carried, one-round-stale Δ re-based at this fraction; "
+                        "1: as fresh steps, the library's default)")
     p.add_argument("--stop-s", type=float, default=60.0, help="live: how long one worker stays SIGSTOPped")
     p.add_argument("--eval-every", type=int, default=2000, help="live: eval_every (global steps) of both runs")
     p.add_argument("--eval-batches", type=int, default=16, help="live: batches of this bench's own evaluations")

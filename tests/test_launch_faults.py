@@ -123,6 +123,7 @@ def test_worker_killed_while_saving_is_named_even_when_both_ends_show_at_once(tm
     stopped (SIGSTOP), worker 0 SIGKILLed, and the launcher resumed only once worker 1 has ended
     too: it sees both ends at once. Exit 5 naming worker 0 and SIGKILL, and the newest good
     checkpoint, 4; the unfinished 8 is not taken for a checkpoint, and the rerun resumes from 4."""
+    one_stage("3.12", "a worker killed while saving, both ends seen at once", 48)
     run = tmp_path / "run"
     env = _env(tmp_path, EDIT_JAX_TEST_HANG_SAVE="8")
     proc = _start(run, env, "steps=400", "checkpoint_every=4", "mesh.heartbeat_seconds=5", "--max-restarts", "0")

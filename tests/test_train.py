@@ -19,6 +19,7 @@ from edit_jax.rundir.checkpoint import CheckpointError
 from edit_jax.training.train import train
 from edit_jax.validate import load_config
 from tests.helpers import REPO, child_xla_flags, tiny_config
+from tests.stages import one_stage
 
 
 def devs(cfg):
@@ -206,6 +207,7 @@ def test_incompatible_checkpoint_names_keys(tmp_path):
 
 
 def test_elastic_restart_with_more_replicas(tmp_path, capfd):
+    one_stage("default", "a restart with more replicas", 32)
     cfg = tiny_config(2, 4, method="edit", steps=6, sync={"warmup_steps": 0, "tau": 3})
     train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
     from edit_jax.rundir.checkpoint import Checkpointer
@@ -274,6 +276,7 @@ def test_long_unlogged_run_does_not_deadlock(tmp_path):
     """With nothing fetched for many steps the loop used to queue every step, and XLA:CPU's
     collective rendezvous deadlocked on the 8-device mesh (abort after 40 s). The loop now caps the
     steps in flight. Reproduces in a fresh 8-device process (the CLI), not in this 64-device one."""
+    one_stage("3.12", "the long unlogged run", 35)
     # XLA's default -O2, not the suite's -O0: the demo model's 100 steps ran 2x slower without it.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run([sys.executable, "-m", "edit_jax", "train", "--config", "configs/demo.py", "--run-dir",
