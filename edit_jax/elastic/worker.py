@@ -92,8 +92,7 @@ class ElasticWorker:
         corpus = load_corpus(cfg.data)
         check_model_vocab(corpus, cfg.model.vocab_size)
         self.stream = make_train_stream(corpus, cfg.data.seq_len, cfg.batch_size, cfg.mesh.replica, cfg.data.seed)
-        self.val = val_batches(corpus, cfg.data.seq_len, cfg.batch_size // cfg.mesh.replica, cfg.eval_batches) \
-            if cfg.eval_batches else []
+        self.val = val_batches(corpus, cfg.data.seq_len, cfg.batch_size // cfg.mesh.replica, cfg.eval_batches) if cfg.eval_batches else []
         self.wire = Compressed.wire_of(cfg.sync)
         self.outer = OuterRound(self.plan, self.wire, cfg.sync.carried_weight)
         self._encode = jax.jit(lambda d, e: PK.encode_post(d, e, self.wire, self.plan.layerwise))
