@@ -150,16 +150,16 @@ class SyncConfig:
     tau_time: float = 600.0
     min_total_steps: int = 1
     step_weight_ratio: float = 0.5  # rho: w <- (1 - rho) w + rho * (worker's share of the steps)
-    # A-EDiT through a directory or s3://bucket/prefix (elastic/): a round closes `grace` s after a post (clusters ~60 s); late
-    # posts: carry | drop; unposted steps saved every progress_every s (0: off); a carried (stale) Δ enters at carried_weight.
+    # A-EDiT through a directory or s3://bucket/prefix (elastic/): a round closes `grace` s after a post
+    # (clusters ~60 s); late posts: carry | drop; unposted steps saved every progress_every s (0: off).
     exchange: str = ""
     grace: float = 10.0
     late_posts: str = "carry"
     progress_every: float = 0.0
-    carried_weight: float = 1.0
-    # CO2: the staleness-gap penalty Lambda (as in the released code); co2_momentum_clip = phi > 0 clamps outer momentum element-wise
+    carried_weight: float = 1.0  # w: a carried (stale) Δ re-based as θ̄ − w Δ, its steps at w in the step shares (1: as fresh)
+    # CO2: the staleness-gap penalty Lambda (a constant, as in the released code).
     co2_gap_penalty: float = 1.0
-    co2_momentum_clip: float = 0.0
+    co2_momentum_clip: float = 0.0  # phi > 0 clamps the stored outer momentum to [-phi, phi] element-wise (0: off)
 
 
 @dataclass
