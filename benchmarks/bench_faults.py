@@ -6,6 +6,7 @@
     python benchmarks/bench_faults.py --part kill --workers 2 --mtbf 60 --duration 600   # kill loop
     python benchmarks/bench_faults.py --part spike          # an injected loss spike beside the clean run, both modes
     python benchmarks/bench_faults.py --part live --mtbf 30 --duration 600   # A-EDiT workers leave / join live
+    python benchmarks/bench_faults.py --part programs       # an exchange worker's restart: CPU per program
 
 Part ``compile``: three runs of ``--config`` (default the demo), each in a fresh process. ``cold``:
 a new run dir, empty compilation cache, stopped after ``--steps`` steps (checkpoint). ``restart,
@@ -49,7 +50,7 @@ if __package__ in (None, ""):  # run as a script: the repo root on the path, for
 from benchmarks import bench_kill, bench_live, bench_spike  # noqa: E402
 from benchmarks import harness as common  # noqa: E402
 
-PARTS = ("compile", "save", "kill", "spike", "live")
+PARTS = ("compile", "save", "kill", "spike", "live", "programs")
 # --smoke: the tiny config made smaller still (one layer, 2 x 1 mesh, 4 x 32 tokens): seconds to compile
 SMOKE_SIZES = ["model.n_layers=1", "mesh.shard=1", "batch_size=4", "data.seq_len=32", "eval_batches=1"]
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -76,6 +77,7 @@ def parse_args(argv=None):
                         "kill; spike: one process mode, 24 steps; compile: the tiny config, 2 steps; live: 2 workers "
                         "+ a joiner, one kill, a 1.5 s stop")
     p.add_argument("--child", nargs=4, metavar=("CONFIG", "RUN_DIR", "STEPS", "CACHE"), help=argparse.SUPPRESS)
+    p.add_argument("--programs-child", nargs=2, metavar=("ROOT", "CONFIG"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
         args.part = args.part or "save"
@@ -222,8 +224,79 @@ def part_save(args) -> dict:
     return {**out, "checkpoint_bytes": size, "ratio_async": ratio, "target": 1.2}
 
 
+# ----------------------------------------------------------------------------- part programs
+# (start, executable store on): without the store a restart traces each program and finds it in JAX's cache
+PROGRAM_RUNS = (("cold, no store", False), ("restart, compile cache only", False), ("cold, with the store", True),
+                ("restart, cache + executable store", True))
+
+
+def child_programs(root: str, config: str) -> None:
+    """An exchange worker's start in this process (slot 0, one device, the live bench's settings
+    from ``ROOT/overrides.json``): CPU seconds (``time.process_time``) of its construction, its join
+    (the init program), its first local step and its outer round for 4 participants; prints them
+    and the store's summary as JSON."""
+    common.ensure_cpu_devices(1)
+    from edit_jax.elastic.worker import ElasticWorker, Local
+    from edit_jax.runtime.compile_cache import compile_cache
+
+    with open(os.path.join(root, "overrides.json")) as f:
+        cfg = _load(config, json.load(f))
+    cpu = {}
+    with compile_cache(os.path.join(root, "compile_cache")):
+        t = time.process_time()
+        w = ElasticWorker(cfg, 0, os.path.join(root, "run"), say=lambda m: None)
+        cpu["construct"], t = time.process_time() - t, time.process_time()
+        shared = w.join()
+        cpu["join (init program)"], t = time.process_time() - t, time.process_time()
+        local = Local(w.initial_state, done=shared.cursors[0])  # as ElasticWorker.run starts
+        local.state = w.restart_from(shared, local.state, count=local.done)
+        w.train_for(local, 0.0)
+        cpu["first local step"], t = time.process_time() - t, time.process_time()
+        w.outer.program(shared, 4)
+        cpu["outer round, 4 posts"] = time.process_time() - t
+    print(json.dumps({"cpu_s": cpu, "programs": w.exe.summary()}))
+
+
+def part_programs(args) -> dict:
+    """Four starts of one exchange worker in fresh processes: cold and again (a restart) with JAX's
+    compile cache only (``$EDIT_JAX_EXECUTABLE_STORE=off``, as before the store), then cold and again
+    with the store (a new cache: the store's misses compile for real and JAX keeps no entry of them)."""
+    from edit_jax.runtime.executables import ENV_OFF
+
+    root = os.path.join(args.run_root, "programs")
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    config = args.kill_config  # the live bench's (configs/tiny.py)
+    with open(os.path.join(root, "overrides.json"), "w") as f:
+        json.dump(bench_live.overrides(args, os.path.join(root, "ex")), f)
+    runs = {}
+    for name, store in PROGRAM_RUNS:
+        if name.startswith("cold"):
+            shutil.rmtree(os.path.join(root, "compile_cache"), ignore_errors=True)
+        shutil.rmtree(os.path.join(root, "ex"), ignore_errors=True)  # a new exchange each start: round 0
+        cmd = [sys.executable, os.path.abspath(__file__), "--programs-child", root, config]
+        env = {k: v for k, v in os.environ.items() if k != ENV_OFF} | ({} if store else {ENV_OFF: "off"})
+        proc = subprocess.run(cmd, cwd=common.REPO, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise SystemExit(f"bench_faults: the {name} start failed:\n{proc.stderr[-3000:]}")
+        runs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    phases = list(runs[PROGRAM_RUNS[0][0]]["cpu_s"])
+    rows = [[name, *(r["cpu_s"][k] for k in phases), sum(r["cpu_s"].values()), len(r["programs"]["loaded"])]
+            for name, r in runs.items()]
+    total = {name: sum(r["cpu_s"].values()) for name, r in runs.items()}
+    ratio = total[PROGRAM_RUNS[3][0]] / total[PROGRAM_RUNS[1][0]]
+    common.print_table(f"programs: an exchange worker's start, CPU seconds per phase ({config}, the live bench's "
+                       "settings, 1 device)",
+                       ["start", *phases, "total", "programs loaded whole"], rows,
+                       note=f"with the store / compile cache only = {ratio:.3f}")
+    return {"config": config, "runs": runs, "ratio_store_to_cache_only": ratio}
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.programs_child:
+        child_programs(*args.programs_child)
+        return
     if args.child:
         config, run_dir, steps, cache = args.child
         child_compile(config, run_dir, int(steps), cache)
@@ -235,10 +308,11 @@ def main(argv=None):
     args.kill_config, args.kill_method = args.config or "configs/tiny.py", args.method or (
         "baseline" if args.smoke else "edit")
     args.config, args.method = args.config or "configs/demo.py", args.method or "baseline"
-    result = {"env": common.env_info(), "args": {k: v for k, v in vars(args).items() if k != "child"}}
+    result = {"env": common.env_info(), "args": {k: v for k, v in vars(args).items() if k not in ("child", "programs_child")}}
     for part in args.part.split(","):
         result[part] = {"compile": part_compile, "save": part_save, "kill": bench_kill.part_kill,
-                        "spike": bench_spike.part_spike, "live": bench_live.part_live}[part](args)
+                        "spike": bench_spike.part_spike, "live": bench_live.part_live,
+                        "programs": part_programs}[part](args)
     common.write_json(args.json, result)
     print(f"\nwrote {args.json}")
 

@@ -152,6 +152,8 @@ def test_fallback_after_a_damaged_ocdbt_index_is_quiet(tmp_path):
     """The newest checkpoint's OCDBT index (``state/manifest.ocdbt``) cut to 10 bytes: the right
     fallback, but before also 45 "RuntimeError: Event loop is closed" tracebacks (275 lines) from
     TensorStore callbacks arriving after orbax closed its loop. Now a handful of lines."""
+    one_stage("default", "a damaged OCDBT index", 19,
+              other="test_quiet_faults.py::test_a_damaged_compile_cache_is_one_line_and_the_run_is_the_same")
     over = ["checkpoint_every=2", "keep_checkpoints=3"]
     code, out = _train(tmp_path, "steps=4", *over)
     assert code == 0, out[-2000:]

@@ -12,6 +12,7 @@ import time
 from edit_jax.runtime.cluster_exit import EXIT_RETRY, EXIT_SHRINK, exit_code_for
 from edit_jax.runtime.launch import free_port, process_state
 from tests.helpers import REPO
+from tests.stages import one_stage
 from tests.test_cluster import _cli_env  # noqa: PLC2701 - the same CLI environment
 
 TRAIN = [sys.executable, "-m", "edit_jax", "train", "--distributed", "--config", "configs/tiny.py", "--no-progress",
@@ -44,6 +45,8 @@ def test_the_survivor_of_a_killed_peer_says_retry(tmp_path):
     """Process 1 (the one the cluster started, with its training child) is SIGKILLed after the
     first checkpoint: its child goes with it, and process 0 ends with exit 75 (retry) and one line
     saying so, however its training process ended (a collective's error or the runtime's abort)."""
+    one_stage("3.12", "the survivor of a killed peer", 24,
+              other="test_multiprocess.py::test_hung_worker_is_named_and_ends_the_run")
     run = tmp_path / "run"
     procs = _start(run, free_port(), "steps=400")
     try:

@@ -316,6 +316,8 @@ def test_workers_leave_and_join_as_processes(tmp_path):
         rejoined = _wait_for("worker 1 restarted and joined",
                              lambda: re.findall(r"worker 1: joined at round (\d+)", log_text())[1:], procs=[launcher])
         back = _wait_for("worker 1 back in a round", lambda: with_members([1], int(rejoined[0])), procs=[launcher])[0]
+        programs = [r["programs"] for r in _records(run) if "programs" in r and r["worker"] == 1]
+        assert {"init_state", "local_step"} <= set(programs[1]["loaded"]), programs  # restarted: no trace, no compile
         text = log_text()
         assert "worker 1 ended (signal SIGKILL); starting it again (1 of 2)" in text and "worker 0 ended" not in text
         assert any(r["members"] == [0] and first["round"] < r["round"] < back["round"] for r in rounds())

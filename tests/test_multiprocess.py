@@ -387,6 +387,8 @@ def test_hung_worker_is_named_and_ends_the_run(tmp_path):
     mesh.heartbeat_seconds and aborts. The run ends within seconds with exit 5, one message naming
     the hung worker (before: "worker 0 stopped with signal 6", the healthy one, after a native
     stack dump), and no dump or runtime log line reaches the user."""
+    one_stage("default", "a hung (SIGSTOPped) worker of 2 processes", 22,
+              other="test_cluster_exit.py::test_the_survivor_of_a_killed_peer_says_retry")
     code, out, took, pids, _ = _fault_after_first_checkpoint(tmp_path, signal.SIGSTOP, timeout=90)
     assert code == 5 and took < 45, (code, took, out[-2000:])
     assert f"worker 1 (pid {pids[1]}) stopped responding" in out, out[-2000:]

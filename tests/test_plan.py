@@ -13,9 +13,12 @@ from edit_jax.localsgd.methods import plan_for
 from edit_jax.models.llama import count_params, init_params
 from edit_jax.tools.plan import plan, step_kinds
 from tests.helpers import REPO, child_xla_flags, tiny_config
+from tests.stages import one_stage
 
 
 def test_plan_of_a_small_edit_config():
+    one_stage("default", "plan of a small EDiT config", 20,
+              other="test_cli_writes_json_with_fits_and_exit_codes")
     cfg = tiny_config(2, 2, method="edit", sync={"warmup_steps": 2, "tau": 4})
     p = plan(cfg)
     assert p["fits"] is True and list(p["steps"]) == ["hsdp", "local", "sync_forward"]
@@ -44,6 +47,8 @@ def test_step_kinds_follow_the_schedule():
 
 
 def test_cli_writes_json_with_fits_and_exit_codes(tmp_path):
+    one_stage("3.12", "plan's CLI, JSON and exit codes", 23,
+              other="test_plan_of_a_small_edit_config")
     env = dict(os.environ, XLA_FLAGS=child_xla_flags())
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     out = tmp_path / "plan.json"

@@ -22,7 +22,7 @@ def _started(cfg, run):
 
     w = ElasticWorker(cfg, 0, run, say=lambda m: None)
     shared = w.join()
-    local = Local(w._init_state, done=shared.cursors[0])
+    local = Local(w.initial_state, done=shared.cursors[0])
     local.state = w.restart_from(shared, local.state, count=local.done)
     return w, shared, local
 

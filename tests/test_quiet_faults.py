@@ -40,6 +40,7 @@ from edit_jax.runtime.mesh import make_mesh
 from edit_jax.training.train import train
 from edit_jax.validate import validate
 from tests.helpers import REPO, child_xla_flags, kill_group, tiny_config
+from tests.stages import one_stage
 
 JAX_CACHE_WARNING = "persistent compilation cache entry"
 
@@ -63,6 +64,8 @@ def test_a_damaged_compile_cache_is_one_line_and_the_run_is_the_same(tmp_path, c
     again (its in-memory programs dropped, so that JAX reads the cache) prints one line of ours
     and no JAX warning (before: a UserWarning per program, 21-22 of them), and logs the same
     losses."""
+    one_stage("3.12", "a damaged compile cache", 20,
+              other="test_cli_faults.py::test_fallback_after_a_damaged_ocdbt_index_is_quiet")
     cache = tmp_path / "cache"
     cfg = apply_overrides(tiny_config(2, 2, steps=2), [f"train.compile_cache={cache}"])
     jax.clear_caches()  # this process compiled these programs before: a cold start writes the cache

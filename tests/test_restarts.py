@@ -67,6 +67,8 @@ def test_worker_failing_again_at_once_is_dropped_with_elastic_and_the_run_finish
     """Worker 1 is killed at step 3, then kills itself at the start of every restart. Restart 1
     (2 workers) loses it again before a new step; with mesh.elastic=true restart 2 goes on
     without it: 1 worker, an elastic resume from the outer params; the run finishes."""
+    one_stage("3.12", "a worker failing at every restart, elastic", 28,
+              other="test_restarts_exhausted_end_in_exit_5_without_elastic")
     run = tmp_path / "run"
     env = _env(tmp_path, run, EDIT_JAX_TEST_KILL_AT="1:3", EDIT_JAX_TEST_FAIL_AGAIN="1")
     code, out = _train(run, env, "steps=6", "mesh.elastic=true")
@@ -81,6 +83,8 @@ def test_worker_failing_again_at_once_is_dropped_with_elastic_and_the_run_finish
 def test_restarts_exhausted_end_in_exit_5_without_elastic(tmp_path):
     """The same failing worker without mesh.elastic: every restart counts; after --max-restarts 2
     the run ends with exit 5 and a line saying the restarts are used up."""
+    one_stage("default", "restarts used up (exit 5)", 19,
+              other="test_worker_failing_again_at_once_is_dropped_with_elastic_and_the_run_finishes")
     run = tmp_path / "run"
     env = _env(tmp_path, run, EDIT_JAX_TEST_KILL_AT="1:3", EDIT_JAX_TEST_FAIL_AGAIN="1")
     code, out = _train(run, env, "steps=6", "--max-restarts", "2")

@@ -92,6 +92,8 @@ def test_run_dir_outputs_and_loss_falls(tmp_path):
 def test_edit_loss_falls_like_baseline_on_4x2():
     """EDiT and the Baseline on a 4 x 2 mesh, same data and steps: both learn, and EDiT's
     validation loss ends within 10% of the Baseline's."""
+    one_stage("default", "EDiT against the Baseline on 4 x 2", 21,
+              other="test_edit_trains_on_8x8_mesh")
     results = {}
     for method in ("baseline", "edit"):
         cfg = tiny_config(4, 2, method=method, steps=30, seq_len=32, eval_batches=2,
@@ -102,6 +104,8 @@ def test_edit_loss_falls_like_baseline_on_4x2():
 
 
 def test_edit_trains_on_8x8_mesh(tmp_path):
+    one_stage("3.12", "EDiT on an 8 x 8 mesh", 19,
+              other="test_edit_loss_falls_like_baseline_on_4x2")
     cfg = tiny_config(8, 8, method="edit", steps=8, batch_size=64, seq_len=16,
                       sync={"warmup_steps": 2, "tau": 3})
     result = train(cfg, None, progress=False, devices=devs(cfg))

@@ -151,7 +151,9 @@ RECORDS = {
         "progress_resumed": "`sync.progress_every`: saved steps a (re)started worker carried onto θ̄",
         "from_round": "the round whose θ̄ those steps started from", "cursor": "the data cursor it resumed at",
         "progress_ignored": "why a saved progress file was not resumed (counted by a round, another run, unreadable)",
-        "progress_s": "on a worker's training records: seconds this process spent saving its progress"},
+        "progress_s": "on a worker's training records: seconds this process spent saving its progress",
+        "programs": "after a worker's first local step: the programs it `loaded` whole from the compile cache's "
+                    "`executables/` (no trace) and those it `compiled` (and kept there), by name"},
     "Every kind, extra fields": {
         "time": "seconds of training time at this record",
         "global_step": "multi-process: the global (mean) step; a worker's own `step` may be ahead of it",

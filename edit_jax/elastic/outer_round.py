@@ -30,16 +30,20 @@ from edit_jax.localsgd.api import stacked_sync
 from edit_jax.localsgd.methods import Plan
 from edit_jax.localsgd.outer import Detector, make_outer_optimizer
 from edit_jax.localsgd.state import init_outer_opt_state
+from edit_jax.runtime.executables import ExecutableStore
 
 
 class OuterRound:
     """The compiled outer step of one plan (compiled once per participant count). ``wire``: the
     posts' form, "none" (float32 Δ) or a sparse wire name (packed posts, ``packed.py``).
     ``carried_weight`` (``sync.carried_weight``): a post's carried steps (a round or more stale)
-    count at this fraction in its share of the steps, as its worker re-based their Δ at it."""
+    count at this fraction in its share of the steps, as its worker re-based their Δ at it.
+    ``store``: where the compiled programs are kept whole (``runtime/executables.py``; None: off)."""
 
-    def __init__(self, plan: Plan, wire: str = "none", carried_weight: float = 1.0):
+    def __init__(self, plan: Plan, wire: str = "none", carried_weight: float = 1.0,
+                 store: ExecutableStore | None = None):
         self.plan, self.wire, self.carried_weight = plan, wire, carried_weight
+        self.store = store or ExecutableStore(None)
         self.opt = make_outer_optimizer(plan.outer)
         self.cpu = jax.devices("cpu")[0]
         self._fn = jax.jit(self._step)
@@ -64,7 +68,7 @@ class OuterRound:
                 if self.wire != "none":  # the packed rows per unit and the norms in place of Δ
                     args = args[:3] + ([spec(x, (n,)) for x in self._rows(state.theta)],
                                        spec(np.zeros(np.shape(state.detectors.mean)[1], np.float32), (n,)), args[4])
-                self._programs[n] = self._fn.lower(*args).compile()
+                self._programs[n] = self.store.compile(f"outer_round_{n}", self._fn, args, [self.cpu])
             return self._programs[n]
 
     def precompile(self, state: RoundState, counts: list[int]) -> threading.Thread:

@@ -12,9 +12,8 @@ step program, the data (its slot's rows of the global batch), the exchange. Then
         apply round r (and any it missed); restart from θ̄ (a late post: carried or dropped)
 
 No JAX collective spans two workers: a worker that dies, stops or joins changes only the rounds'
-membership (``rounds.py``). Records (``RUN/metrics.jsonl``, whole lines): each worker's training
-records, each round's (by its closer: members, who was late, the sync's figures), evaluations of θ̄
-(by the closer). Exit codes: 0 when the run's token budget is spent, 130 on SIGINT / SIGTERM.
+membership (``rounds.py``). Records (``RUN/metrics.jsonl``): each worker's training, each round's
+(by its closer: members, who was late, the sync's figures), θ̄'s evaluations. Exit: 0 (budget spent), 130 (signal).
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from edit_jax.localsgd.optim import with_step_counts
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.rundir.records import replace_file, worker_log
 from edit_jax.runtime import multihost
+from edit_jax.runtime.executables import ExecutableStore
 from edit_jax.runtime.mesh import make_mesh
 from edit_jax.runtime.multihost import parse_slowdown
 from edit_jax.training.evaluate import Evaluator
@@ -89,12 +89,14 @@ class ElasticWorker:
         lcfg = replace(lcfg, sync=replace(lcfg.sync, compress="none", error_feedback=False, ef_decay=1.0))
         self.mesh = make_mesh(lcfg.mesh, jax.local_devices()[:cfg.mesh.shard])
         self.loc = StepPrograms.for_config(lcfg, self.mesh)
+        self.exe = ExecutableStore.in_compile_cache(dumps(cfg))  # a restart loads its programs whole (no trace)
+        self.local_step = self.exe.lazy("local_step", self.loc.step_fn(LOCAL), list(self.mesh.devices.flat))
         corpus = load_corpus(cfg.data)
         check_model_vocab(corpus, cfg.model.vocab_size)
         self.stream = make_train_stream(corpus, cfg.data.seq_len, cfg.batch_size, cfg.mesh.replica, cfg.data.seed)
         self.val = val_batches(corpus, cfg.data.seq_len, cfg.batch_size // cfg.mesh.replica, cfg.eval_batches) if cfg.eval_batches else []
         self.wire = Compressed.wire_of(cfg.sync)
-        self.outer = OuterRound(self.plan, self.wire, cfg.sync.carried_weight)
+        self.outer = OuterRound(self.plan, self.wire, cfg.sync.carried_weight, self.exe)
         self._encode = jax.jit(lambda d, e: PK.encode_post(d, e, self.wire, self.plan.layerwise))
         self.my_flags: dict[int, list] = {}  # round -> this worker's per-unit flags (packed posts' residual)
         self.target = cfg.steps * cfg.mesh.replica  # the token budget in inner steps of one worker's rows
@@ -120,10 +122,11 @@ class ElasticWorker:
     # -- the round state ---------------------------------------------------------------------------
 
     def _template(self) -> R.RoundState:
-        state = self.loc.init_state(self.cfg.seed)  # the same initial params on every worker (the seed)
+        key = jax.random.key(self.cfg.seed)  # the same initial params on every worker (the seed)
+        state = self.exe.compile("init_state", self.loc.layout.init_fn(), (key,), list(self.mesh.devices.flat))(key)
         theta = jax.tree.map(lambda x: np.asarray(x)[0], jax.device_get(state.params))
         units = 1 + self.cfg.model.n_layers if self.plan.layerwise else 1
-        self._init_state = state
+        self.initial_state = state
         return self.outer.initial(theta, self.cfg.mesh.replica, units, max(2, self.plan.penalty.warmup))
 
     def join(self) -> R.RoundState:
@@ -222,16 +225,15 @@ class ElasticWorker:
 
     def restart_from(self, shared: R.RoundState, state, delta=None, count: int | None = None, opt=None,
                      stale: bool = False):
-        """This worker's params at θ̄ (minus a carried Δ, a ``stale`` one damped to ``sync.carried_weight``);
-        with ``count``, a fresh inner optimizer whose step counts (the schedule's position) are
-        ``count``; with ``opt``, that optimizer state. (w * Δ with w = 1 is Δ, exactly.)"""
+        """This worker's params at θ̄ (minus a carried Δ, a ``stale`` one damped to ``sync.carried_weight``;
+        w = 1 gives Δ exactly); ``count``: a fresh inner optimizer at that step count; ``opt``: that state."""
         w = np.float32(self.cfg.sync.carried_weight if stale else 1.0)
         theta = shared.theta if delta is None else jax.tree.map(lambda t, d: t - w * d, shared.theta, delta)
         params = jax.tree.map(lambda t, p: jax.device_put(np.asarray(t, p.dtype)[None], p.sharding), theta,
                               state.params)
         state = state.replace(params=params)
         if count is not None:  # the initial state's optimizer: its moments are zero
-            opt = with_step_counts(self._init_state.opt_state, count)
+            opt = with_step_counts(self.initial_state.opt_state, count)
         if opt is not None:
             state = state.replace(opt_state=jax.device_put(opt, jax.tree.map(lambda a: a.sharding, state.opt_state)))
         return state
@@ -242,7 +244,7 @@ class ElasticWorker:
         runs after the first step (the first of a process compiles: announcing a round only then
         keeps the others from waiting on a compile). ``aligned``: ``seconds`` lead to the round's due
         time, so a compile counts against them. ``save`` runs every ``sync.progress_every`` s."""
-        step = self.loc.step_fn(LOCAL)
+        step = self.local_step
         start, loss, last_log = time.monotonic(), float("nan"), (time.perf_counter(), local.done)
         saved = start
         compiling = not self.compiled  # the first step compiles: the round's clock starts after it
@@ -267,6 +269,7 @@ class ElasticWorker:
             if compiling:  # the run's first round: its clock starts after the compile (every worker compiles)
                 start = start if aligned else time.monotonic()
                 last_log, compiling = (time.perf_counter(), local.done), False
+                self.record({"step": local.done, "worker": self.me, "programs": self.exe.summary()})
             if started is not None:
                 started()
                 started = None
@@ -365,14 +368,11 @@ class ElasticWorker:
         return None
 
     def counts_to_compile(self, shared: R.RoundState) -> list[int]:
-        """The participant counts whose outer step this worker compiles ahead (the rest compile when a
-        round first needs them). A worker of the run's first start (round 0) compiles every count
-        1..slots, nearest to all slots first: under load a compile takes seconds, and a round
-        whose membership changed would wait on it (each such change cost every worker ~15 s on the
-        2-core host before this); they land in the compile cache. A restarted or joining worker
-        loads from that cache only the count of its first round (the last round's members, with
-        itself); loading all of them cost ~1.3 CPU s of its ~3.5 s restart, taken from the others'
-        training on shared cores (BUILD_NOTES 20). Without a compile cache, every count."""
+        """The participant counts whose outer step this worker compiles ahead (the rest when a round
+        needs them): at the run's first start (round 0) every count 1..slots, nearest to all slots
+        first (a round whose membership changed would wait seconds on a compile); a restarted or
+        joining worker, from the cache, only its first round's count (the last round's members with
+        itself: loading all cost ~1.3 CPU s of a ~3.5 s restart, BUILD_NOTES 20). Without a cache, all."""
         slots = self.cfg.mesh.replica
         if shared.round == 0 or self.cfg.train.compile_cache in ("", "off"):
             return sorted(range(1, slots + 1), key=lambda c: (abs(c - slots), -c))
@@ -382,7 +382,7 @@ class ElasticWorker:
 
     def run(self) -> int:
         shared = self.join()
-        local = Local(self._init_state, done=shared.cursors[self.me])
+        local = Local(self.initial_state, done=shared.cursors[self.me])
         local.state = self.restart_from(shared, local.state, count=local.done)
         if self.wire != "none":  # the residual lives in this process: zeros, unless its saved progress resumes
             local.residual = PK.zero_residual(shared.theta, self.plan.layerwise, PK.layout(self.wire)[2])

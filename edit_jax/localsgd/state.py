@@ -206,8 +206,12 @@ class StateLayout:
         """A fresh state from ``seed``; every worker and θ̄ start from ``params`` when given (full,
         θ̄-shaped, sharded like ``initial_params_shardings``: e.g. ``hf.load.initial_params`` for
         ``model.init_from``), else from the family's random init."""
-        make = jax.jit(partial(make_state, self.cfg, self.plan), out_shardings=self.state_shardings)
+        make = self.init_fn()
         return make(jax.random.key(seed)) if params is None else make(jax.random.key(seed), params)
+
+    def init_fn(self):
+        """The jitted ``(key[, params]) -> TrainState`` that ``init_state`` runs."""
+        return jax.jit(partial(make_state, self.cfg, self.plan), out_shardings=self.state_shardings)
 
     def initial_params_shardings(self) -> tuple[Any, Any]:
         """(abstract params, shardings) of the starting params ``init_state`` accepts: θ̄-shaped,
