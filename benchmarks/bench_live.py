@@ -551,6 +551,23 @@ def abba(out: dict) -> dict:
             "fault_free_drift": tps["fault_free_b"] / tps["fault_free"]}
 
 
+def abba_val_loss(states: dict, states_b: dict) -> dict | None:
+    """The val loss of the four ABBA runs, each read off the line through its last FIT_ROUNDS
+    published θ̄ at one tally (the smallest of the four runs' last): the live runs' mean against
+    the fault-free runs' mean, as ``abba`` compares tokens/s, and the two fault-free runs against
+    each other (the bench's own noise floor: the same command twice). None if a run has too few rounds."""
+    kept = {"fault_free": states["fault_free"]["kept"], "live": states["live"]["kept"],
+            "live_b": states_b["live"]["kept"], "fault_free_b": states_b["fault_free"]["kept"]}
+    tally = min(k[-1][1] for k in kept.values())
+    fit = {n: fitted_val_loss(k, tally) for n, k in kept.items()}
+    if None in fit.values():
+        return None
+    ff, lv = fit["fault_free"] + fit["fault_free_b"], fit["live"] + fit["live_b"]
+    return {"tally": tally, "fit": fit, "rel_diff_of_means": lv / ff - 1,
+            "fault_free_apart": fit["fault_free_b"] / fit["fault_free"] - 1,
+            "live_apart": fit["live_b"] / fit["live"] - 1}
+
+
 def part_live(args) -> dict:
     from edit_jax.validate import load_config
 
@@ -589,6 +606,7 @@ def part_live(args) -> dict:
     out["states"] = evaluate_states(args, first)
     if args.abba:  # the second pair's val loss at equal tokens too
         out["states_b"] = evaluate_states(args, {"fault_free": runs["fault_free_b"], "live": runs["live_b"]})
+        out["abba_val_loss"] = abba_val_loss(out["states"], out["states_b"])
     out["figure"] = plot(out, args.figure or os.path.join(os.path.dirname(os.path.abspath(args.json)),
                                                           "bench_live.png"))
     _print(out)
@@ -626,6 +644,12 @@ def _print(out: dict) -> None:
               f"{a['ratio_second_pair']:.3f}; fault-free second / first {a['fault_free_drift']:.3f}); the second "
               f"pair's val loss at equal tokens {sb['rel_diff']:+.4f} (a line through the last {FIT_ROUNDS} rounds "
               f"{_num(sb['rel_diff_fit']):+.4f})", flush=True)
+        v = out.get("abba_val_loss")
+        if v:
+            print(f"live, ABBA val loss (each run's line at tally {v['tally']}): live / fault-free of the means "
+                  f"{v['rel_diff_of_means']:+.4f} (target within 1%); the two fault-free runs apart "
+                  f"{v['fault_free_apart']:+.4f}, the two live runs {v['live_apart']:+.4f} (the bench's noise)",
+                  flush=True)
     keys = ["t", "round_without", "to_round_without_s", "closed_by", "survivors_wait_s", "restart_s",
             "joined_line_s", "read_s", "catch_up_s", "replayed", "first_post_s", "round_back", "to_member_s",
             "steps_restored", "steps_lost"]
@@ -652,4 +676,4 @@ def _print(out: dict) -> None:
                             + " of the workers' time (seen in records every log_every steps)")
 
 
-__all__ = ["add_args", "part_live", "overrides", "LiveRun", "drive"]
+__all__ = ["add_args", "part_live", "overrides", "LiveRun", "drive", "abba", "abba_val_loss", "fitted_val_loss"]

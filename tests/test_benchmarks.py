@@ -170,6 +170,23 @@ def test_live_fitted_val_loss_by_hand():
     assert fitted_val_loss(on_line[:2], 100.0) is None
 
 
+def test_live_abba_val_loss_by_hand():
+    """bench_live --abba's val loss: every run's line read at the smallest last tally of the four;
+    the live runs' mean against the fault-free runs' mean, and each kind's two runs apart."""
+    from benchmarks.bench_live import abba_val_loss
+
+    def line(level, last):  # val loss = level - 1e-5 * tally, rounds up to tally `last`
+        return [[r, t, level - 1e-5 * t] for r, t in enumerate(range(last - 9000, last + 1, 1000), 1)]
+    states = {"fault_free": {"kept": line(3.0, 20000)}, "live": {"kept": line(3.3, 18000)}}
+    states_b = {"fault_free": {"kept": line(2.8, 21000)}, "live": {"kept": line(3.1, 19000)}}
+    got = abba_val_loss(states, states_b)  # at tally 18,000: 2.82, 3.12, 2.92, 2.62
+    assert got["tally"] == 18000
+    assert got["rel_diff_of_means"] == pytest.approx((3.12 + 2.92) / (2.82 + 2.62) - 1)
+    assert got["fault_free_apart"] == pytest.approx(2.62 / 2.82 - 1)
+    assert got["live_apart"] == pytest.approx(2.92 / 3.12 - 1)
+    assert abba_val_loss({**states, "live": {"kept": line(3.3, 18000)[:2]}}, states_b) is None
+
+
 def test_live_fault_rows_by_hand():
     """bench_live's per-kill rows: a worker killed after its post, before that round closed, misses
     the next round and is back when it posts again; one killed just after a round closed that posts
