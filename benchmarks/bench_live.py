@@ -50,7 +50,7 @@ JOINED = re.compile(r"edit-jax worker (\d+): joined at round (\d+)")
 RESTARTED = re.compile(r"edit-jax: worker (\d+) ended \((.*?)\); starting it again")
 SMOKE_SIZES = ["model.n_layers=1", "data.seq_len=32", "eval_batches=1"]
 MTBF_S = 30.0  # the default --mtbf of this part
-FIT_ROUNDS = 20  # the val loss at equal tokens, also from a line through each run's last this many rounds
+FIT_ROUNDS = 20  # the val loss at equal tokens, also from a line through the this many rounds of a run nearest to them
 
 
 def add_args(p) -> None:
@@ -485,10 +485,12 @@ def evaluate_states(args, runs: dict) -> dict:
 
 
 def fitted_val_loss(kept: list, tally: float) -> float | None:
-    """The val loss at ``tally`` read off a line fitted to the last FIT_ROUNDS of ``kept`` ([round,
-    tally, val loss] per published θ̄): one θ̄ against another carries θ̄'s round-to-round noise (+-2%
+    """The val loss at ``tally`` read off a line fitted to the FIT_ROUNDS rounds of ``kept`` ([round,
+    tally, val loss] per published θ̄, by round) whose tallies lie nearest to it (a run's last
+    FIT_ROUNDS when it ends there): one θ̄ against another carries θ̄'s round-to-round noise (+-2%
     late in a 600 s run). None under 3 rounds."""
-    k = np.array([[t, v] for _, t, v in kept[-FIT_ROUNDS:]], dtype=float)
+    near = sorted(sorted(kept, key=lambda k: (abs(k[1] - tally), k[0]))[:FIT_ROUNDS])
+    k = np.array([[t, v] for _, t, v in near], dtype=float)
     return float(np.polyval(np.polyfit(k[:, 0], k[:, 1], 1), tally)) if len(k) >= 3 else None
 
 

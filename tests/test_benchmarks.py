@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 
+import numpy as np
 import pytest
 
 from tests.helpers import REPO
@@ -18,7 +19,7 @@ from tests.stages import one_stage
 BENCHES = ("bench_data", "bench_edit", "bench_faults", "bench_gpu", "bench_kill", "bench_late_posts", "bench_links",
            "bench_live", "bench_sample",
            "bench_sparse_wire", "bench_spike", "bench_step", "bench_straggler", "compare_methods", "plan_presets",
-           "reproduce_placement", "spike_experiment")
+           "pool_live", "reproduce_placement", "spike_experiment")
 # Every bench's `--smoke` runs here, in this process (one JAX start for the in-process ones; the
 # kill, spike and straggler benches time `edit-jax train` processes, so theirs start processes).
 SMOKE = ("bench_step", "bench_faults", "bench_sample", "plan_presets", "reproduce_placement", "bench_edit",
@@ -185,6 +186,76 @@ def test_live_abba_val_loss_by_hand():
     assert got["fault_free_apart"] == pytest.approx(2.62 / 2.82 - 1)
     assert got["live_apart"] == pytest.approx(2.92 / 3.12 - 1)
     assert abba_val_loss({**states, "live": {"kept": line(3.3, 18000)[:2]}}, states_b) is None
+
+
+def test_pool_live_t_quantile_against_the_t_density():
+    """pool_live's 95% t quantile, integrated back: the t density over [-q, q] holds 0.95 (NumPy,
+    trapezoids), whole and Welch-like fractional degrees of freedom alike."""
+    from math import exp, lgamma, pi, sqrt
+
+    from benchmarks.pool_live import t95, t975
+
+    for df in (1, 2, 3, 4.4, 6, 9.5, 17, 45, 200, 1000):
+        for quantile, mass in ((t975, 0.95), (t95, 0.90)):  # t95: one-sided 95%, so two-sided 90%
+            q = quantile(df)
+            x = np.linspace(-q, q, 400001)
+            dens = exp(lgamma((df + 1) / 2) - lgamma(df / 2)) / sqrt(df * pi) * (1 + x * x / df) ** (-(df + 1) / 2)
+            assert np.trapezoid(dens, x) == pytest.approx(mass, abs=1.5e-3), (df, mass)
+    with pytest.raises(ValueError, match="df 0.5 < 1"):
+        t975(0.5)
+
+
+def test_pool_live_by_hand(tmp_path):
+    """Two ABBA runs of one setting pooled: every run's line read at the group's smallest last tally;
+    fault-free at 2.0 / 2.2, live at 2.1 / 2.3 in each: live / fault-free of the means 2.2 / 2.1, its
+    Welch interval (df 6 here: equal scatter, 4 runs each) by hand; goodput's t interval by hand; a
+    run of another setting is its own group; a JSON that is not an ABBA run is refused by name."""
+    from benchmarks.pool_live import load, main
+
+    def line(level, last):  # val loss = level + 1e-6 * (tally - 20,000): level at tally 20,000
+        return [[r, t, level + 1e-6 * (t - 20000)] for r, t in enumerate(range(last - 9000, last + 1, 1000), 1)]
+
+    def abba(ratio, levels, lasts, carried_weight=0.5):
+        st = {n: {"kept": line(v, t)} for n, v, t in zip(("fault_free", "live"), levels[:2], lasts[:2])}
+        sb = {n: {"kept": line(v, t)} for n, v, t in zip(("live", "fault_free"), levels[2:], lasts[2:])}
+        return {"env": {"git_commit": "abc1234def", "date_utc": "2026-11-28T00:00:00Z"},
+                "args": {"abba": True, "kill_config": "configs/tiny.py", "live_workers": 4, "tau_time": 5.0,
+                         "grace": 3.0, "mtbf": 30.0, "duration": 600.0, "stop_s": 60.0, "progress_every": 1.0,
+                         "carried_weight": carried_weight},
+                "live": {"abba": {"ratio": ratio, "ratio_first_pair": ratio, "ratio_second_pair": ratio},
+                         "states": st, "states_b": sb}}
+
+    files = []
+    for i, doc in enumerate([abba(0.96, [2.0, 2.1, 2.3, 2.2], [21000, 20000, 22000, 23000]),
+                             abba(0.98, [2.2, 2.3, 2.1, 2.0], [24000, 21000, 20500, 22000]),
+                             abba(0.90, [2.0, 2.0, 2.0, 2.0], [20000] * 4, carried_weight=1.0),
+                             {"env": {}, "args": {"abba": False}, "live": {}}]):
+        files.append(str(tmp_path / f"run{i}.json"))
+        with open(files[-1], "w") as f:
+            json.dump(doc, f)
+    out = tmp_path / "pool.json"
+    assert main(files + ["--json", str(out)]) == 0
+    with pytest.raises(ValueError, match="not an ABBA run"):
+        load(files[3])
+    half, full = json.loads(out.read_text())["groups"]
+    assert half["setting"]["carried_weight"] == 0.5 and full["setting"]["carried_weight"] == 1.0
+    assert [r["goodput"] for r in half["runs"]] == [0.96, 0.98] and len(full["runs"]) == 1
+    vl = half["val_loss"]
+    assert vl["tally"] == 20000
+    assert [r["fit"]["fault_free"] for r in half["runs"]] == pytest.approx([2.0, 2.2])
+    assert [r["fit"]["live_b"] for r in half["runs"]] == pytest.approx([2.3, 2.1])
+    assert vl["rel_diff"] == pytest.approx(2.2 / 2.1 - 1)
+    se = (2 * (4 * 0.1 ** 2 / 3) / 4) ** 0.5  # each kind: 2.0, 2.2, 2.0, 2.2 (or +0.1), sample variance 0.04 / 3
+    assert vl["welch_df"] == pytest.approx(6.0)
+    assert vl["ci95"] == pytest.approx([2.2 / 2.1 - 1 - 2.447 * se / 2.1, 2.2 / 2.1 - 1 + 2.447 * se / 2.1], abs=1e-4)
+    assert vl["upper95"] == pytest.approx(2.2 / 2.1 - 1 + 1.943 * se / 2.1, abs=1e-4)  # t 0.95 quantile, df 6
+    assert [r["loss_rel_diff_of_means"] for r in half["runs"]] == pytest.approx([4.4 / 4.2 - 1, 4.4 / 4.2 - 1])
+    gp = half["goodput"]
+    assert gp["mean"] == pytest.approx(0.97) and gp["runs_at_target"] == 2
+    assert gp["ci95"] == pytest.approx([0.97 - 12.706 * 0.01, 0.97 + 12.706 * 0.01], abs=1e-4)  # sd 0.01414 / sqrt 2
+    assert gp["lower95"] == pytest.approx(0.97 - 6.314 * 0.01, abs=1e-4)
+    assert vl["rel_sd_per_run"] == pytest.approx((0.04 / 3) ** 0.5 / 2.1)  # 5.50%: 2 (1.96 x 5.50)^2 = 232.3
+    assert vl["runs_for_target"] == 233
 
 
 def test_live_fault_rows_by_hand():

@@ -217,7 +217,7 @@ class ElasticWorker:
         if self._eval_fn is None:
             self._eval_fn = Evaluator(self.loc).loss_fn(True)
         params = jax.tree.map(lambda x, s: jax.device_put(jnp.asarray(x), s), theta,
-                              jax.tree.map(lambda a: a.sharding, self.loc.abstract_state().outer.params))
+                              self.loc.layout.state_shardings.outer.params)  # (no eval_shape per evaluation)
         losses = [float(multihost.local_value(self._eval_fn(params, self.loc.put_batch(b)))) for b in self.val]
         return sum(losses) / len(losses)
 
