@@ -112,11 +112,14 @@ def load(path: str) -> dict:
     if not d.get("args", {}).get("abba") or "states_b" not in live:
         raise ValueError("not an ABBA run of bench_faults --part live (expected args.abba and live.states_b: "
                          "run it with --abba)")
-    kept = {"fault_free": live["states"]["fault_free"]["kept"], "live": live["states"]["live"]["kept"],
-            "live_b": live["states_b"]["live"]["kept"], "fault_free_b": live["states_b"]["fault_free"]["kept"]}
-    return {"file": path, "commit": d["env"].get("git_commit", "")[:7], "date_utc": d["env"].get("date_utc"),
-            "setting": setting_of(d["args"]), "goodput": live["abba"]["ratio"],
-            "goodput_pairs": [live["abba"]["ratio_first_pair"], live["abba"]["ratio_second_pair"]], "kept": kept}
+    try:
+        kept = {"fault_free": live["states"]["fault_free"]["kept"], "live": live["states"]["live"]["kept"],
+                "live_b": live["states_b"]["live"]["kept"], "fault_free_b": live["states_b"]["fault_free"]["kept"]}
+        return {"file": path, "commit": d["env"].get("git_commit", "")[:7], "date_utc": d["env"].get("date_utc"),
+                "setting": setting_of(d["args"]), "goodput": live["abba"]["ratio"],
+                "goodput_pairs": [live["abba"]["ratio_first_pair"], live["abba"]["ratio_second_pair"]], "kept": kept}
+    except KeyError as e:
+        raise ValueError(f"no field {e} (expected a complete bench_faults --part live --abba JSON)") from None
 
 
 def pool(runs: list[dict], goodput_target: float = 0.95, loss_target: float = 0.01) -> dict:
@@ -145,13 +148,11 @@ def pool(runs: list[dict], goodput_target: float = 0.95, loss_target: float = 0.
 
 
 def group(loaded: list[dict]) -> list[list[dict]]:
-    keys: list[str] = []
+    """The runs by setting, in the order each setting first appears."""
     by: dict[str, list[dict]] = {}
     for r in loaded:
-        k = json.dumps(r["setting"], sort_keys=True)
-        keys += [] if k in by else [k]
-        by.setdefault(k, []).append(r)
-    return [by[k] for k in keys]
+        by.setdefault(json.dumps(r["setting"], sort_keys=True), []).append(r)
+    return list(by.values())
 
 
 def _pct(x: float | None) -> str:
@@ -203,7 +204,10 @@ def main(argv=None) -> int:
             print(f"pool_live: skipping {path}: {e}", file=sys.stderr)
     if not loaded:
         p.error("no ABBA run among the inputs")
-    groups = [pool(g, args.goodput_target, args.loss_target) for g in group(loaded)]
+    try:
+        groups = [pool(g, args.goodput_target, args.loss_target) for g in group(loaded)]
+    except ValueError as e:
+        p.error(str(e))
     report(groups)
     common.write_json(args.json, {"env": common.env_info(), "args": vars(args), "groups": groups})
     return 0

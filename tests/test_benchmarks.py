@@ -237,6 +237,11 @@ def test_pool_live_by_hand(tmp_path):
     assert main(files + ["--json", str(out)]) == 0
     with pytest.raises(ValueError, match="not an ABBA run"):
         load(files[3])
+    short = abba(0.96, [2.0, 2.1, 2.3, 2.2], [21000, 20000, 22000, 23000])
+    del short["live"]["abba"]["ratio"]
+    (tmp_path / "short.json").write_text(json.dumps(short))
+    with pytest.raises(ValueError, match="no field 'ratio'"):
+        load(str(tmp_path / "short.json"))
     half, full = json.loads(out.read_text())["groups"]
     assert half["setting"]["carried_weight"] == 0.5 and full["setting"]["carried_weight"] == 1.0
     assert [r["goodput"] for r in half["runs"]] == [0.96, 0.98] and len(full["runs"]) == 1
