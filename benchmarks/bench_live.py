@@ -50,7 +50,7 @@ JOINED = re.compile(r"edit-jax worker (\d+): joined at round (\d+)")
 RESTARTED = re.compile(r"edit-jax: worker (\d+) ended \((.*?)\); starting it again")
 SMOKE_SIZES = ["model.n_layers=1", "data.seq_len=32", "eval_batches=1"]
 MTBF_S = 30.0  # the default --mtbf of this part
-FIT_ROUNDS = 20  # the val loss at equal tokens, also from a line through the this many rounds of a run nearest to them
+FIT_ROUNDS = 20  # the val loss at equal tokens, also from a line through a run's this many rounds nearest them
 
 
 def add_args(p) -> None:
@@ -553,14 +553,19 @@ def abba(out: dict) -> dict:
             "fault_free_drift": tps["fault_free_b"] / tps["fault_free"]}
 
 
-def abba_val_loss(states: dict, states_b: dict) -> dict | None:
-    """The val loss of the four ABBA runs, each read off the line through its last FIT_ROUNDS
-    published θ̄ at one tally (the smallest of the four runs' last): the live runs' mean against
-    the fault-free runs' mean, as ``abba`` compares tokens/s, and the two fault-free runs against
-    each other (the bench's own noise floor: the same command twice). None if a run has too few rounds."""
-    kept = {"fault_free": states["fault_free"]["kept"], "live": states["live"]["kept"],
+def abba_kept(states: dict, states_b: dict) -> dict:
+    """The four ABBA runs' evaluated θ̄ ([round, tally, val loss] each), by run name in run order."""
+    return {"fault_free": states["fault_free"]["kept"], "live": states["live"]["kept"],
             "live_b": states_b["live"]["kept"], "fault_free_b": states_b["fault_free"]["kept"]}
-    tally = min(k[-1][1] for k in kept.values())
+
+
+def abba_val_loss(states: dict, states_b: dict, tally: float | None = None) -> dict | None:
+    """The val loss of the four ABBA runs, each read off its fitted line (``fitted_val_loss``) at one
+    tally (default: the smallest of the four runs' last): the live runs' mean against the fault-free
+    runs' mean, as ``abba`` compares tokens/s, and the two fault-free runs against each other (the
+    bench's own noise floor: the same command twice). None if a run has too few rounds."""
+    kept = abba_kept(states, states_b)
+    tally = min(k[-1][1] for k in kept.values()) if tally is None else tally
     fit = {n: fitted_val_loss(k, tally) for n, k in kept.items()}
     if None in fit.values():
         return None
@@ -678,4 +683,5 @@ def _print(out: dict) -> None:
                             + " of the workers' time (seen in records every log_every steps)")
 
 
-__all__ = ["add_args", "part_live", "overrides", "LiveRun", "drive", "abba", "abba_val_loss", "fitted_val_loss"]
+__all__ = ["add_args", "part_live", "overrides", "LiveRun", "drive", "abba", "abba_kept", "abba_val_loss",
+           "fitted_val_loss"]

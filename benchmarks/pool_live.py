@@ -8,7 +8,7 @@ period, carried_weight); per group:
 
 - goodput: each ABBA run's live / fault-free of the means (its own drift cancelled), the mean over
   runs with a Student-t interval and one-sided lower bound, and how many runs reach ``--goodput-target``;
-- val loss at equal tokens: every run's θ̄ line (bench_live.fitted_val_loss) read at one tally, the
+- val loss at equal tokens: every run's θ̄ line (bench_live.abba_val_loss) read at one tally, the
   smallest last tally in the group; the live runs' mean against the fault-free runs' mean with a
   Welch interval and one-sided upper bound (each fault-free run is the same command again: their
   scatter is the bench's own noise; the bound answers "no more than x% worse"), the same per ABBA
@@ -32,12 +32,11 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import harness as common  # noqa: E402
-from benchmarks.bench_live import fitted_val_loss  # noqa: E402
+from benchmarks.bench_live import abba_kept, abba_val_loss  # noqa: E402
 
 SETTING = ("kill_config", "live_workers", "tau_time", "grace", "mtbf", "duration", "stop_s", "progress_every",
            "carried_weight")
 DEFAULTS = {"carried_weight": 1.0, "progress_every": 0.0}  # what a field absent from an older JSON meant then
-RUNS = ("fault_free", "live", "live_b", "fault_free_b")  # the ABBA order
 # Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom; between rows linear in 1/df
 T975 = ((1, 12.706), (2, 4.303), (3, 3.182), (4, 2.776), (5, 2.571), (6, 2.447), (7, 2.365), (8, 2.306),
         (9, 2.262), (10, 2.228), (12, 2.179), (15, 2.131), (20, 2.086), (30, 2.042), (60, 2.000), (120, 1.980))
@@ -105,7 +104,7 @@ def setting_of(args: dict) -> dict:
 
 
 def load(path: str) -> dict:
-    """One ABBA JSON: its setting, goodput and the four runs' [round, tally, val loss] lists."""
+    """One ABBA JSON: its setting, goodput, the two pairs' evaluated states and the four runs' smallest last tally."""
     with open(path) as f:
         d = json.load(f)
     live = d.get("live") or {}
@@ -113,26 +112,25 @@ def load(path: str) -> dict:
         raise ValueError("not an ABBA run of bench_faults --part live (expected args.abba and live.states_b: "
                          "run it with --abba)")
     try:
-        kept = {"fault_free": live["states"]["fault_free"]["kept"], "live": live["states"]["live"]["kept"],
-                "live_b": live["states_b"]["live"]["kept"], "fault_free_b": live["states_b"]["fault_free"]["kept"]}
         return {"file": path, "commit": d["env"].get("git_commit", "")[:7], "date_utc": d["env"].get("date_utc"),
                 "setting": setting_of(d["args"]), "goodput": live["abba"]["ratio"],
-                "goodput_pairs": [live["abba"]["ratio_first_pair"], live["abba"]["ratio_second_pair"]], "kept": kept}
+                "goodput_pairs": [live["abba"]["ratio_first_pair"], live["abba"]["ratio_second_pair"]],
+                "states": live["states"], "states_b": live["states_b"],
+                "last_tally": min(k[-1][1] for k in abba_kept(live["states"], live["states_b"]).values())}
     except KeyError as e:
         raise ValueError(f"no field {e} (expected a complete bench_faults --part live --abba JSON)") from None
 
 
 def pool(runs: list[dict], goodput_target: float = 0.95, loss_target: float = 0.01) -> dict:
     """One group's runs (one setting) pooled; see the module's docstring."""
-    tally = min(k[-1][1] for r in runs for k in r["kept"].values())
+    tally = min(r["last_tally"] for r in runs)
     rows = []
     for r in runs:
-        fit = {n: fitted_val_loss(r["kept"][n], tally) for n in RUNS}
-        if None in fit.values():
+        v = abba_val_loss(r["states"], r["states_b"], tally)
+        if v is None:
             raise ValueError(f"{r['file']}: a run with under 3 published rounds (expected a run of >= 3 rounds)")
         rows.append({k: r[k] for k in ("file", "commit", "date_utc", "goodput", "goodput_pairs")} |
-                    {"fit": fit, "loss_rel_diff_of_means": (fit["live"] + fit["live_b"]) /
-                     (fit["fault_free"] + fit["fault_free_b"]) - 1})
+                    {"fit": v["fit"], "loss_rel_diff_of_means": v["rel_diff_of_means"]})
     ff = [x["fit"][n] for x in rows for n in ("fault_free", "fault_free_b")]
     lv = [x["fit"][n] for x in rows for n in ("live", "live_b")]
     good = mean_interval([x["goodput"] for x in rows])
@@ -200,7 +198,7 @@ def main(argv=None) -> int:
     for path in args.inputs:
         try:
             loaded.append(load(path))
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError) as e:  # (load names a missing field as a ValueError)
             print(f"pool_live: skipping {path}: {e}", file=sys.stderr)
     if not loaded:
         p.error("no ABBA run among the inputs")

@@ -161,13 +161,16 @@ def test_live_abba_ratio_by_hand():
 
 
 def test_live_fitted_val_loss_by_hand():
-    """bench_live's val loss at equal tokens from a line: exact on points of a line, the rounds
-    before the last FIT_ROUNDS left out, None under 3 rounds."""
+    """bench_live's val loss at equal tokens from a line: exact on points of a line, only the
+    FIT_ROUNDS rounds nearest the tally in the fit (before it or, in a run that went on, after it),
+    None under 3 rounds."""
     from benchmarks.bench_live import FIT_ROUNDS, fitted_val_loss
 
     on_line = [[r, 1000 * r, 3.0 - 0.0001 * 1000 * r] for r in range(1, FIT_ROUNDS + 1)]
     outliers = [[0, -1000, 50.0]] * 5  # older rounds far off the line: outside the fit
     assert fitted_val_loss(outliers + on_line, 12345.0) == pytest.approx(3.0 - 1.2345)
+    later = [[FIT_ROUNDS + i, 10 ** 6 * i, 50.0] for i in range(1, 6)]  # a longer run's later rounds, off the line
+    assert fitted_val_loss(on_line + later, 12345.0) == pytest.approx(3.0 - 1.2345)
     assert fitted_val_loss(on_line[:2], 100.0) is None
 
 

@@ -19,8 +19,9 @@ Where: ``executables/`` inside the run's compile cache directory (JAX's cache na
 ``train.compile_cache`` is. A miss compiles for real (never from JAX's cache: ``FRESH`` says why)
 and writes the entry (aside, then renamed: whole or absent; workers writing the same program write
 equivalent bytes; written here, not with ``rundir.records.replace_file``, which ``rundir`` importing
-``runtime`` rules out and which stops the run on a failed write, where a cache entry must not). An entry that cannot be loaded (cut short, another jaxlib's bytes) is counted, compiled
-again and replaced; it never fails a run. Loading an entry unpickles it: keep the cache directory
+``runtime`` rules out and which stops the run on a failed write, where a cache entry must not). An
+entry that cannot be loaded (cut short, another jaxlib's bytes) is counted, compiled again and
+replaced; it never fails a run. Loading an entry unpickles it: keep the cache directory
 as private as the run dir (JAX's own cache deserializes executables from it the same way).
 """
 
