@@ -20,7 +20,7 @@ part as its ``validate(cfg)``, next to what it checks against:
 
 ``validate`` runs ``check_fields`` first (so a part may assume ranges hold, e.g. ``mesh.replica
 > 0``), then each part in that order; the first broken rule raises ``ConfigError`` naming its key.
-To add a check: a field-only one goes into ``config.check_fields``; one that asks a part goes into
+To add a check: a field-only one goes into ``config_checks.check_fields``; one that asks a part goes into
 that part's ``validate`` (a new part: a ``validate(cfg)`` there and one line below).
 
 Nothing here needs devices or data, or starts a JAX backend: ``edit-jax train`` validates before
@@ -30,7 +30,8 @@ when its first backend starts; tests/test_imports.py checks this).
 
 from __future__ import annotations
 
-from edit_jax.config import Config, ConfigError, check_fields
+from edit_jax.config import Config, ConfigError
+from edit_jax.config_checks import check_fields
 from edit_jax.config_files import read_config
 from edit_jax.data import corrupt, sources
 from edit_jax.hf import load as hf_load
