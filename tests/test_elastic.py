@@ -230,7 +230,12 @@ def _two_workers(tmp_path, ElasticWorker):
     assert ElasticWorker(cfg, 1, run, say=lambda m: None).run() == 0  # finished: nothing to do
     assert [sorted({"joined", "finished_round"} & set(r)) for r in _records(run)[len(recs):]] == \
         [["joined"], ["finished_round"]]  # it joined, then found the budget spent
-    # A larger budget: the run resumes from the newest round, each worker at its own cursor.
+    # A larger budget: a worker started by hand with steps=60 adopts the run's; the launcher (holding
+    # the run lock) raises it (admission.py). The run resumes from the newest round, each worker at its own cursor.
+    from edit_jax.elastic.admission import admit
+
+    assert admit(DirExchange(ex), _config(ex, "steps=60"), run, say=lambda m: None).steps == cfg.steps
+    admit(DirExchange(ex), _config(ex, "steps=60"), run, say=lambda m: None, owner=True)
     more = ElasticWorker(_config(ex, "steps=60"), 0, run, say=lambda m: None)
     shared = more.join()
     assert shared.round == rounds[-1]["round"] and shared.digest() == rounds[-1]["theta_hash"]

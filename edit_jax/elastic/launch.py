@@ -31,11 +31,13 @@ import time
 import traceback
 
 from edit_jax.elastic import command
+from edit_jax.elastic.admission import NotAdmitted, admit, launcher_lock
 from edit_jax.elastic.exchange import Exchange, open_exchange
 from edit_jax.elastic.rounds import retract
+from edit_jax.rundir.runlock import RunDirError, RunLockError
 from edit_jax.runtime.launch import die_with_parent, without_cpu_device_count
 
-EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_WORKER_LOST = 0, 2, 130, 5
+EXIT_OK, EXIT_USAGE, EXIT_LOCKED, EXIT_INTERRUPTED, EXIT_WORKER_LOST = 0, 2, 4, 130, 5
 ENV_START = "EDIT_JAX_WORKER_START"  # "fork" (default where safe) or "spawn"
 
 
@@ -213,12 +215,25 @@ def launch_workers(config: str, run_dir: str, overrides: list[str], workers: int
 
 
 def launch_run(cfg, args, run_dir: str) -> int:
-    """``edit-jax train`` with ``sync.exchange``: checks ``--max-restarts``, then the workers."""
+    """``edit-jax train`` with ``sync.exchange``: checks ``--max-restarts``, takes the run dir's lock
+    (exit 4 when another launcher holds it), is admitted to the run (exit 2: ``admission.py``), then
+    the workers."""
     if args.max_restarts < 0:
         print(f"edit-jax: bad option: --max-restarts {args.max_restarts}: expected 0 or more", file=sys.stderr)
         return 2
-    return launch_workers(args.config, run_dir, args.overrides, cfg.mesh.processes, cfg.mesh.shard, args.max_restarts,
-                          exchange=open_exchange(cfg.sync.exchange))
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        with launcher_lock(run_dir, cfg, say):  # one launcher per run dir, before any work
+            exchange = open_exchange(cfg.sync.exchange)
+            admit(exchange, cfg, run_dir, say, owner=True)  # the run's config; this launcher sets its `steps`
+            return launch_workers(args.config, run_dir, args.overrides, cfg.mesh.processes, cfg.mesh.shard,
+                                  args.max_restarts, exchange=exchange)
+    except (NotAdmitted, RunDirError) as e:
+        print(f"edit-jax: {'bad config' if isinstance(e, NotAdmitted) else 'run dir error'}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except RunLockError as e:
+        print(f"edit-jax: {e}", file=sys.stderr)
+        return EXIT_LOCKED
 
 
 def _how(code: int) -> str:

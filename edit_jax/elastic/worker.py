@@ -33,6 +33,7 @@ from edit_jax.data import check_model_vocab, load_corpus, make_train_stream, val
 from edit_jax.elastic import packed as PK
 from edit_jax.elastic import progress as PG
 from edit_jax.elastic import rounds as R
+from edit_jax.elastic.admission import NotAdmitted, admit, write_run_config
 from edit_jax.elastic.exchange import Exchange, open_exchange
 from edit_jax.elastic.local_training import Local, LocalTraining
 from edit_jax.elastic.outer_round import OuterRound
@@ -60,8 +61,7 @@ class RoundMismatch(RuntimeError):
 
 class ElasticWorker(LocalTraining):
     def __init__(self, cfg: Config, worker: int, run_dir: str, say=print, exchange: Exchange | None = None):
-        method_plan = plan_for(cfg)
-        self.cfg = cfg = method_plan.cfg
+        self.cfg = cfg
         if not cfg.sync.exchange and exchange is None:
             raise ValueError("sync.exchange: required for an elastic worker (a directory or s3://bucket/prefix)")
         if not 0 <= worker < cfg.mesh.replica:
@@ -69,7 +69,11 @@ class ElasticWorker(LocalTraining):
         self.me, self.run_dir, self.say = worker, run_dir, say
         self.ex = exchange or open_exchange(cfg.sync.exchange)
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
-        self.check_slot_free()  # before any work
+        # Admitted before anything is written (no run-dir file, record or post): the run's config,
+        # with the run's `steps`, or NotAdmitted (admission.py); then its slot, before any work.
+        method_plan = plan_for(admit(self.ex, cfg, run_dir, say))
+        self.cfg = cfg = method_plan.cfg
+        self.check_slot_free()
         self.plan = method_plan.plan
         lcfg = multihost.local_config(cfg)
         # Its own program only steps (the posts are encoded on the host): no residual buffer on its devices.
@@ -98,8 +102,7 @@ class ElasticWorker(LocalTraining):
 
     def _start_time(self) -> float:
         os.makedirs(self.run_dir, exist_ok=True)
-        path = os.path.join(self.run_dir, "config.json")  # what runs (a restart may change `steps`)
-        replace_file(path, dumps(self.cfg) + "\n", tmp=f"{path}.w{self.me}.tmp")
+        write_run_config(self.ex, self.run_dir, self.me)  # the run's config, never this worker's own
         self.ex.create("run/start.json", json.dumps({"time": time.time()}).encode())
         return float(json.loads(self.ex.get("run/start.json").decode())["time"])
 
@@ -320,8 +323,8 @@ def run_worker(cfg: Config, worker: int, run_dir: str, say=print) -> int:
     """Runs worker ``worker`` until the run ends (0) or a signal stops it (130)."""
     try:
         w = ElasticWorker(cfg, worker, run_dir, say)
-    except SlotInUse as e:
-        say(f"edit-jax: {e}")
+    except (SlotInUse, NotAdmitted) as e:  # exit 2: the launcher does not start it again
+        say(f"edit-jax: {'bad config: ' if isinstance(e, NotAdmitted) else ''}{e}")
         return 2
 
     def on_signal(signum, frame):

@@ -46,6 +46,7 @@ from types import ModuleType
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from edit_jax.config import Config, require
+from edit_jax.models import sizes
 
 FAMILIES = {"llama": "edit_jax.models.llama"}
 # The name (``jax.ad_checkpoint.checkpoint_name``) of a hook's value that a family's remat keeps
@@ -122,9 +123,11 @@ def model_family(name: str) -> ModuleType:
 
 
 def validate(cfg: Config) -> None:
-    """``model.family`` names a family of ``FAMILIES``."""
+    """``model.family`` names a family of ``FAMILIES``; its sizes fit XLA's int64 (``sizes.py``)."""
     require(cfg.model.family in FAMILIES, "model.family",
             f"expected one of {', '.join(FAMILIES)}; got {cfg.model.family!r}")
+    if cfg.model.family == "llama":  # sizes XLA cannot address abort in C++: refused here, in Python ints
+        sizes.validate(cfg)
 
 
 __all__ = ["FAMILIES", "CONTRACT", "OPTIONAL", "HOOK_SAVED", "Params", "Hook", "ScannedModel", "ModelFamily",

@@ -164,6 +164,9 @@ def plan(cfg, device_memory_gb: float = 80.0, target: GpuTarget | None = None, l
         "steps": steps,
         "tau_window": window,
     }
+    if cfg.sync.exchange:  # what is planned above is the in-program A-EDiT: say what the exchange's workers differ in
+        out["exchange"] = {"url": cfg.sync.exchange, "devices_per_worker": s, "tau_time": cfg.sync.tau_time,
+                           "wire": cfg.sync.compress}
     if target is not None:  # the verdict is XLA:GPU's own peak, not the estimate
         peak = max(v["xla_gpu"]["memory"]["peak_bytes"] for v in steps.values())
         out["target"] = {"name": target.name, "description": target.description, "memory_bytes": target.memory_bytes,
@@ -205,6 +208,13 @@ def report(p: dict) -> str:
                  f"{_gb(p['cpu_compiled_max_temp_bytes'])} GiB)")
     if "target" in p:
         lines += gpu_plan.report_lines(p)
+    if "exchange" in p:
+        x = p["exchange"]
+        lines.append(f"exchange: these are the in-program figures. With sync.exchange the workers are separate "
+                     f"programs (mesh.shard={x['devices_per_worker']} devices each) meeting through {x['url']}: a "
+                     f"worker runs only the 'local' step, sends nothing across replica (a post of its pseudo gradient, "
+                     f"wire {x['wire']}, every {x['tau_time']:g} s) and keeps θ̄ and the outer state in host memory, "
+                     "not on its devices")
     return "\n".join(lines)
 
 
