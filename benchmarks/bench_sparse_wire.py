@@ -76,17 +76,16 @@ def codec(wire: str, repeats: int, cfg) -> float:
     import jax.numpy as jnp
     import numpy as np
 
-    from edit_jax.localsgd import sparse
+    from edit_jax.localsgd.codec import Codec
     from edit_jax.localsgd.fragments import unit_param_counts
 
-    kind, o = sparse.parse(wire)
-    bits, k, chunk = sparse.BITS[kind], o["k"], o["chunk"]
+    codec = Codec.from_name(wire)
+    chunk = codec.chunk
     sizes = [u // cfg.mesh.shard for u in unit_param_counts(cfg)]
     xs = [jnp.asarray(np.random.default_rng(i).standard_normal(-(-m // chunk) * chunk).astype(np.float32)
                       .reshape(-1, chunk)) for i, m in enumerate(sizes)]
     n = cfg.mesh.replica
-    f = jax.jit(lambda xs: [jnp.sum(sparse.decode(jnp.stack([sparse.encode(x, bits, k)] * n), bits, k, chunk), 0)
-                            for x in xs])
+    f = jax.jit(lambda xs: [jnp.sum(codec.decode(jnp.stack([codec.encode(x)] * n)), 0) for x in xs])
     return _median(lambda: f(xs), repeats)
 
 
@@ -99,7 +98,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.compress, args.repeats, overrides = "topk2", 1, [*SMOKE_OVERRIDES, *overrides]
     common.ensure_cpu_devices(8)  # the demo's 2 x 4 mesh (before JAX starts)
-    from edit_jax.localsgd import sparse
+    from edit_jax.localsgd.codec import Codec
     from edit_jax.validate import load_config
 
     rows = {c: bench(c, overrides, args.repeats) for c in args.compress.split(",")}
@@ -111,7 +110,7 @@ def main(argv=None) -> int:
     cfg = load_config(os.path.join(REPO, "configs", "demo.py"), overrides)
     codecs = {}
     for c in rows:
-        if sparse.is_sparse(c):
+        if Codec.from_name(c).is_sparse:
             codecs[c] = codec(c, args.repeats, cfg)
             print(f"{c}: encode + decode x {cfg.mesh.replica} of one device's units: {codecs[c] * 1e3:.2f} ms")
     common.write_json(args.json, {"env": common.env_info(), "args": vars(args), "overrides": overrides, "rows": rows,

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from edit_jax.elastic import packed as PK
 from edit_jax.elastic import rounds as R
 from edit_jax.elastic.outer_round import OuterRound
-from edit_jax.localsgd import sparse
+from edit_jax.localsgd.codec import Codec
 from edit_jax.localsgd.compress import flatten_unit
 from edit_jax.localsgd.methods import OuterSpec, Penalty, Plan
 from edit_jax.localsgd.outer import Detector, make_outer_optimizer, sync_unit
@@ -32,6 +32,7 @@ from edit_jax.localsgd.sharding import REPLICA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIRE = "topk2;chunk=16;k=4"  # small chunks: the tiny tensors below are sparsified for real
+CODEC = Codec.from_name(WIRE, error_feedback=True)
 
 
 def _theta(rng, layers=2):
@@ -54,7 +55,7 @@ def _flat_residual(res_tree, layerwise=True, chunk=16):
 
 @functools.cache
 def _encoder(wire):
-    return jax.jit(lambda d, e: PK.encode_post(d, e, wire, True))
+    return jax.jit(lambda d, e: PK.encode_post(d, e, Codec.from_name(wire), True))
 
 
 def _encode(delta, residual, wire=WIRE):
@@ -69,7 +70,7 @@ PLAN = Plan("a_edit", "timed:layerwise", True, Penalty(warmup=2, step_weight_rat
 
 @functools.cache
 def _round():  # one OuterRound: its programs compile once per participant count for every test
-    return OuterRound(PLAN, WIRE)
+    return OuterRound(PLAN, CODEC)
 
 
 def _setup(n, rng):
@@ -106,7 +107,7 @@ def test_packed_round_equals_the_in_program_compressed_sync():
 
     def body(local, det, e, theta_u, opt_u):  # one worker of the in-program compressed sync, one unit
         one = lambda t: jax.tree.map(lambda x: x[0], t)  # noqa: E731
-        r = sync_unit(one(local), theta_u, opt_u, one(det), plan.penalty, opt, shares=shares, compress=WIRE,
+        r = sync_unit(one(local), theta_u, opt_u, one(det), plan.penalty, opt, shares=shares, codec=CODEC,
                       residual=one(e), reduction=ReplicaPsum(axis=REPLICA, norm_axes=()))
         return r.outer_params, r.opt_state, jax.tree.map(lambda x: x[None], r.detector), \
             jax.tree.map(lambda x: x[None], r.residual)
@@ -184,10 +185,11 @@ def test_post_bytes_match_the_bits_per_parameter(wire):
     rng = np.random.default_rng(4)
     theta = {"root": {"embed": np.zeros((300, 64), np.float32)}, "layers": {"w": np.zeros((2, 64, 256), np.float32)}}
     delta = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), theta)
-    rows, norms, _ = _encode(delta, PK.zero_residual(theta, True, 4096), wire)
+    codec = Codec.from_name(wire)
+    rows, norms, _ = _encode(delta, PK.zero_residual(theta, True, codec), wire)
     sizes = [300 * 64, 64 * 256, 64 * 256]
-    want_bits = sparse.bits_per_param(wire, sizes) * sum(sizes)
-    assert 8 * sum(r.nbytes for r in rows) == round(want_bits) == 8 * PK.post_bytes(theta, True, wire)
+    want_bits = codec.bits_per_param(sizes) * sum(sizes)
+    assert 8 * sum(r.nbytes for r in rows) == round(want_bits) == 8 * PK.post_bytes(theta, True, codec)
     data = R.Post(0, 1, rows, 1, 1, 0.0, "", wire=wire, norms=norms).encode()
     f32 = R.Post(0, 1, jax.tree.leaves(delta), 1, 1, 0.0, "").encode()
     assert 0 < len(data) - want_bits / 8 < 1500 and 4 * sum(sizes) < len(f32) < 4 * sum(sizes) + 1500
@@ -196,7 +198,7 @@ def test_post_bytes_match_the_bits_per_parameter(wire):
 def test_a_mismatched_reader_fails_naming_both():
     rng = np.random.default_rng(5)
     theta = _theta(rng)
-    rows, norms, _ = _encode(theta, PK.zero_residual(theta, True, 16))
+    rows, norms, _ = _encode(theta, PK.zero_residual(theta, True, CODEC))
     data = R.Post(2, 1, rows, 1, 1, 0.0, "", wire=WIRE, norms=norms).encode()
     assert R.Post.decode(data, "p", "topk2;chunk=16;k=4;decay=0.9").worker == 2  # the decay is the poster's
     with pytest.raises(ValueError, match=r"p: the post carries 'topk2;chunk=16;k=4' .* reads 'none'"):
@@ -211,10 +213,10 @@ def test_a_mismatched_reader_fails_naming_both():
         R.Post.decode(R.pack(leaves, {**meta, "format": 3}), "p", WIRE)
     wrong = R.Post(2, 1, [rows[0][:-1], rows[1]], 1, 1, 0.0, "", wire=WIRE, norms=norms)
     start = OuterRound(Plan("a_edit", "timed:layerwise", True, Penalty.off(), OuterSpec("nesterov", 1.0, 0.0, False)),
-                       WIRE).initial(theta, slots=1, n_units=3, window=2)
+                       CODEC).initial(theta, slots=1, n_units=3, window=2)
     with pytest.raises(ValueError, match="worker 2's packed post has rows"):
         OuterRound(Plan("a_edit", "timed:layerwise", True, Penalty.off(), OuterSpec("nesterov", 1.0, 0.0, False)),
-                   WIRE).apply(start, [wrong])
+                   CODEC).apply(start, [wrong])
 
 
 def _config(*extra):

@@ -132,7 +132,7 @@ def test_saved_residual_of_a_packed_wire_resumes(tmp_path):
     cfg = _config(ex, "sync.progress_every=0.05", "sync.compress=topk2", "sync.error_feedback=true")
     with compile_cache(os.environ.get("EDIT_JAX_COMPILE_CACHE")):
         w, shared, local = _started(cfg, run)
-        zeros = PK.zero_residual(shared.theta, w.plan.layerwise, PK.layout(w.wire)[2])
+        zeros = PK.zero_residual(shared.theta, w.plan.layerwise, w.codec)
         rng = np.random.default_rng(0)
         local.residual = [rng.standard_normal(z.shape).astype(np.float32) for z in zeros]
         w.train_for(local, 0.0)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
+from edit_jax.localsgd.codec import Codec
 from edit_jax.localsgd.methods import OuterSpec, Penalty
 from edit_jax.localsgd.outer import Detector, make_outer_optimizer, sync_unit
 from edit_jax.localsgd.reduction import ReplicaPsum, Stacked
@@ -46,14 +47,14 @@ def _both(compress: str, n: int, with_residual: bool, penalty: Penalty):
     # Each worker on its own devices: the harness's psum over `replica`.
     def psum_body(theta_s, opt_s, local, det, res):
         one = jax.tree.map(lambda x: x[0], (local, det, res))
-        out = sync_unit(one[0], theta_s, opt_s, one[1], penalty, opt, compress=compress, residual=one[2],
+        out = sync_unit(one[0], theta_s, opt_s, one[1], penalty, opt, codec=Codec(compress), residual=one[2],
                         reduction=ReplicaPsum())
         return out.outer_params, out.opt_state, jax.tree.map(lambda x: x[None], out.detector), out.metrics, \
             (None if out.residual is None else jax.tree.map(lambda x: x[None], out.residual))
 
     # Every worker stacked in one program (still FSDP blocks over `shard`).
     def stacked_body(theta_s, opt_s, local, det, res):
-        out = sync_unit(local, theta_s, opt_s, det, penalty, opt, compress=compress, residual=res,
+        out = sync_unit(local, theta_s, opt_s, det, penalty, opt, codec=Codec(compress), residual=res,
                         reduction=Stacked(norm_axes=SHARD))
         return out.outer_params, out.opt_state, out.detector, out.metrics, out.residual, out.params
 

@@ -36,6 +36,7 @@ from test_streaming_sync import EDIT4, _cross_replica, _mesh, np_sync_compressed
 
 from edit_jax.config import ConfigError, MeshConfig
 from edit_jax.localsgd import sparse
+from edit_jax.localsgd.codec import Codec
 from edit_jax.localsgd.compress import compressed_weighted_sum, stacked_compressed_sum
 from edit_jax.localsgd.fragments import unit_param_counts
 from edit_jax.localsgd.programs import StepPrograms
@@ -90,8 +91,13 @@ def np_decode(packed: np.ndarray, bits: int, k: int, chunk: int) -> np.ndarray:
 
 
 def np_roundtrip(x, wire):
-    kind, o = sparse.parse(wire)
-    return np_decode(np_encode(x, sparse.BITS[kind], o["k"]), sparse.BITS[kind], o["k"], o["chunk"])
+    c = Codec.from_name(wire)
+    return np_decode(np_encode(x, c.bits, c.k), c.bits, c.k, c.chunk)
+
+
+def roundtrip(x, wire):
+    c = Codec.from_name(wire)
+    return np.asarray(c.decode(c.encode(jnp.asarray(x))))
 
 
 def _ties(rng, chunk):
@@ -124,13 +130,13 @@ def test_encoder_matches_numpy(bits, k, chunk):
 def test_level_bins_by_hand():
     x = np.zeros((1, 8), np.float32)
     x[0, :5] = [1.0, -0.76, 0.74, -0.3, 0.2]
-    two = np.asarray(sparse.roundtrip(jnp.asarray(x), "topk2;chunk=8;k=4"))[0]
+    two = roundtrip(x, "topk2;chunk=8;k=4")[0]
     np.testing.assert_array_equal(two, [1.0, -1.0, 0.5, -0.5, 0, 0, 0, 0])  # ±{s/2, s}, 0.2 not among top 4
-    four = np.asarray(sparse.roundtrip(jnp.asarray(x), "topk4;chunk=8;k=4"))[0]
+    four = roundtrip(x, "topk4;chunk=8;k=4")[0]
     np.testing.assert_array_equal(four, [1.0, -0.75, 0.75, -0.25, 0, 0, 0, 0])  # ±(j+1)/8·s, round(2.4)=2 -> 2/8
-    assert sparse.bits_per_param("topk2") == (64 * 14 + 32) / 4096 < 0.23
-    assert sparse.bits_per_param("topk4") == (64 * 16 + 32) / 4096 < 0.26
-    assert sparse.bits_per_param("topk2", [1000]) == 928 / 1000  # one padded chunk
+    assert Codec("topk2").bits_per_param() == (64 * 14 + 32) / 4096 < 0.23
+    assert Codec("topk4").bits_per_param() == (64 * 16 + 32) / 4096 < 0.26
+    assert Codec("topk2").bits_per_param([1000]) == 928 / 1000  # one padded chunk
 
 
 # ============================================================================= the exchange
@@ -140,7 +146,7 @@ def _exchange(n, deltas, w, wire, residual):
     mesh = make_mesh(MeshConfig(replica=n, shard=1), jax.devices()[:n])
 
     def body(d, w, e):
-        avg, res = compressed_weighted_sum({"a": d[0]}, w, wire, {"a": e[0]})
+        avg, res = compressed_weighted_sum({"a": d[0]}, w, Codec.from_name(wire), {"a": e[0]})
         return avg["a"], res["a"][None]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(REPLICA), P(), P(REPLICA)), out_specs=(P(), P(REPLICA))))
@@ -156,7 +162,8 @@ def test_exchange_and_residual_match_numpy(n, wire):
     deltas = (rng.standard_normal((n, 10, 100)) * np.geomspace(1e-3, 10, 10)[None, :, None]).astype(np.float32)
     resid = (rng.standard_normal((n, 10, 100)) * 0.1).astype(np.float32)
     w = rng.dirichlet(np.ones(n)).astype(np.float32)
-    chunk, decay = sparse.parse(wire)[1]["chunk"], np.float32(sparse.parse(wire)[1]["decay"])
+    codec = Codec.from_name(wire)
+    chunk, decay = codec.chunk, np.float32(codec.decay)
     padded = -(-1000 // chunk) * chunk
     x = np.zeros((n, padded), np.float32)
     x[:, :1000] = deltas.reshape(n, -1) + decay * resid.reshape(n, -1)
@@ -166,10 +173,10 @@ def test_exchange_and_residual_match_numpy(n, wire):
     avg, res = _exchange(n, deltas, w, wire, resid)
     np.testing.assert_allclose(avg, want, rtol=1e-6, atol=1e-7 * np.abs(want).max())
     np.testing.assert_array_equal(res, want_res)
-    s_avg, s_res = stacked_compressed_sum({"a": jnp.asarray(deltas)}, jnp.asarray(w), wire, {"a": jnp.asarray(resid)})
+    s_avg, s_res = stacked_compressed_sum({"a": jnp.asarray(deltas)}, jnp.asarray(w), codec, {"a": jnp.asarray(resid)})
     np.testing.assert_allclose(np.asarray(s_avg["a"]), want, rtol=1e-6, atol=1e-7 * np.abs(want).max())
     np.testing.assert_array_equal(np.asarray(s_res["a"]), want_res)
-    assert np.count_nonzero(dec[0]) == sparse.parse(wire)[1]["k"] * (padded // chunk)
+    assert np.count_nonzero(dec[0]) == codec.k * (padded // chunk)
 
 
 # ============================================================================= the sync on the tiny config
@@ -189,7 +196,7 @@ def topk2():
 def _np_sparse_avg(deltas, ok, w, dims, s, wire):
     """The device exchange in NumPy: per shard index, each worker's FSDP blocks flattened, padded to
     whole chunks, round-tripped, summed with the weights; back into full leaves."""
-    chunk = sparse.parse(wire)[1]["chunk"]
+    chunk = Codec.from_name(wire).chunk
     out = [np.zeros(x.shape, np.float32) for x in deltas[0]]
     for sh in range(s):
         vecs = [np.concatenate([np.split(np.asarray(x, np.float32), s, axis=d)[sh].reshape(-1)
@@ -216,7 +223,7 @@ def test_sync_matches_numpy_and_residual_is_what_was_not_sent(topk2):
     Algorithm 2 whose average goes through the NumPy round trip; each worker's new residual is
     Δ_i − (what it sent), 0 for a flagged worker."""
     cfg, m, start = topk2
-    assert m.rule.compress == "topk2"
+    assert m.rule.codec == Codec("topk2", error_feedback=True) and m.rule.codec.name == "topk2"
     dims = [jax.tree.leaves(m.layout.unit_dims["root"]), jax.tree.leaves(m.layout.unit_dims["layer"])]
     theta, trace, det, _, _ = np_sync_compressed(
         start.outer.params, start.outer.trace, start.params, _det_tuple(start.outer.detector), _ref_of(cfg),
@@ -259,7 +266,7 @@ def test_hlo_replica_collectives_are_the_packed_bytes(topk2):
     w = sync_bits(cfg, m.rule, hlo.collective_totals(parsed, True)["ring_bytes"])
     sizes = [u // m.s for u in unit_param_counts(cfg)]
     assert w["wire"] == "topk2"
-    assert w["config_sync_bits_per_param"] == pytest.approx((m.n - 1) * sparse.bits_per_param("topk2", sizes))
+    assert w["config_sync_bits_per_param"] == pytest.approx((m.n - 1) * Codec("topk2").bits_per_param(sizes))
     assert abs(w["sync_bits_per_param"] / w["config_sync_bits_per_param"] - 1) < 0.10, w
 
 
@@ -308,6 +315,33 @@ def test_bfloat16_residual_is_the_float32_one_rounded_once(tmp_path, topk2):
         ck.close()
     for a, b in zip(jax.tree.leaves(full.outer.extra["residual"]), jax.tree.leaves(_host(restored).outer.extra["residual"])):
         np.testing.assert_array_equal(np.asarray(a).astype(jnp.bfloat16), b)
+
+
+def test_a_compression_change_on_resume_is_said_or_refused(tmp_path, topk2):
+    """A topk2 checkpoint resumed as topk4 with another chunk (issue 56 item 2): one line names both
+    wires and the residual carries over as saved (it is the part of Δ not sent yet, laid out like the
+    params whatever the wire). Error feedback turned off: refused, naming the field and both values."""
+    from edit_jax.rundir.checkpoint import CheckpointError, Checkpointer
+    from edit_jax.training.resume import restore_verified
+
+    cfg, m, start = topk2
+    rng = np.random.default_rng(7)
+    saved = start.replace(outer=start.outer.replace(extra={"residual": jax.tree.map(
+        lambda x: rng.standard_normal(x.shape).astype(np.float32), start.outer.extra["residual"])}))
+    topk4 = _cfg(*EDIT4, "sync.compress=topk4", "sync.error_feedback=true", "sync.sparse_chunk=1024")
+    said = []
+    ck = Checkpointer(str(tmp_path), 2)
+    try:
+        ck.save(1, _put(m, saved), {"position": 0}, cfg)
+        restored, _, step = restore_verified(ck, topk4, StepPrograms.for_config(topk4, _mesh(topk4)), said.append, None)
+        with pytest.raises(CheckpointError, match=r"\(sync\.error_feedback: checkpoint True, config False\)"):
+            ck.check_compatible(ck.read_meta(1), _cfg(*EDIT4, "sync.compress=int8"), 1)
+    finally:
+        ck.close()
+    assert step == 1 and said == [
+        "edit-jax: checkpoint 1: the wire changed (sync.compress with its options: checkpoint 'topk2', config "
+        "'topk4;chunk=1024'): the saved error-feedback residual carries over (stored as float32)"]
+    _assert_tree_close(_host(restored.outer.extra["residual"]), saved.outer.extra["residual"], "residual", rtol=0, atol=0)
 
 
 # ============================================================================= resume and the guards

@@ -26,6 +26,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from edit_jax.config import ConfigError, MeshConfig
+from edit_jax.localsgd.codec import Codec
 from edit_jax.localsgd.compress import BLOCK, compressed_weighted_sum, dequantize_int8, exchange_pattern, quantize_int8
 from edit_jax.localsgd.fragments import balanced_groups, fragment_of_unit, unit_param_counts
 from edit_jax.localsgd.methods import StepKind, plan_for
@@ -287,7 +288,7 @@ def test_quantize_int8_matches_numpy():
 def _exchange(mesh, n, deltas, w, compress, pattern, residual=None):
     """compressed_weighted_sum on a (n, 1) mesh: deltas [n, ...] (worker i's row)."""
     def body(d, w, e):
-        avg, res = compressed_weighted_sum({"a": d[0]}, w, compress, None if e is None else {"a": e[0]}, pattern)
+        avg, res = compressed_weighted_sum({"a": d[0]}, w, Codec(compress), None if e is None else {"a": e[0]}, pattern)
         return avg["a"], (res["a"][None] if res is not None else d)
 
     rep = P(REPLICA)

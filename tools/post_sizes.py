@@ -10,7 +10,7 @@ import numpy as np
 
 from edit_jax.elastic import packed as PK
 from edit_jax.elastic import rounds as R
-from edit_jax.localsgd import sparse
+from edit_jax.localsgd.codec import Codec
 from edit_jax.models.llama import init_params
 from edit_jax.validate import load_config
 
@@ -23,11 +23,11 @@ for path in sys.argv[1:]:
     f32 = len(R.Post(0, 1, jax.tree.leaves(delta), 1, 1, 0.0, "0" * 24).encode())
     print(f"{path}: {n} parameters, float32 post {f32} B ({8 * f32 / n:.3f} bits/param)")
     for wire in ("topk2", "topk4"):
-        chunk = sparse.parse(wire)[1]["chunk"]
-        rows, norms, _ = jax.jit(lambda d, e, w=wire: PK.encode_post(d, e, w, True))(
-            delta, PK.zero_residual(delta, True, chunk))
+        codec = Codec.from_name(wire)
+        rows, norms, _ = jax.jit(lambda d, e, c=codec: PK.encode_post(d, e, c, True))(
+            delta, PK.zero_residual(delta, True, codec))
         data = R.Post(0, 1, [np.asarray(r) for r in rows], 1, 1, 0.0, "0" * 24, wire=wire, norms=np.asarray(norms)).encode()
         rows_b = sum(np.asarray(r).nbytes for r in rows)
         print(f"  {wire}: post {len(data)} B ({8 * len(data) / n:.3f} bits/param, {f32 / len(data):.0f}x less), "
               f"packed rows {rows_b} B = {8 * rows_b / n:.4f} bits/param (config figure, padding incl.: "
-              f"{8 * PK.post_bytes(delta, True, wire) / n:.4f}; unpadded {sparse.bits_per_param(wire):.4f})")
+              f"{8 * PK.post_bytes(delta, True, codec) / n:.4f}; unpadded {codec.bits_per_param():.4f})")

@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     from edit_jax.localsgd import sparse
+    from edit_jax.localsgd.codec import Codec
 
     n = a.workers
     out = {"device": str(jax.devices()[0]), "jax": jax.__version__, "workers": n, "results": []}
@@ -53,12 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         e = 0.1 * jax.random.normal(jax.random.PRNGKey(1), flat.shape, jnp.float32)
         w = jnp.full((n,), 1.0 / n, jnp.float32)
         for wire in ("topk2", "topk4"):
-            kind, o = sparse.parse(wire)
-            bits, k, chunk = sparse.BITS[kind], o["k"], o["chunk"]
+            codec = Codec.from_name(wire)
+            bits, k, chunk = codec.bits, codec.k, codec.chunk
             every = lambda p: jnp.broadcast_to(p, (n,) + p.shape)  # noqa: E731  (the all-gather's result)
 
             def local_exchange(flat, e, w):
-                packed, x = sparse.sparse_encode(flat, e, wire)
+                packed, x = sparse.sparse_encode(flat, e, codec)  # noqa: B023
                 got = sparse.decode(every(packed), bits, k, chunk)
                 return jnp.sum(w.reshape((n, 1, 1)) * got, axis=0).reshape(-1), (x - got[0]).reshape(-1)
 

@@ -27,6 +27,7 @@ from jax.sharding import SingleDeviceSharding
 from edit_jax.elastic import packed as PK
 from edit_jax.elastic.rounds import Post, RoundState
 from edit_jax.localsgd.api import stacked_sync
+from edit_jax.localsgd.codec import NONE, Codec
 from edit_jax.localsgd.methods import Plan
 from edit_jax.localsgd.outer import Detector, make_outer_optimizer
 from edit_jax.localsgd.state import init_outer_opt_state
@@ -34,15 +35,16 @@ from edit_jax.runtime.executables import ExecutableStore
 
 
 class OuterRound:
-    """The compiled outer step of one plan (compiled once per participant count). ``wire``: the
-    posts' form, "none" (float32 Δ) or a sparse wire name (packed posts, ``packed.py``).
+    """The compiled outer step of one plan (compiled once per participant count). ``codec``: the
+    posts' form, ``NONE`` (float32 Δ) or a sparse codec (packed posts, ``packed.py``).
     ``carried_weight`` (``sync.carried_weight``): a post's carried steps (a round or more stale)
     count at this fraction in its share of the steps, as its worker re-based their Δ at it.
     ``store``: where the compiled programs are kept whole (``runtime/executables.py``; None: off)."""
 
-    def __init__(self, plan: Plan, wire: str = "none", carried_weight: float = 1.0,
+    def __init__(self, plan: Plan, codec: Codec = NONE, carried_weight: float = 1.0,
                  store: ExecutableStore | None = None):
-        self.plan, self.wire, self.carried_weight = plan, wire, carried_weight
+        self.plan, self.codec, self.carried_weight = plan, codec, carried_weight
+        self.packed = codec.kind != "none"
         self.store = store or ExecutableStore(None)
         self.opt = make_outer_optimizer(plan.outer)
         self.cpu = jax.devices("cpu")[0]
@@ -65,7 +67,7 @@ class OuterRound:
                         jax.tree.map(lambda x: spec(x[0], (n,)), state.detectors),
                         jax.tree.map(lambda x: spec(x, (n,)), state.theta),
                         jax.ShapeDtypeStruct((n,), np.float32, sharding=SingleDeviceSharding(self.cpu)))
-                if self.wire != "none":  # the packed rows per unit and the norms in place of Δ
+                if self.packed:  # the packed rows per unit and the norms in place of Δ
                     args = args[:3] + ([spec(x, (n,)) for x in self._rows(state.theta)],
                                        spec(np.zeros(np.shape(state.detectors.mean)[1], np.float32), (n,)), args[4])
                 self._programs[n] = self.store.compile(f"outer_round_{n}", self._fn, args, [self.cpu])
@@ -96,18 +98,17 @@ class OuterRound:
 
     def _rows(self, theta) -> list[np.ndarray]:
         """One post's packed rows per unit, as zeros of their shapes."""
-        bits, k, chunk = PK.layout(self.wire)
-        nr, n_layers, nl = PK.unit_rows(theta, self.plan.layerwise, chunk)
-        out = [np.zeros((nr, PK.payload_bytes(bits, k)), np.uint8)]
+        nr, n_layers, nl = PK.unit_rows(theta, self.plan.layerwise, self.codec.chunk)
+        out = [np.zeros((nr, self.codec.row_bytes), np.uint8)]
         if self.plan.layerwise:
             out.append(np.zeros((n_layers, nl, out[0].shape[1]), np.uint8))
         return out
 
     def _step(self, theta, outer_opt, dets: Detector, deltas, *rest):
-        if self.wire != "none":  # packed posts: deltas are the rows, then the norms [N, U], the shares
+        if self.packed:  # packed posts: deltas are the rows, then the norms [N, U], the shares
             norms, shares = rest
             return PK.round_step(theta, outer_opt, dets, deltas, norms, shares, self.plan.penalty, self.opt,
-                                 self.wire, self.plan.layerwise)
+                                 self.codec, self.plan.layerwise)
         shares, = rest
         # θ_i = θ̄ - Δ_i: sync_unit forms Δ_i = θ̄ - θ_i again (exact up to one rounding of each
         # value, the same on every worker), then the penalty, the weights and the outer step.
@@ -131,7 +132,7 @@ class OuterRound:
         """Round state r from r - 1 and the round's posts (in sorted worker order)."""
         posts = sorted(posts, key=lambda p: p.worker)
         ids = np.asarray([p.worker for p in posts])
-        if self.wire == "none":
+        if not self.packed:
             deltas = jax.tree.unflatten(jax.tree.structure(state.theta),
                                         [np.stack(ls) for ls in zip(*(p.delta for p in posts))])
             extra = ()
@@ -154,7 +155,7 @@ class OuterRound:
         new = RoundState(state.round + 1, host(theta), host(outer_opt), all_dets,
                          state.tally + int(sum(p.steps_since for p in posts)), cursors, [int(i) for i in ids])
         figures = {k: np.asarray(v).tolist() for k, v in host(figures).items()}
-        if self.wire != "none":  # [U, N]: which units of which post were flagged (the posters' residuals)
+        if self.packed:  # [U, N]: which units of which post were flagged (the posters' residuals)
             figures["unit_flagged"] = np.asarray(unit_flags).tolist()
         return new, figures
 
@@ -168,7 +169,7 @@ class OuterRound:
                 raise ValueError(f"round {p.round}: worker {p.worker}'s packed post has rows "
                                  f"{[(a.shape, str(a.dtype)) for a in p.delta]} and norms {np.shape(p.norms)}, this "
                                  f"config's model needs {[(b.shape, str(b.dtype)) for b in want]} and ({units},) "
-                                 f"(sync.compress={self.wire})")
+                                 f"(sync.compress={self.codec.name})")
         norms = np.stack([np.asarray(p.norms, np.float32) for p in posts])
         return [np.stack(rows) for rows in zip(*(p.delta for p in posts))], (norms,)
 

@@ -24,8 +24,9 @@ Bit for bit this equals the in-program ``compressed_weighted_sum`` (all-gather p
 a zero residual, as the in-program ``Compressed.remap_extra`` does on an elastic resume: the
 residual is per worker and lives only in its process (recorded: ``"residual": "zeros"``).
 
-The post's meta says ``"format": 2`` and the wire (``sparse.wire_name``); float32 posts have no
-``format`` (1). A reader whose config reads another format or layout fails naming both.
+The post's meta says ``"format": 2`` and the wire (``codec.Codec.name``); float32 posts have no
+``format`` (1). A reader whose config reads another format or layout (``Codec.layout``) fails
+naming both. Everything here takes the run's wire as its ``Codec`` (``Codec.from_sync``).
 """
 
 from __future__ import annotations
@@ -38,29 +39,30 @@ import jax.numpy as jnp
 import numpy as np
 
 from edit_jax.localsgd.api import cat_units, unit_detector, sync_figures
+from edit_jax.localsgd.codec import Codec
 from edit_jax.localsgd.compress import flatten_unit
 from edit_jax.localsgd.outer import Detector, outer_step, detector_step, mix_step_weights, softmax_weights
 from edit_jax.localsgd.reduction import sq_sum
-from edit_jax.localsgd.sparse import BITS, decode, parse, payload_bytes, sparse_encode
+from edit_jax.localsgd.sparse import sparse_encode
 
 FLOAT32, PACKED = 1, 2  # post formats: float32 Δ leaves; packed sparse rows + true norms
 FORMATS = (FLOAT32, PACKED)
 
 
-def layout(wire: str) -> tuple[int, int, int]:
-    """(bits, k, chunk): what a reader must agree on (the decay is the poster's own business)."""
-    kind, o = parse(wire)
-    return BITS[kind], o["k"], o["chunk"]
-
-
-def check_post(meta: dict, wire: str, what: str) -> int:
-    """The post's format, checked against this reader's wire; ValueError naming both otherwise."""
+def check_post(meta: dict, wire: Codec | str, what: str) -> int:
+    """The post's format, checked against this reader's wire (its codec or wire name): the same
+    layout (the decay is the poster's own business); ValueError naming both otherwise."""
     fmt = int(meta.get("format", FLOAT32))
     if fmt not in FORMATS:
         raise ValueError(f"{what}: post format {fmt} is unknown to this reader (reads {list(FORMATS)}): "
                          "a newer edit-jax wrote it")
     theirs = str(meta.get("wire", "none")) if fmt == PACKED else "none"
-    same = theirs == wire if "none" in (theirs, wire) else layout(theirs) == layout(wire)
+    mine = wire if isinstance(wire, Codec) else Codec.from_name(wire)
+    wire = mine.name
+    try:
+        same = Codec.from_name(theirs).layout == mine.layout
+    except ValueError as e:  # a wire this reader cannot read at all
+        raise ValueError(f"{what}: {e}; this worker reads {wire!r}") from None
     if not same:
         raise ValueError(f"{what}: the post carries {theirs!r} pseudo gradients, this worker reads {wire!r} "
                          "(sync.compress, sync.sparse_chunk, sync.sparse_k): every worker of a run must use the same")
@@ -85,8 +87,9 @@ def unit_rows(theta: Any, layerwise: bool, chunk: int) -> tuple[int, int, int]:
     return -(-size(root) // chunk), n_layers, -(-size(layers, 1) // chunk)
 
 
-def zero_residual(theta: Any, layerwise: bool, chunk: int) -> list[np.ndarray]:
+def zero_residual(theta: Any, layerwise: bool, codec: Codec) -> list[np.ndarray]:
     """A fresh residual: per unit its flat vector padded to whole chunks ([nc·chunk], [L, nc·chunk])."""
+    chunk = codec.chunk
     nr, n_layers, nl = unit_rows(theta, layerwise, chunk)
     out = [np.zeros(nr * chunk, np.float32)]
     if layerwise:
@@ -97,21 +100,20 @@ def zero_residual(theta: Any, layerwise: bool, chunk: int) -> list[np.ndarray]:
 # ----------------------------------------------------------------------------- the poster
 
 
-def _encode_unit(d: Any, e: jax.Array, wire: str):
-    bits, k, chunk = layout(wire)
+def _encode_unit(d: Any, e: jax.Array, codec: Codec):
     g = jnp.sqrt(sq_sum(d))  # the true norm: Δ alone, before the residual and the codec
-    packed, x = sparse_encode(flatten_unit(d, chunk)[0], e, wire)
-    return packed, g, (x - decode(packed, bits, k, chunk)).reshape(-1)
+    packed, x = sparse_encode(flatten_unit(d, codec.chunk)[0], e, codec)
+    return packed, g, (x - codec.decode(packed)).reshape(-1)
 
 
-def encode_post(delta: Any, residual: list, wire: str, layerwise: bool):
+def encode_post(delta: Any, residual: list, codec: Codec, layerwise: bool):
     """(packed rows per unit [root [nc, P], layers [L, nc, P]], true norms [U], new residual per
     unit) of one worker's Δ (θ̄'s tree) and residual (``zero_residual``'s layout). Jit it."""
     root, layers = _units(delta, layerwise)
-    p_root, g_root, e_root = _encode_unit(root, residual[0], wire)
+    p_root, g_root, e_root = _encode_unit(root, residual[0], codec)
     if not layerwise:
         return [p_root], g_root[None], [e_root]
-    p_l, g_l, e_l = jax.vmap(lambda d, e: _encode_unit(d, e, wire))(layers, residual[1])
+    p_l, g_l, e_l = jax.vmap(lambda d, e: _encode_unit(d, e, codec))(layers, residual[1])
     return [p_root, p_l], jnp.concatenate([g_root[None], g_l]), [e_root, e_l]
 
 
@@ -130,17 +132,16 @@ def settle_residual(pending: list, flagged_units: np.ndarray | None, layerwise: 
 # ----------------------------------------------------------------------------- the round
 
 
-def _round_unit(theta, opt_state, det: Detector, packed, g, shares, p, opt, wire: str):
+def _round_unit(theta, opt_state, det: Detector, packed, g, shares, p, opt, codec: Codec):
     """One unit from every participant's packed rows [N, nc, P] and true norms [N]: ``sync_unit``'s
     steps 3-6 with the compressed exchange's decode and float32 weighted sum."""
-    bits, k, chunk = layout(wire)
     n = g.shape[0]
     det, flagged = jax.vmap(lambda d, x: detector_step(d, x, p))(det, g)
     w_all = mix_step_weights(softmax_weights(g, flagged, p), shares, flagged, p)
-    got = decode(packed, bits, k, chunk).reshape(n, -1)  # [N, padded]
+    got = codec.decode(packed).reshape(n, -1)  # [N, padded]
     got = jnp.where(flagged[:, None], 0.0, got)  # a flagged post sends zeros (its NaNs too)
     total = jnp.sum(w_all.reshape((n, 1)) * got, axis=0)
-    _, unflatten = flatten_unit(theta, chunk)
+    _, unflatten = flatten_unit(theta, codec.chunk)
     new, new_opt, clip, avg_norm, update_norm = outer_step(unflatten(total), theta, opt_state, jnp.sum(w_all) > 0,
                                                             p, opt, sq_sum)
     metrics = {"pseudo_grad_norm": g, "weight": w_all, "flagged": flagged, "avg_norm": avg_norm, "clip_factor": clip,
@@ -148,10 +149,10 @@ def _round_unit(theta, opt_state, det: Detector, packed, g, shares, p, opt, wire
     return new, new_opt, det, metrics
 
 
-def round_step(theta, outer_opt, dets: Detector, packed: list, norms, shares, p, opt, wire: str, layerwise: bool):
+def round_step(theta, outer_opt, dets: Detector, packed: list, norms, shares, p, opt, codec: Codec, layerwise: bool):
     """The round's outer step from packed posts (``packed`` per unit with a leading [N]; ``norms``
     [N, U]): (θ̄, the outer state, the detectors [N, U], the figures, per-unit flags [U, N])."""
-    one = lambda t, o, d, x, g: _round_unit(t, o, d, x, g, shares, p, opt, wire)  # noqa: E731
+    one = lambda t, o, d, x, g: _round_unit(t, o, d, x, g, shares, p, opt, codec)  # noqa: E731
     if not layerwise:
         new, opt_state, det, m = one(theta, outer_opt, unit_detector(dets, 0), packed[0], norms[:, 0])
         m = jax.tree.map(lambda x: x[None], m)
@@ -164,12 +165,11 @@ def round_step(theta, outer_opt, dets: Detector, packed: list, norms, shares, p,
     return new, opt_state, cat_units(root[2], layers[2], axis=1), sync_figures(m), m["flagged"]
 
 
-def post_bytes(theta: Any, layerwise: bool, wire: str) -> int:
+def post_bytes(theta: Any, layerwise: bool, codec: Codec) -> int:
     """The packed rows' bytes of one post (the norms and the .npz framing not counted)."""
-    bits, k, chunk = layout(wire)
-    nr, n_layers, nl = unit_rows(theta, layerwise, chunk)
-    return (nr + n_layers * nl) * payload_bytes(bits, k)
+    nr, n_layers, nl = unit_rows(theta, layerwise, codec.chunk)
+    return (nr + n_layers * nl) * codec.row_bytes
 
 
-__all__ = ["FLOAT32", "PACKED", "check_post", "encode_post", "layout", "post_bytes", "round_step",
+__all__ = ["FLOAT32", "PACKED", "check_post", "encode_post", "post_bytes", "round_step",
            "settle_residual", "unit_rows", "zero_residual"]

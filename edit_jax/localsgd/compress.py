@@ -34,7 +34,9 @@ quantization dropped) before quantizing, x_i = Δ_i + e_i, and keeps e_i <- x_i 
 Over syncs the worker's transmitted values then sum to Σ Δ_i − e_i (final): nothing is lost for
 good. The residual covers the per-worker quantization; the requantization of the reduced chunk in
 the all-to-all pattern (N >= 3) is shared by all workers and carries no residual. With
-``sync.ef_decay`` = β < 1 the residual enters as β·e_i (the wire name carries it: ``sparse.wire_name``).
+``sync.ef_decay`` = β < 1 the residual enters as β·e_i. The exchange takes the wire as one value,
+``codec.Codec`` (the kind, its options, β), which also encodes and decodes a block (with the kernels
+below).
 
 ``topk2`` / ``topk4``: sparse, 2- or 4-bit, packed into uint8 and all-gathered (``sparse.py``).
 """
@@ -48,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from edit_jax.localsgd.sharding import REPLICA
-from edit_jax.localsgd.sparse import bits_per_param, is_sparse, parse, sparse_exchange, sparse_send
+from edit_jax.localsgd.sparse import sparse_exchange, sparse_send
 
 BLOCK = 256  # elements per int8 scale
 INT8_MAX = 127.0
@@ -60,24 +62,19 @@ def exchange_pattern(n: int) -> str:
     return "all_gather" if n <= 2 else "all_to_all"
 
 
-def wire_bytes_per_element(compress: str) -> float:
-    if is_sparse(compress):
-        return bits_per_param(compress) / 8.0
-    return {"none": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}[parse(compress)[0]]
-
-
-def ring_bits_per_param(wire: str, sizes: list[int], n: int) -> float:
+def ring_bits_per_param(codec, sizes: list[int], n: int) -> float:
     """Bits one device sends across ``replica`` at a full sync per parameter it holds, as the config
-    implies it (ring counts, as ``tools/hlo.py`` counts the program's): ``sizes`` are the flattened
-    vectors per unit on one device (their padding included). The plan checks its HLO figure on it."""
+    implies it (ring counts, as ``tools/hlo.py`` counts the program's) for ``codec`` (a ``codec.Codec``):
+    ``sizes`` are the flattened vectors per unit on one device (their padding included). The plan
+    checks its HLO figure on it."""
     if n <= 1:
         return 0.0
-    if wire == "none":  # the float32 all-reduce
+    if codec.kind == "none":  # the float32 all-reduce
         return 2.0 * (n - 1) / n * 32.0
-    if is_sparse(wire):  # the all-gather of packed chunks
-        return (n - 1) * bits_per_param(wire, sizes)
+    if codec.is_sparse:  # the all-gather of packed chunks
+        return (n - 1) * codec.bits_per_param(sizes)
     padded = sum(-(-m // (n * BLOCK)) * n * BLOCK for m in sizes)
-    b = 8.0 * wire_bytes_per_element(wire) * padded / sum(sizes)
+    b = codec.bits_per_param() * padded / sum(sizes)
     return (n - 1) * b if exchange_pattern(n) == "all_gather" else 2.0 * (n - 1) / n * b
 
 
@@ -138,66 +135,65 @@ def flatten_unit(tree: Any, multiple: int) -> tuple[jax.Array, Any]:
 # ----------------------------------------------------------------------------- the exchange
 
 
-def compressed_weighted_sum(delta: Any, w_all: jax.Array, compress: str, residual: Any = None,
+def compressed_weighted_sum(delta: Any, w_all: jax.Array, codec, residual: Any = None,
                             pattern: str | None = None) -> tuple[Any, Any]:
-    """Σ_i w_all[i]·Δ_i over ``replica`` (under ``shard_map``), Δ_i crossing in ``compress``.
+    """Σ_i w_all[i]·Δ_i over ``replica`` (under ``shard_map``), Δ_i crossing in ``codec`` (a lossy
+    ``codec.Codec``).
 
     ``delta`` is this worker's (flagged-zeroed) pseudo gradient of one unit, this device's blocks;
     ``w_all`` [N] every worker's weight. With ``residual`` (same tree as ``delta``: this worker's
     error-feedback state) the residual is added before quantization and the new residual is
     returned (else None). The sum is identical on every replica (typed invariant over ``replica``).
     """
-    if is_sparse(compress):  # sparse.py: all-gather of packed uint8, decoded and summed locally
-        chunk = parse(compress)[1]["chunk"]
+    if codec.is_sparse:  # sparse.py: all-gather of packed uint8, decoded and summed locally
+        chunk = codec.chunk
         flat, unflatten = flatten_unit(delta, chunk)
         total, new_e = sparse_exchange(flat, None if residual is None else flatten_unit(residual, chunk)[0],
-                                       w_all, compress)
+                                       w_all, codec)
         return unflatten(total), (None if new_e is None else unflatten(new_e))
-    compress, opts = parse(compress)  # "int8;decay=0.9"
-    decay = opts["decay"]
+    decay = codec.decay
     n = jax.lax.axis_size(REPLICA)
     pattern = pattern or exchange_pattern(n)
     flat, unflatten = flatten_unit(delta, n * BLOCK)
     x = flat if residual is None else flat + decay * flatten_unit(residual, n * BLOCK)[0]
     blocks = x.reshape(-1, BLOCK)
-    payload = encode(blocks, compress)
+    payload = codec.encode(blocks)
     new_residual = None
     if residual is not None:
-        new_residual = unflatten((blocks - decode(payload, compress)).reshape(-1))
+        new_residual = unflatten((blocks - codec.decode(payload)).reshape(-1))
     bcast = lambda v, y: v.reshape((n,) + (1,) * (y.ndim - 1))  # noqa: E731
     if pattern == "all_gather":
-        got = decode(tuple(jax.lax.all_gather(p, REPLICA, to="invarying") for p in payload), compress)  # [N, nb, B]
+        got = codec.decode(tuple(jax.lax.all_gather(p, REPLICA, to="invarying") for p in payload))  # [N, nb, B]
         total = jnp.sum(bcast(w_all, got) * got, axis=0)
     elif pattern == "all_to_all":
         nb = blocks.shape[0]
         chunks = tuple(p.reshape((n, nb // n) + p.shape[1:]) for p in payload)
-        mine = decode(tuple(jax.lax.all_to_all(c, REPLICA, 0, 0) for c in chunks), compress)  # [N, nb/N, B]
+        mine = codec.decode(tuple(jax.lax.all_to_all(c, REPLICA, 0, 0) for c in chunks))  # [N, nb/N, B]
         part = jnp.sum(bcast(w_all, mine) * mine, axis=0)  # chunk r of the sum, float32
-        total = decode(tuple(jax.lax.all_gather(p, REPLICA, axis=0, tiled=True, to="invarying")
-                             for p in encode(part, compress)), compress)
+        total = codec.decode(tuple(jax.lax.all_gather(p, REPLICA, axis=0, tiled=True, to="invarying")
+                                   for p in codec.encode(part)))
     else:
         raise ValueError(f"unknown exchange pattern {pattern!r}")
     return unflatten(total.reshape(-1)), new_residual
 
 
-def stacked_compressed_sum(delta: Any, w_all: jax.Array, compress: str, residual: Any = None) -> tuple[Any, Any]:
+def stacked_compressed_sum(delta: Any, w_all: jax.Array, codec, residual: Any = None) -> tuple[Any, Any]:
     """``compressed_weighted_sum`` with every worker's values stacked on a leading axis [N] in one
     program (``reduction.Stacked``): each worker's Δ_i (+ e_i) is quantized as it would be sent,
     and the receivers' float32 sum Σ_i w_i·deq(q_i) is the all-gather pattern's (one
     quantization). Returns (the sum, the stacked new residuals or None)."""
     n = w_all.shape[0]
-    wire, (compress, opts) = compress, parse(compress)
-    multiple = opts["chunk"] if is_sparse(wire) else n * BLOCK
+    multiple = codec.chunk if codec.is_sparse else n * BLOCK
 
     def send(d, e):  # one worker: its vector as it crosses the wire, decoded, and its new residual
         flat, unflatten = flatten_unit(d, multiple)
         ef = None if e is None else flatten_unit(e, multiple)[0]
-        if is_sparse(wire):
-            got, new_e = sparse_send(flat, ef, wire)
+        if codec.is_sparse:
+            got, new_e = sparse_send(flat, ef, codec)
             return got, (None if e is None else unflatten(new_e))
-        x = flat if e is None else flat + opts["decay"] * ef
+        x = flat if e is None else flat + codec.decay * ef
         blocks = x.reshape(-1, BLOCK)
-        got = decode(encode(blocks, compress), compress)
+        got = codec.decode(codec.encode(blocks))
         return got.reshape(-1), (None if e is None else unflatten((blocks - got).reshape(-1)))
 
     got, new_residual = jax.vmap(send)(delta, residual)  # [N, padded]
@@ -206,5 +202,5 @@ def stacked_compressed_sum(delta: Any, w_all: jax.Array, compress: str, residual
     return unflatten(total.reshape(-1)), new_residual
 
 
-__all__ = ["BLOCK", "stacked_compressed_sum", "exchange_pattern", "wire_bytes_per_element", "ring_bits_per_param", "quantize_int8", "dequantize_int8", "encode",
+__all__ = ["BLOCK", "stacked_compressed_sum", "exchange_pattern", "ring_bits_per_param", "quantize_int8", "dequantize_int8", "encode",
            "decode", "flatten_unit", "compressed_weighted_sum"]

@@ -2,8 +2,8 @@
 ``sync.error_feedback``): the pseudo gradients cross ``replica`` as bf16 or int8 (``compress.py``)
 or sparse and 2/4-bit (``sparse.py``); everything before and after the exchange stays float32.
 
-The wrapper owns what compression adds and nothing else: the dtype on the wire (it hands the rule
-a ``SyncSpec`` with ``compress`` set) and, with error feedback, each worker's quantization residual
+The wrapper owns what compression adds and nothing else: the wire (its ``codec.Codec``, handed to
+the rule in the ``SyncSpec``) and, with error feedback, each worker's quantization residual
 (``OuterState.extra["residual"]``, laid out like the params, [N, ...]), which it passes into the
 rule's sync and stores back. Every worker's residual starts at zero, also after an elastic resume
 with another worker count.
@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from edit_jax.config import SyncConfig, require
+from edit_jax.localsgd.codec import Codec
 from edit_jax.localsgd.rule import RuleWrapper, Span, SyncRule, SyncSpec, worker_zeros
-from edit_jax.localsgd.sparse import BITS, CHUNK, wire_name
+from edit_jax.localsgd.sparse import BITS, CHUNK
 
 
 # The residual's stored dtype (sync.ef_dtype). bfloat16 halves error feedback's memory (at 7B a
@@ -28,23 +29,18 @@ EF_DTYPES = ("float32", "bfloat16")
 
 
 class Compressed(RuleWrapper):
-    """``rule`` with its pseudo gradients crossing ``replica`` in ``compress`` ("bf16" | "int8" |
-    "topk2" | "topk4"), and with ``error_feedback`` each worker's residual carried to its next sync.
-    ``compress`` is the wire name (``sparse.wire_name``: the kind with its chunk, k and decay)."""
+    """``rule`` with its pseudo gradients crossing ``replica`` as ``codec`` says ("bf16" | "int8" |
+    "topk2" | "topk4" with their options), and with its error feedback each worker's residual
+    carried to its next sync."""
 
-    def __init__(self, rule: SyncRule, compress: str, error_feedback: bool = False, ef_dtype: str = "float32"):
+    def __init__(self, rule: SyncRule, codec: Codec):
         super().__init__(rule)
-        self.compress, self.error_feedback, self.ef_dtype = compress, error_feedback, jnp.dtype(ef_dtype)
+        self.codec = codec
         self.name = f"compressed({rule.name})"
 
     @staticmethod
     def of(rule: SyncRule, s: SyncConfig) -> Compressed:
-        return Compressed(rule, Compressed.wire_of(s), s.error_feedback, s.ef_dtype)
-
-    @staticmethod
-    def wire_of(s: SyncConfig) -> str:
-        """The config's wire name ("none" without compression): also the exchange's posts' (elastic)."""
-        return wire_name(s.compress, s.sparse_chunk, s.sparse_k, s.ef_decay)
+        return Compressed(rule, Codec.from_sync(s))
 
     @staticmethod
     def validate_fields(s: SyncConfig) -> None:
@@ -67,7 +63,7 @@ class Compressed(RuleWrapper):
                 f"<= sync.sparse_chunk={s.sparse_chunk}, got {s.sparse_k}")
 
     def _spec(self, spec: SyncSpec) -> SyncSpec:
-        return dataclasses.replace(spec, compress=self.compress)
+        return dataclasses.replace(spec, codec=self.codec)
 
     # -- the residuals ---------------------------------------------------------------------------
 
@@ -78,43 +74,44 @@ class Compressed(RuleWrapper):
 
     def _split(self, outer):
         """(the outer state as the wrapped rule sees it, this wrapper's residual or None)."""
-        if not self.error_feedback:
+        if not self.codec.carries_residual:
             return outer, None
         return outer.replace(extra=self._inner(outer.extra)), outer.extra["residual"]
 
     def _join(self, outer, residual):
-        if not self.error_feedback:
+        if not self.codec.carries_residual:
             return outer
         return outer.replace(extra={**(outer.extra or {}), "residual": residual})
 
     def init_extra(self, rep_params):
         inner = self.rule.init_extra(rep_params)
-        if not self.error_feedback:
+        if not self.codec.carries_residual:
             return inner
-        return {**(inner or {}), "residual": jax.tree.map(lambda x: jnp.zeros(x.shape, self.ef_dtype), rep_params)}
+        dtype = self.codec.residual_dtype
+        return {**(inner or {}), "residual": jax.tree.map(lambda x: jnp.zeros(x.shape, dtype), rep_params)}
 
     def extra_specs(self, param_specs):
         inner = self.rule.extra_specs(param_specs)
-        return {**(inner or {}), "residual": param_specs} if self.error_feedback else inner
+        return {**(inner or {}), "residual": param_specs} if self.codec.carries_residual else inner
 
     def reset_extra(self, extra):
-        if not self.error_feedback:
+        if not self.codec.carries_residual:
             return self.rule.reset_extra(extra)
         inner = self.rule.reset_extra(self._inner(extra))
         return {**(inner or {}), "residual": extra["residual"]}  # residuals survive the initialising sync
 
     def remap_extra(self, extra, n: int):
-        if not self.error_feedback:
+        if not self.codec.carries_residual:
             return self.rule.remap_extra(extra, n)
         inner = self.rule.remap_extra(self._inner(extra), n)
         return {**(inner or {}), "residual": worker_zeros(extra["residual"], n)}  # residuals are per worker: every worker starts at 0
 
     def extra_from_format2(self, residual, pending):
         inner = self.rule.extra_from_format2(None, pending)
-        return {**(inner or {}), "residual": residual} if self.error_feedback else inner
+        return {**(inner or {}), "residual": residual} if self.codec.carries_residual else inner
 
     def extra_as_format2(self, extra):
-        if not self.error_feedback:
+        if not self.codec.carries_residual:
             return self.rule.extra_as_format2(extra)
         inner = self.rule.extra_as_format2(self._inner(extra))
         return {**inner, "residual": extra["residual"]}

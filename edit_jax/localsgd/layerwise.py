@@ -57,7 +57,7 @@ def sync_in_forward(unit, xs, which: str, spec: SyncSpec, shares: jax.Array | No
     (the unit's params to gather, its ``UnitSync``)."""
     outer_p, opt_st, det, *residual = xs
     res = sync_unit(jax.lax.stop_gradient(unit), outer_p, opt_st, det, spec.penalty, spec.opt,
-                    spec.dims(which), shares, spec.compress, residual[0] if residual else None,
+                    spec.dims(which), shares, spec.codec, residual[0] if residual else None,
                     reduction=spec.reduction)
     return with_value(unit, as_varying(res.params)), res
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from edit_jax.localsgd.codec import NONE, Codec
 from edit_jax.localsgd.compress import compressed_weighted_sum, stacked_compressed_sum
 from edit_jax.localsgd.methods import Penalty  # the static switches, part of a method's plan (re-exported here)
 from edit_jax.localsgd.reduction import Reduction, ReplicaPsum
@@ -181,7 +182,7 @@ class UnitSync:
 
 def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: Penalty,
               opt: optax.GradientTransformation, replica_dims: Any = None, shares: jax.Array | None = None,
-              compress: str = "none", residual: Any = None, reduction: Reduction | None = None) -> UnitSync:
+              codec: Codec = NONE, residual: Any = None, reduction: Reduction | None = None) -> UnitSync:
     """Algorithm 2 for one unit. ``local`` and ``outer_params`` are this device's FSDP blocks of
     the unit, ``opt_state`` the unit's outer optimizer state (param-shaped leaves as blocks too);
     ``det`` is this worker's detector for the unit (scalars).
@@ -196,9 +197,10 @@ def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: P
     ``replica`` too (each device holds 1/N of its shard block): see ``_sync_unit_over_replica``.
     ``shares`` ([N], A-EDiT): each worker's share of the steps since the last sync.
 
-    With ``compress`` ("bf16" | "int8") the pseudo gradients cross ``replica`` in that dtype
-    (compress.py); their norms, flags and weights are computed before, in float32. ``residual``
-    (this worker's block of the unit) turns on error feedback; a flagged worker's residual is reset.
+    With a lossy ``codec`` (codec.py: bf16, int8, topk2, topk4) the pseudo gradients cross ``replica``
+    in that form (compress.py, sparse.py); their norms, flags and weights are computed before, in
+    float32. ``residual`` (this worker's block of the unit) turns on error feedback; a flagged
+    worker's residual is reset.
     """
     if replica_dims is not None:
         return _sync_unit_over_replica(local, outer_params, opt_state, det, p, opt, replica_dims, shares)
@@ -219,16 +221,16 @@ def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: P
     g_all, flags = red.gather(g), red.gather_flags(flagged)
     w_all = mix_step_weights(softmax_weights(g_all, flags, p), shares, flags, p)
     new_residual, stored = None, residual
-    if compress == "none":
+    if codec.kind == "none":
         avg = red.weighted_sum(w_all, delta)
     else:
         if residual is not None:
             residual = red.per_worker(
                 lambda e, f: jax.tree.map(lambda x: jnp.where(f, 0.0, x.astype(jnp.float32)), e), residual, flagged)
         if red.stacked:
-            avg, new_residual = stacked_compressed_sum(delta, w_all, compress, residual)
+            avg, new_residual = stacked_compressed_sum(delta, w_all, codec, residual)
         else:
-            avg, new_residual = compressed_weighted_sum(delta, w_all, compress, residual)
+            avg, new_residual = compressed_weighted_sum(delta, w_all, codec, residual)
         if new_residual is not None:  # stored as it came (sync.ef_dtype), computed in float32
             new_residual = jax.tree.map(lambda n, e: n.astype(e.dtype), new_residual, stored)
     # 5.-6. clip, outer step.

@@ -38,6 +38,7 @@ import numpy as np
 import optax
 
 from edit_jax.config import Config
+from edit_jax.localsgd.codec import NONE, Codec
 from edit_jax.localsgd.methods import OuterSpec, Penalty
 from edit_jax.localsgd.reduction import Reduction, ReplicaPsum
 
@@ -56,7 +57,7 @@ class SyncSpec:
     opt: optax.GradientTransformation = field(compare=False)
     n_layers: int
     n_workers: int
-    compress: str = "none"
+    codec: Codec = NONE  # how Δ crosses ``replica`` (the compressed wrapper sets it)
     gap_penalty: float = 1.0  # CO2's staleness-gap penalty Lambda
     replica_dims: Any = None
     reduction: Reduction = ReplicaPsum()
@@ -76,6 +77,7 @@ class SyncRule:
     in_forward = False  # the sync runs inside the forward (layer by layer), else after the step
     asynchronous = False  # after the warmup each worker steps at its own pace (one process per worker)
     after_step_kind = "local_then_sync"
+    codec: Codec = NONE  # the wire, and the state it carries (the compressed wrapper's)
 
     # -- config rules ----------------------------------------------------------------------------
 
@@ -142,7 +144,7 @@ class RuleWrapper(SyncRule):
     def __init__(self, rule: SyncRule):
         self.rule = rule
         self.keeps_outer, self.in_forward = rule.keeps_outer, rule.in_forward
-        self.asynchronous = rule.asynchronous
+        self.asynchronous, self.codec = rule.asynchronous, rule.codec
 
     def init_extra(self, rep_params):
         return self.rule.init_extra(rep_params)

@@ -22,8 +22,8 @@ topk4 at the defaults (fp32: 32, int8: 8.1).
 The exchange: an all-gather of the packed rows over ``replica`` (the only payload crossing it),
 then every device decodes the N workers' rows (scatter into zero chunks) and sums them with the
 weights in float32. Error feedback keeps e_i <- x_i − decode(encode(x_i)) (β, ``sync.ef_decay``,
-scales it at its next use). The wire name carries the options: ``"topk2"`` at the defaults, else
-``"topk2;chunk=1024;k=32;decay=0.9"`` (``wire_name``); int8 / bf16 take ``decay`` the same way.
+scales it at its next use). The options (chunk, k, β) travel in one value, ``codec.Codec``, whose
+``name`` is the wire name (``"topk2"`` at the defaults, else ``"topk2;chunk=1024;k=32;decay=0.9"``).
 """
 
 from __future__ import annotations
@@ -37,49 +37,14 @@ from edit_jax.localsgd.sharding import REPLICA
 
 CHUNK, TOPK, INDEX_BITS = 4096, 64, 12
 BITS = {"topk2": 2, "topk4": 4}
-DEFAULTS = {"chunk": CHUNK, "k": TOPK, "decay": 1.0}
 
 
-# ----------------------------------------------------------------------------- the wire name
-
-
-def wire_name(compress: str, chunk: int = CHUNK, k: int = TOPK, decay: float = 1.0) -> str:
-    """``compress`` with the options that differ from the defaults (what ``SyncSpec.compress`` holds)."""
-    opts = {"decay": decay} if compress not in BITS else {"chunk": chunk, "k": k, "decay": decay}
-    extra = [f"{key}={v:g}" if key == "decay" else f"{key}={v}" for key, v in opts.items() if v != DEFAULTS[key]]
-    return ";".join([compress, *extra])
-
-
-def parse(wire: str) -> tuple[str, dict]:
-    """(kind, {chunk, k, decay}) of a wire name."""
-    kind, *rest = wire.split(";")
-    opts = dict(DEFAULTS)
-    for item in rest:
-        key, value = item.split("=")
-        opts[key] = float(value) if key == "decay" else int(value)
-    return kind, opts
-
-
-def is_sparse(wire: str) -> bool:
-    return parse(wire)[0] in BITS
+# ----------------------------------------------------------------------------- encode / decode
 
 
 def payload_bytes(bits: int, k: int) -> int:
     """Bytes of one packed chunk: codes, indices, scale."""
     return k * bits // 8 + k * INDEX_BITS // 8 + 4
-
-
-def bits_per_param(wire: str, sizes: list[int] | None = None) -> float:
-    """Wire bits per parameter of one worker's payload; with ``sizes`` (the flattened vectors, e.g.
-    per unit and device) including their padding to whole chunks."""
-    kind, o = parse(wire)
-    per_chunk = 8.0 * payload_bytes(BITS[kind], o["k"])
-    if not sizes:
-        return per_chunk / o["chunk"]
-    return per_chunk * sum(-(-m // o["chunk"]) for m in sizes) / sum(sizes)
-
-
-# ----------------------------------------------------------------------------- encode / decode
 
 
 def _pack_codes(codes: jax.Array, bits: int) -> jax.Array:
@@ -140,43 +105,34 @@ def decode(packed: jax.Array, bits: int, k: int, chunk: int) -> jax.Array:
     return dense.reshape(lead + (chunk,))
 
 
-def roundtrip(x: jax.Array, wire: str) -> jax.Array:
-    kind, o = parse(wire)
-    return decode(encode(x, BITS[kind], o["k"]), BITS[kind], o["k"], o["chunk"])
-
-
 # ----------------------------------------------------------------------------- the exchange
 
 
-def sparse_exchange(flat: jax.Array, e: jax.Array | None, w_all: jax.Array, wire: str) -> tuple[jax.Array, jax.Array | None]:
+def sparse_exchange(flat: jax.Array, e: jax.Array | None, w_all: jax.Array, codec) -> tuple[jax.Array, jax.Array | None]:
     """Under ``shard_map``: this worker's flat vector (padded to whole chunks) and residual (same
     layout or None) -> (Σ_i w_i·decode(payload_i) [same length], the new residual or None). Only the
-    packed uint8 rows cross ``replica`` (one all-gather)."""
-    kind, o = parse(wire)
-    bits, k, chunk = BITS[kind], o["k"], o["chunk"]
+    packed uint8 rows cross ``replica`` (one all-gather). ``codec``: a sparse ``codec.Codec``."""
     n = jax.lax.axis_size(REPLICA)
-    packed, x = sparse_encode(flat, e, wire)
-    got = decode(jax.lax.all_gather(packed, REPLICA, to="invarying"), bits, k, chunk)  # [N, nc, chunk]
+    packed, x = sparse_encode(flat, e, codec)
+    got = decode(jax.lax.all_gather(packed, REPLICA, to="invarying"), codec.bits, codec.k, codec.chunk)  # [N, nc, chunk]
     # The residual from this worker's own row of what every device decoded: no second decode.
     new_e = None if e is None else (x - got[jax.lax.axis_index(REPLICA)]).reshape(-1)
     total = jnp.sum(w_all.reshape((n, 1, 1)) * got, axis=0)
     return total.reshape(-1), new_e
 
 
-def sparse_encode(flat: jax.Array, e: jax.Array | None, wire: str) -> tuple[jax.Array, jax.Array]:
+def sparse_encode(flat: jax.Array, e: jax.Array | None, codec) -> tuple[jax.Array, jax.Array]:
     """What one worker sends: (its packed rows [nc, P], x [nc, chunk]) for its flat vector (padded to
     whole chunks) plus β·residual (``e``, same layout, or None); its new residual is x − decode(rows).
     The in-program exchange, ``reduction.Stacked`` and the exchange's posts (``elastic/packed.py``)."""
-    kind, o = parse(wire)
-    x = (flat if e is None else flat + o["decay"] * e).reshape(-1, o["chunk"])
-    return encode(x, BITS[kind], o["k"]), x
+    x = (flat if e is None else flat + codec.decay * e).reshape(-1, codec.chunk)
+    return encode(x, codec.bits, codec.k), x
 
 
-def sparse_send(flat: jax.Array, e: jax.Array | None, wire: str) -> tuple[jax.Array, jax.Array | None]:
+def sparse_send(flat: jax.Array, e: jax.Array | None, codec) -> tuple[jax.Array, jax.Array | None]:
     """One worker's vector as the receivers decode it, and its new residual (``reduction.Stacked``)."""
-    kind, o = parse(wire)
-    packed, x = sparse_encode(flat, e, wire)
-    got = decode(packed, BITS[kind], o["k"], o["chunk"])
+    packed, x = sparse_encode(flat, e, codec)
+    got = decode(packed, codec.bits, codec.k, codec.chunk)
     return got.reshape(-1), (None if e is None else (x - got).reshape(-1))
 
 
@@ -185,15 +141,10 @@ __all__ = [
     "CHUNK",
     "INDEX_BITS",
     "TOPK",
-    "bits_per_param",
     "decode",
     "encode",
-    "is_sparse",
-    "parse",
     "payload_bytes",
-    "roundtrip",
     "sparse_encode",
     "sparse_exchange",
     "sparse_send",
-    "wire_name",
 ]

@@ -25,9 +25,9 @@ def sync_whole(params, outer, spec: SyncSpec, shares: jax.Array | None = None, s
 
     ``params`` are the per-replica params (``[1, ...]`` blocks), ``shares`` ([N], A-EDiT) each
     worker's share of the steps since the last sync, ``residual`` this worker's error-feedback
-    tree (``[1, ...]``, with ``spec.compress``) or None. Returns (params, outer, metrics, residual)."""
+    tree (``[1, ...]``, with ``spec.codec``) or None. Returns (params, outer, metrics, residual)."""
     local, det = local_blocks(params), local_blocks(outer.detector)
-    one = partial(sync_unit, p=spec.penalty, opt=spec.opt, shares=shares, compress=spec.compress,
+    one = partial(sync_unit, p=spec.penalty, opt=spec.opt, shares=shares, codec=spec.codec,
                   reduction=spec.reduction)
     res = local_blocks(residual) if residual is not None else None
     root_in, lo, hi = span if span is not None else (True, 0, spec.n_layers)

@@ -31,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from edit_jax.config import Config, to_dict
+from edit_jax.localsgd.codec import Codec
 from edit_jax.localsgd.state import STATE_FORMAT
 from edit_jax.rundir.integrity import checksum_mismatches, state_checksums
 from edit_jax.runtime.restarts import ENV_DEBUG
@@ -394,9 +395,7 @@ class Checkpointer:
         saved, now = meta.get("config", {}), to_dict(cfg)
         diffs = [f"{k}: checkpoint {_get(saved, k)!r}, config {_get(now, k)!r}"
                  for k in STRUCTURAL_KEYS if _get(saved, k) != _get(now, k)]
-        if bool(_get(saved, "sync.error_feedback") or False) != bool(now["sync"]["error_feedback"]):  # adds state
-            diffs.append(f"sync.error_feedback: checkpoint {bool(_get(saved, 'sync.error_feedback') or False)}, "
-                         f"config {now['sync']['error_feedback']}")
+        diffs += Codec.from_sync(cfg.sync).resume_refusal(Codec.from_sync(saved.get("sync") or {}))  # the residual
         if diffs:
             raise CheckpointError(f"checkpoint {os.path.join(self.directory, str(step))} is incompatible with the "
                                   f"config ({'; '.join(diffs)}). Use another --run-dir, or the config that wrote it.")

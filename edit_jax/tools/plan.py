@@ -45,10 +45,14 @@ GIB = 1024 ** 3
 
 
 def step_kinds(schedule, cfg) -> list[str]:
-    """The step kinds ``schedule`` runs, in first-use order (the warmup, one tau window and a bit)."""
+    """The step kinds ``schedule`` runs, in first-use order (the warmup, one tau window and a bit).
+    A kind first runs next to the warmup's end or to a fragment group's due step, so only the steps
+    around those are asked (a warmup or tau of 10^9 steps is planned at once, not stepped through)."""
     kinds = []
-    horizon = schedule.warmup + 2 * max(cfg.sync.tau, 1) + 2
-    for k in range(horizon):
+    w, tau, f = schedule.warmup, max(cfg.sync.tau, 1), max(cfg.sync.fragments, 1)
+    horizon = w + 2 * tau + 2
+    due = {0, w, *(w + j for g in range(f) for j in (g * tau // f, tau + g * tau // f))}
+    for k in sorted({k + d for k in due for d in (-1, 0, 1, 2) if 0 <= k + d < horizon}):
         name = str(schedule.kind(k))
         if name not in kinds:
             kinds.append(name)
@@ -85,9 +89,8 @@ def sync_bits(cfg, rule, sync_bytes: float) -> dict:
     program's collectives (ring bytes x 8 / the params a device holds) and as the config implies
     (``compress.ring_bits_per_param``: the wire format with its padding)."""
     sizes = [u // cfg.mesh.shard for u in unit_param_counts(cfg)]
-    wire = getattr(rule, "compress", "none")
-    return {"sync_bits_per_param": 8.0 * sync_bytes / sum(sizes), "wire": wire,
-            "config_sync_bits_per_param": ring_bits_per_param(wire, sizes, cfg.mesh.replica)}
+    return {"sync_bits_per_param": 8.0 * sync_bytes / sum(sizes), "wire": rule.codec.name,
+            "config_sync_bits_per_param": ring_bits_per_param(rule.codec, sizes, cfg.mesh.replica)}
 
 
 def _flops(compiled) -> float | None:

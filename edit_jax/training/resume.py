@@ -24,6 +24,7 @@ from typing import Callable
 import jax
 
 from edit_jax.config import Config, ConfigError
+from edit_jax.localsgd.codec import Codec
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.state import TrainState, state_shapes_of_format, with_residual_dtype
 from edit_jax.rundir.checkpoint import Checkpointer, CheckpointError, UnreadableCheckpointError, debug_enabled
@@ -42,21 +43,26 @@ def restore(ckpt: Checkpointer, step: int, cfg: Config, programs: StepPrograms, 
     layout = programs.layout
     fmt = meta.get("state_format", 1)  # older formats are restored as written, then upgraded
     old_n = meta["config"]["mesh"]["replica"]
-    # The residual as it was written (sync.ef_dtype may change on resume: cast after the checksums)
-    saved_ef = (meta["config"].get("sync") or {}).get("ef_dtype", "float32")
+    # The residual as it was written (its dtype may change on resume: cast after the checksums)
+    saved_ef, ef = saved_codec(meta).residual_dtype, programs.rule.codec.residual_dtype
     try:
         if old_n == cfg.mesh.replica:
             target = with_residual_dtype(layout.abstract_state_of_format(fmt), saved_ef)
             state, data_state = ckpt.restore(step, target, meta)
-            state = with_residual_dtype(layout.upgrade(state), cfg.sync.ef_dtype)
+            state = with_residual_dtype(layout.upgrade(state), ef)
             state = jax.device_put(state, layout.state_shardings)
         else:
             old_cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, replica=old_n))
             host, data_state = ckpt.restore_host(step, state_shapes_of_format(old_cfg, fmt), meta)
-            state = layout.elastic_state(with_residual_dtype(layout.upgrade(host), cfg.sync.ef_dtype), old_n)
+            state = layout.elastic_state(with_residual_dtype(layout.upgrade(host), ef), old_n)
     except ConfigError as e:
         raise CheckpointError(f"checkpoint {os.path.join(ckpt.directory, str(step))}: {e}") from e
     return state, data_state
+
+
+def saved_codec(meta: dict) -> Codec:
+    """The wire a checkpoint was written with (its config's)."""
+    return Codec.from_sync(meta["config"].get("sync") or {})
 
 
 def restore_verified(ckpt: Checkpointer, cfg: Config, programs: StepPrograms, say: Callable[[str], None],
@@ -93,6 +99,10 @@ def restore_verified(ckpt: Checkpointer, cfg: Config, programs: StepPrograms, sa
         if moves:
             barrier()  # every process sees the moved directories before it reads the checkpoint list again
             ckpt.reload()
+        # The rule's wire against the checkpoint's (check_compatible refused a change of the state):
+        change = programs.rule.codec.resume_change(saved_codec(meta), residual_kept=old_n == cfg.mesh.replica)
+        if change and programs.rule.keeps_outer:  # (a rule without outer state sends no wire: nothing changed)
+            say(f"edit-jax: checkpoint {step}: {change}")
         if old_n != cfg.mesh.replica:
             say(f"edit-jax: elastic restart: checkpoint {step} has mesh.replica={old_n}, this run {cfg.mesh.replica}; "
                 "every worker restarts from the outer params, inner optimizer moments are the old workers' mean")
