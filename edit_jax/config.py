@@ -154,6 +154,7 @@ class SyncConfig:
     grace: float = 10.0
     late_posts: str = "carry"
     progress_every: float = 0.0
+    exchange_patience: float = 300.0  # s an exchange operation retries through storage faults (backoff; 0: none), then exit 75
     carried_weight: float = 1.0  # w: a carried (stale) Δ re-based as θ̄ − w Δ, its steps at w in the step shares (1: as fresh)
     # CO2: the staleness-gap penalty Lambda (a constant, as in the released code).
     co2_gap_penalty: float = 1.0

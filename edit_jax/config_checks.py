@@ -10,6 +10,8 @@ import os
 
 from edit_jax.config import COMPRESS, Config, require
 
+INT32 = 2 ** 31 - 1  # the largest count a step's program holds (int32: JAX runs with x64 off)
+
 
 def _require_finite(obj, prefix: str = "") -> None:
     """Every float field is a finite number (inf / nan pass most range checks, e.g. lr > 0)."""
@@ -41,6 +43,9 @@ def check_fields(cfg: Config) -> None:
                      ("sync.warmup_steps", s.warmup_steps), ("log.peak_tflops", cfg.log.peak_tflops),
                      ("train.spike.patience", sp.patience), ("train.spike.max_rollbacks", sp.max_rollbacks)]:
         require(val >= 0, key, f"must be >= 0, got {val}")
+    for key, val in [("steps", cfg.steps), ("optim.warmup_steps", o.warmup_steps), ("optim.decay_steps", o.decay_steps),
+                     ("sync.warmup_steps", s.warmup_steps), ("sync.tau", s.tau)]:  # (JAX's integers: x64 is off)
+        require(val <= INT32, key, f"steps are counted in int32 on the device: expected at most 2^31 - 1, got {val}")
     require(m.d_model % m.n_heads == 0, "model.n_heads", f"must divide model.d_model={m.d_model}, got {m.n_heads}")
     require(m.head_dim % 2 == 0, "model.n_heads", f"head dim d_model/n_heads={m.head_dim} must be even for rotary embeddings")
     require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", f"must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
@@ -79,6 +84,7 @@ def check_fields(cfg: Config) -> None:
     require(s.anomaly_threshold > 0, "sync.anomaly_threshold", f"must be positive, got {s.anomaly_threshold}")
     require(s.temperature > 0, "sync.temperature", f"must be positive, got {s.temperature}")
     require(s.clip_threshold > 0, "sync.clip_threshold", f"must be positive, got {s.clip_threshold}")
+    require(s.exchange_patience >= 0, "sync.exchange_patience", f"must be >= 0 seconds (0: no retry), got {s.exchange_patience}")
     require(s.fragments >= 1, "sync.fragments", f"must be >= 1, got {s.fragments}")
     require(s.tau % s.fragments == 0, "sync.fragments", f"must divide sync.tau={s.tau}, got {s.fragments}")
     require(s.fragments <= 1 + m.n_layers, "sync.fragments",
@@ -97,4 +103,4 @@ def _check_compile_cache(value: str) -> None:
         require(os.path.isdir(value), key, f"{value!r} exists and is not a directory (expected auto, off or a directory)")
 
 
-__all__ = ["check_fields"]
+__all__ = ["check_fields", "INT32"]

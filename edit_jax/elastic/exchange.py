@@ -18,12 +18,17 @@ an ``S3Exchange`` (endpoint from ``?endpoint=`` or ``AWS_ENDPOINT_URL``).
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
+import time
 from typing import Protocol
 
 from edit_jax.elastic.keys import ExchangeError, _check_key
 from edit_jax.elastic.s3 import S3Exchange  # boto3 loads when one opens
+
+STALE_TMP_S = 600.0  # a ``.tmp-*`` file this old is a killed writer's (DirExchange.sweep_temporaries)
+_PASSING = {errno.EROFS, errno.ENOSPC, errno.EIO, errno.ESTALE, errno.EACCES, errno.EPERM, errno.EDQUOT}
 
 
 class Exchange(Protocol):
@@ -54,16 +59,44 @@ class DirExchange:
         self.url = self.root
         try:
             os.makedirs(self.root, exist_ok=True)
-        except OSError as e:
-            raise ExchangeError(f"sync.exchange: cannot create directory {self.root!r}: {e}") from e
+        except OSError as e:  # a file there or above: a config error; a read-only or full disk: may pass
+            why = {errno.EEXIST: "it is a file, not a directory", errno.ENOTDIR: "a part of its path is a file"}
+            raise ExchangeError(f"sync.exchange: cannot use {self.root!r} as the exchange directory: "
+                                f"{why.get(e.errno) or e.strerror or e}", transient=e.errno in _PASSING) from None
         if not os.access(self.root, os.W_OK):
-            raise ExchangeError(f"sync.exchange: directory {self.root!r} is not writable")
+            raise ExchangeError(f"sync.exchange: directory {self.root!r} is not writable", transient=True)
+        self.sweep_temporaries()
+
+    def sweep_temporaries(self, older_than_s: float = STALE_TMP_S) -> int:
+        """Removes the ``.tmp-*`` files of writers killed before their rename, older than
+        ``older_than_s`` (a live writer's is seconds old). Best effort: never raises. Returns how many."""
+        gone, cutoff = 0, time.time() - older_than_s
+        try:
+            for folder, _dirs, files in os.walk(self.root):
+                for name in files:
+                    path = os.path.join(folder, name)
+                    try:
+                        if name.startswith(".tmp-") and os.lstat(path).st_mtime < cutoff:
+                            os.unlink(path)
+                            gone += 1
+                    except OSError:
+                        pass
+        except OSError:
+            pass
+        return gone
+
+    def _root_is_there(self) -> None:
+        """Raises ENOENT naming the root when it is gone (unmounted, renamed away): never made anew
+        under a missing mount point, nor read as "no such key"."""
+        if not os.path.isdir(self.root):
+            raise FileNotFoundError(errno.ENOENT, "the exchange directory is missing", self.root)
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *_check_key(key).split("/"))
 
     def _staged(self, path: str, data: bytes) -> str:
         folder = os.path.dirname(path)
+        self._root_is_there()
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
         try:
@@ -72,7 +105,7 @@ class DirExchange:
                 f.flush()
                 os.fsync(f.fileno())
         except BaseException:
-            os.unlink(tmp)
+            _unlink_quietly(tmp)
             raise
         return tmp
 
@@ -92,19 +125,21 @@ class DirExchange:
         except FileExistsError:
             return False
         finally:
-            os.unlink(tmp)
+            _unlink_quietly(tmp)  # (a failure here must not turn a created key into an error)
 
     def get(self, key: str) -> bytes | None:
         try:
             with open(self._path(key), "rb") as f:
                 return f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
+            self._root_is_there()
             return None
 
     def list(self, prefix: str) -> list[str]:
         # Walk only the folder the prefix names (keys are a few levels deep).
         head, _, _ = prefix.rpartition("/")
         base = os.path.join(self.root, *head.split("/")) if head else self.root
+        self._root_is_there()
         keys = []
         for folder, dirs, files in os.walk(base):
             rel = os.path.relpath(folder, self.root)
@@ -120,7 +155,14 @@ class DirExchange:
         try:
             os.unlink(self._path(key))
         except FileNotFoundError:
-            pass
+            self._root_is_there()
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def open_exchange(url: str) -> Exchange:

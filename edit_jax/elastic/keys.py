@@ -6,7 +6,16 @@ from __future__ import annotations
 
 
 class ExchangeError(RuntimeError):
-    """The exchange cannot be used (unreachable, not writable, a malformed URL)."""
+    """The exchange cannot be used (unreachable, not writable, a malformed URL). ``transient``: the
+    cause may pass by itself (the store unreachable, a 5xx, throttling): ``patience.py`` retries it."""
+
+    def __init__(self, message: str, *, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
+
+
+class ExchangeUnavailable(ExchangeError):
+    """The exchange kept failing for a transient reason past ``sync.exchange_patience`` (exit 75: retry)."""
 
 
 def _check_key(key: str) -> str:
@@ -16,4 +25,4 @@ def _check_key(key: str) -> str:
     return key
 
 
-__all__ = ["ExchangeError"]
+__all__ = ["ExchangeError", "ExchangeUnavailable"]

@@ -18,6 +18,16 @@ which on a machine whose cores the workers share come out of the others' trainin
 20). Forking is safe only from a process with one thread and no JAX backend: where that does not
 hold, or with "spawn", each worker is a fresh ``python -m edit_jax worker`` process. A forked
 worker is named ``edit-jax wI`` (``/proc/PID/comm``, what ``ps`` and ``top`` show).
+
+When the storage fails (``patience.py``): ``train`` asks the exchange once before it writes
+anything, for ``PROBE_S`` seconds; an exchange it cannot use is a config error (exit 2, one line,
+no run dir). A worker waits storage faults out for ``sync.exchange_patience`` and then exits 75
+(``EXIT_RETRY``): the launcher starts it again after ``RETRY_PAUSE_S``. Such restarts count against
+``--max-restarts`` once per outage: a worker's exit 75 right after its previous exit 75 is the same
+outage and is not counted again (so an outage longer than the patience never uses up the
+restarts; each restart waits the full patience before it exits again). The launcher's own writes
+(a dead worker's ``retract``) are tried for ``RETRACT_S`` seconds and then skipped with one line:
+the rounds' grace stops waiting for that worker anyway.
 """
 
 from __future__ import annotations
@@ -31,14 +41,20 @@ import time
 import traceback
 
 from edit_jax.elastic import command
-from edit_jax.elastic.admission import NotAdmitted, admit, launcher_lock
-from edit_jax.elastic.exchange import Exchange, open_exchange
+from edit_jax.elastic.admission import NotAdmitted, admit, launcher_lock, run_dir_problem
+from edit_jax.elastic.exchange import Exchange
+from edit_jax.elastic.keys import ExchangeError, ExchangeUnavailable
+from edit_jax.elastic.patience import PatientExchange, open_patient
 from edit_jax.elastic.rounds import retract
+from edit_jax.runtime.cluster_exit import EXIT_RETRY
 from edit_jax.rundir.runlock import RunDirError, RunLockError
 from edit_jax.runtime.launch import die_with_parent, without_cpu_device_count
 
 EXIT_OK, EXIT_USAGE, EXIT_LOCKED, EXIT_INTERRUPTED, EXIT_WORKER_LOST = 0, 2, 4, 130, 5
 ENV_START = "EDIT_JAX_WORKER_START"  # "fork" (default where safe) or "spawn"
+PROBE_S = 10.0  # how long `train` tries the exchange before it refuses it (exit 2)
+RETRACT_S = 3.0  # how long the launcher tries a dead worker's retract before it skips it
+RETRY_PAUSE_S = 5.0  # a worker that exited 75 (storage down past its patience) starts again after this
 
 
 def worker_args(worker: int, config: str, run_dir: str, overrides: list[str]) -> list[str]:
@@ -173,31 +189,49 @@ def launch_workers(config: str, run_dir: str, overrides: list[str], workers: int
                 p.send_signal(signal.SIGKILL if interrupted[0] > 1 else signum)
 
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    if exchange is not None and not isinstance(exchange, PatientExchange):
+        exchange = PatientExchange(exchange, RETRACT_S, say)
+    pending: dict[int, float] = {}  # worker -> when it starts again (it exited 75)
+    outage = {i: False for i in range(workers)}  # its last end was an exit 75 (one outage: counted once)
     try:
         for i in range(workers):
             start(i)
         while len(ended) < workers:
             time.sleep(poll_s)
+            for i, at in list(pending.items()):
+                if interrupted[0]:
+                    ended[i] = EXIT_INTERRUPTED
+                    del pending[i]
+                elif time.monotonic() >= at:
+                    del pending[i]
+                    start(i)
             for i, p in list(procs.items()):
                 code = p.poll()
-                if code is None or i in ended:
+                if code is None or i in ended or i in pending:
                     continue
                 if code == EXIT_OK or interrupted[0]:
                     ended[i] = code
                 elif code == EXIT_USAGE:  # a bad config or a slot in use: starting it again changes nothing
                     ended[i] = code
                     say(f"edit-jax: worker {i} refused to start (exit 2, its message above); not restarting it")
+                elif code == EXIT_RETRY and (outage[i] or restarts[i] < max_restarts):
+                    restarts[i] += 0 if outage[i] else 1
+                    outage[i] = True
+                    _retract(exchange, i, say)
+                    say(f"edit-jax: worker {i} could not use the exchange (exit {EXIT_RETRY}, its message above); "
+                        f"starting it again in {RETRY_PAUSE_S:g} s ({restarts[i]} of {max_restarts} restarts, "
+                        "one per outage)")
+                    pending[i] = time.monotonic() + RETRY_PAUSE_S
                 elif restarts[i] < max_restarts:
                     restarts[i] += 1
-                    if exchange is not None:  # the rounds stop waiting for it now, not after the grace
-                        retract(exchange, i)
+                    outage[i] = False
+                    _retract(exchange, i, say)  # the rounds stop waiting for it now, not after the grace
                     say(f"edit-jax: worker {i} ended ({_how(code)}); starting it again "
                         f"({restarts[i]} of {max_restarts}); the others keep training")
                     start(i)
                 else:
                     ended[i] = code
-                    if exchange is not None:
-                        retract(exchange, i)
+                    _retract(exchange, i, say)
                     say(f"edit-jax: worker {i} ended ({_how(code)}) with its {max_restarts} restarts used; "
                         "the others go on without it")
     finally:
@@ -223,17 +257,45 @@ def launch_run(cfg, args, run_dir: str) -> int:
         return 2
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
+        problem = run_dir_problem(run_dir, cfg)  # (another exchange's run dir: that exchange never made)
+        if problem:
+            raise NotAdmitted(problem)
+        exchange = probe_exchange(cfg.sync.exchange, say)  # before any write: an unusable one is a config error
         with launcher_lock(run_dir, cfg, say):  # one launcher per run dir, before any work
-            exchange = open_exchange(cfg.sync.exchange)
             admit(exchange, cfg, run_dir, say, owner=True)  # the run's config; this launcher sets its `steps`
+            exchange.patience_s = RETRACT_S  # from now on only its retracts: never worth a wait
             return launch_workers(args.config, run_dir, args.overrides, cfg.mesh.processes, cfg.mesh.shard,
                                   args.max_restarts, exchange=exchange)
-    except (NotAdmitted, RunDirError) as e:
-        print(f"edit-jax: {'bad config' if isinstance(e, NotAdmitted) else 'run dir error'}: {e}", file=sys.stderr)
+    except (NotAdmitted, RunDirError, ExchangeError) as e:
+        print(f"edit-jax: {'run dir error' if isinstance(e, RunDirError) else 'bad config'}: {e}", file=sys.stderr)
         return EXIT_USAGE
     except RunLockError as e:
         print(f"edit-jax: {e}", file=sys.stderr)
         return EXIT_LOCKED
+
+
+def probe_exchange(url: str, say, patience_s: float = PROBE_S) -> PatientExchange:
+    """The exchange ``url`` opened and asked once (``list("run/")``), trying for ``patience_s``
+    seconds through transient faults; an ``ExchangeError`` naming ``sync.exchange`` when it cannot."""
+    try:
+        exchange = open_patient(url, patience_s, say, "edit-jax")
+        exchange.list("run/")
+    except ExchangeUnavailable as e:
+        raise ExchangeError(f"sync.exchange {url}: unusable for {patience_s:g} s at the start "
+                            f"({str(e).split('(sync.exchange_patience): ', 1)[-1]}); check it, or start the run when it answers") from None
+    return exchange
+
+
+def _retract(exchange, worker: int, say) -> None:
+    """``rounds.retract``, tried for the exchange's (short) patience, else skipped with one line:
+    the launcher never dies of its own bookkeeping (the rounds' grace covers a missed retract)."""
+    if exchange is None:
+        return
+    try:
+        retract(exchange, worker)
+    except (ExchangeError, OSError) as e:
+        say(f"edit-jax: could not tell the exchange that worker {worker} stopped ({e}); "
+            "the rounds stop waiting for it after sync.grace")
 
 
 def _how(code: int) -> str:
@@ -245,4 +307,4 @@ def _how(code: int) -> str:
     return f"exit {code}"
 
 
-__all__ = ["launch_workers", "launch_run", "worker_argv"]
+__all__ = ["launch_workers", "launch_run", "probe_exchange", "worker_argv"]

@@ -27,6 +27,11 @@ from edit_jax.elastic.keys import ExchangeError, _check_key
 # key that has not settled; its documentation says to retry. These bound that loop.
 _CONFLICT_TRIES = 8
 _CONFLICT_BACKOFF_S = 0.05
+# What may pass by itself (``patience.py`` retries it): the store unreachable or slow, or busy.
+_UNREACHABLE = ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ReadTimeoutError",
+                "ConnectionError", "HTTPClientError", "ProxyConnectionError")
+_BUSY = ("SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+         "ServiceUnavailable", "InternalError", "RequestLimitExceeded", "TooManyRequestsException")
 
 
 def _boto(url: str):
@@ -116,6 +121,8 @@ class S3Exchange:
             self._client.head_bucket(Bucket=bucket)
         except (self._BotoCoreError, self._ClientError) as e:
             raise self._error("open the bucket", None, e) from e
+        except ValueError as e:  # botocore's "Invalid endpoint", a bad region name
+            raise ExchangeError(f"sync.exchange {self.url!r}: malformed endpoint or region ({self._where()}): {e}") from None
 
     @classmethod
     def from_url(cls, url: str) -> S3Exchange:
@@ -141,13 +148,14 @@ class S3Exchange:
                 return ExchangeError(f"{where}: bucket {self.bucket!r} does not exist (at {self._where()})")
             if status == 403 or code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
                 return ExchangeError(f"{where}: access denied ({code}); check the AWS credentials and the bucket's policy")
-            return ExchangeError(f"{where}: {code or status}: {err}")
+            busy = status >= 500 or status == 429 or code in _BUSY
+            return ExchangeError(f"{where}: {code or status}: {err}", transient=busy)
         name = type(err).__name__
-        if name == "NoCredentialsError":
+        if name in ("NoCredentialsError", "PartialCredentialsError"):
             return ExchangeError(f"{where}: no AWS credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or a profile)")
-        if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ReadTimeoutError"):
-            return ExchangeError(f"{where}: cannot reach {self._where()}: {err}")
-        return ExchangeError(f"{where}: {err}")
+        if name in _UNREACHABLE:
+            return ExchangeError(f"{where}: cannot reach {self._where()}: {err}", transient=True)
+        return ExchangeError(f"{where}: {err}", transient=name in ("IncompleteReadError", "ResponseStreamingError"))
 
     def _where(self) -> str:
         return self.endpoint or f"AWS S3 in {self.region}"

@@ -6,6 +6,11 @@ process in C++ at compile time ("overflow in static extent product", exit 134; `
 the llama family's arrays (stacked over its layers, and over ``mesh.replica`` where a method keeps
 one copy per worker), its largest activations and the whole state are sized in Python ints
 (exact: no overflow) and checked against that limit, so an absurd size is one config error.
+
+JAX runs with x64 off: a count it takes as a Python int becomes an int32 ("An overflow was
+encountered while parsing an argument to a jitted computation", a traceback). The llama family's
+are the token ids, the layer scan's length (``model.n_layers``) and a worker's tokens per step (the
+loss's divisor); ``config_checks`` holds the step counts (``steps``, warmups, ``sync.tau``) to int32.
 """
 
 from __future__ import annotations
@@ -13,11 +18,11 @@ from __future__ import annotations
 import math
 
 from edit_jax.config import Config, require
+from edit_jax.config_checks import INT32  # token ids, the layer scan's length, a step's token count
 
 LIMIT = 2 ** 63 - 1  # bytes: XLA's int64 sizes
 ITEM = 4  # bytes of the widest element (fp32 params, optimizer state, logits)
 STATE_COPIES = 6  # params, gradients, Adam's two moments, the outer params and momentum
-TOKEN_MAX = 2 ** 31 - 1  # token ids are int32 on the device
 
 
 def llama_arrays(cfg: Config) -> list[tuple[str, list[tuple[str, int]]]]:
@@ -53,9 +58,17 @@ def _sized(n: int) -> str:
 
 
 def validate(cfg: Config) -> None:
-    """Every array's bytes, and the whole state's, within XLA's int64 (``LIMIT``); token ids int32."""
-    require(cfg.model.vocab_size <= TOKEN_MAX, "model.vocab_size",
-            f"token ids are int32 on the device: expected at most {TOKEN_MAX}, got {cfg.model.vocab_size}")
+    """Every array's bytes, and the whole state's, within XLA's int64 (``LIMIT``); token ids, the
+    layer count and a worker's tokens per step within int32 (JAX's integers: x64 is off)."""
+    require(cfg.model.vocab_size <= INT32, "model.vocab_size",
+            f"token ids are int32 on the device: expected at most 2^31 - 1, got {cfg.model.vocab_size}")
+    require(cfg.model.n_layers <= INT32, "model.n_layers",
+            f"the layers are a scan whose length is int32 on the device: expected at most 2^31 - 1, got {cfg.model.n_layers}")
+    rows, seq = cfg.batch_size // cfg.mesh.replica, cfg.data.seq_len
+    tokens = rows * seq  # the loss's divisor: a worker's tokens per step (the model runs them as one batch)
+    require(tokens <= INT32, "batch_size" if rows >= seq else "data.seq_len",
+            f"a worker's step of batch_size / mesh.replica x data.seq_len = {rows} x {seq} = {tokens} tokens: "
+            "its token count is int32 on the device (at most 2^31 - 1)")
     for name, dims in llama_arrays(cfg):
         nbytes = math.prod(v for _, v in dims) * ITEM
         key, value = max(dims, key=lambda kv: kv[1])
