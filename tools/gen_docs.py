@@ -140,8 +140,12 @@ RECORDS = {
         "expected": "the workers it waited for", "closed_by": "`all posted` or `grace`",
         "steps": "per member: steps in its post", "cursors": "per member: its data cursor",
         "carried": "per member: steps of a late post carried into this one", "theta_hash": "hash of θ̄ and the outer state after it",
-        "finished": "`true` when the token budget is spent"},
+        "finished": "`true` when the token budget is spent",
+        "rejected": "slot -> why its post was left out of the round (unreadable, another run's, another θ̄, ...)",
+        "version": "the manifest's version (> 0: the round was redone)"},
     "Exchange worker events": {
+        "round_redone": "a round redone without a post that could no longer be read (or over a garbled manifest)",
+        "why": "what that post or manifest was", 
         "late_post": "the round a post missed", "late_steps": "steps in that post",
         "late_posts": "`carry` or `drop`", "caught_up_to": "the round the worker caught up to",
         "finished_round": "a worker's last round", "theta_hash": "θ̄'s hash as that worker ends (the same on every worker)",

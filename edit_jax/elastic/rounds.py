@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ import numpy as np
 
 from edit_jax.elastic.exchange import Exchange
 from edit_jax.elastic.packed import PACKED, check_post
+from edit_jax.elastic.trust import broken_seal, seal
 from edit_jax.rundir.integrity import leaves_hash, pack_arrays, unpack_arrays
 
 KEEP_ROUNDS = 8  # posts and published states kept behind the newest round (catch-up by replay)
@@ -51,8 +53,10 @@ def post_key(r: int, worker: int) -> str:
     return f"posts/r{r:08d}/w{worker:04d}.npz"
 
 
-def manifest_key(r: int) -> str:
-    return f"rounds/r{r:08d}.json"
+def manifest_key(r: int, version: int = 0) -> str:
+    """Round r's manifest; a later ``version`` supersedes it (the round redone without a post that
+    could no longer be read, or over a garbled manifest: ``collect(..., version=)``)."""
+    return f"rounds/r{r:08d}.json" if version == 0 else f"rounds/r{r:08d}.v{version}.json"
 
 
 def state_key(r: int) -> str:
@@ -63,8 +67,15 @@ def hello_key(worker: int) -> str:
     return f"members/w{worker:04d}.json"
 
 
-def _round_of(key: str) -> int:
-    return int(key.rsplit("/", 1)[-1].split(".")[0].lstrip("r"))
+# The keys this protocol writes; anything else in the exchange (an operator's notes, a copy) is
+# stray and ignored, never parsed into a round or a worker.
+_POST = re.compile(r"^posts/r(\d{8})/w(\d{4})\.npz$")
+_MANIFEST = re.compile(r"^rounds/r(\d{8})(?:\.v(\d+))?\.json$")
+_STATE = re.compile(r"^state/r(\d{8})\.npz$")
+
+
+class BadObject(ValueError):
+    """An object of the protocol that cannot be read or is not this run's."""
 
 
 # ----------------------------------------------------------------------------- payloads
@@ -94,21 +105,59 @@ class Post:
     wire: str = "none"  # "none": float32 Δ (format 1); a sparse wire name: packed rows (format 2)
     norms: np.ndarray | None = None  # packed: the true per-unit norms of Δ [U], before compression
 
-    def encode(self) -> bytes:
+    def encode(self, run: str = "", key: bytes | None = None) -> bytes:
+        """The post's bytes, sealed with the run id ``run`` and the shared ``key`` (``trust.py``)."""
         meta = {"worker": self.worker, "round": self.round, "steps_since": self.steps_since, "cursor": self.cursor,
                 "loss": self.loss, "base_hash": self.base_hash, "carried": self.carried}
-        if self.wire == "none":
-            return pack(self.delta, meta)
-        return pack([*self.delta, np.asarray(self.norms, np.float32)], {**meta, "format": PACKED, "wire": self.wire})
+        arrays = list(self.delta)
+        if self.wire != "none":
+            arrays, meta = [*arrays, np.asarray(self.norms, np.float32)], {**meta, "format": PACKED, "wire": self.wire}
+        return pack(arrays, seal(meta, arrays, run, key))
 
     @staticmethod
     def decode(data: bytes, what: str, wire: str = "none") -> "Post":
         """The post at ``what``; ValueError if it is not of this reader's ``wire`` (``packed.check_post``)."""
-        leaves, m = unpack(data, what)
+        return Post.decode_unpacked(*unpack(data, what), what, wire)
+
+    @staticmethod
+    def decode_unpacked(leaves: list, m: dict, what: str, wire: str = "none") -> "Post":
         packed = check_post(m, wire, what) == PACKED
+        leaves = list(leaves)
         norms = leaves.pop() if packed else None
         return Post(int(m["worker"]), int(m["round"]), leaves, int(m["steps_since"]), int(m["cursor"]),
                     float(m["loss"]), str(m["base_hash"]), int(m.get("carried", 0)), wire, norms)
+
+
+@dataclass
+class PostCheck:
+    """What the closer checks of each post before a manifest names it (``problem``; ``trust.py``),
+    and what every reader checks of the manifests and states it reads (``run``, ``key``)."""
+
+    run: str = ""  # the run id (run/start.json); "" for a run started before ids: not compared
+    wire: str = "none"  # the run's wire name (sync.compress with its options)
+    shapes: list | None = None  # the post's arrays' shapes (Δ's leaves, or the packed rows); None: unchecked
+    key: bytes | None = None  # the shared secret ($EDIT_JAX_EXCHANGE_KEY)
+
+    def problem(self, data: bytes | None, r: int, worker: int, base_hash: str) -> tuple["Post | None", str | None]:
+        """(the decoded post, None), or (None, why the round leaves it out)."""
+        if not data:
+            return None, "gone" if data is None else "empty"
+        what = post_key(r, worker)
+        try:
+            leaves, meta = unpack(data, what)
+            post = Post.decode_unpacked(leaves, meta, what, self.wire)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            return None, f"unreadable ({str(e)[:200]})"
+        why = broken_seal(meta, leaves, self.run, self.key)
+        if why:
+            return None, why
+        if post.round != r or post.worker != worker:
+            return None, f"says round {post.round} worker {post.worker}; its key, round {r} worker {worker}"
+        if post.base_hash != base_hash:
+            return None, f"made from another θ̄ (hash {post.base_hash}; the round's {base_hash})"
+        if self.shapes is not None and [np.shape(x) for x in post.delta] != [tuple(s) for s in self.shapes]:
+            return None, "its arrays' shapes are not this run's"
+        return post, None
 
 
 @dataclass
@@ -120,13 +169,30 @@ class Manifest:
     closed_by: str  # "all posted" | "grace"
     expected: list[int] = field(default_factory=list)
     closed_at: float = 0.0  # the closer's wall clock: the next round's posts are due tau_time later
+    rejected: dict = field(default_factory=dict)  # slot -> why its post was left out (PostCheck)
+    version: int = 0  # > 0: this manifest supersedes the round's earlier ones (``collect``)
+    redone: str = ""  # why the round was redone (a named post that could no longer be read)
 
-    def encode(self) -> bytes:
-        return json.dumps(self.__dict__, sort_keys=True).encode()
+    def encode(self, run: str = "", key: bytes | None = None) -> bytes:
+        return json.dumps(seal(self.__dict__, None, run, key), sort_keys=True).encode()
 
     @staticmethod
-    def decode(data: bytes) -> "Manifest":
-        return Manifest(**json.loads(data.decode()))
+    def decode(data: bytes, what: str = "manifest", check: "PostCheck | None" = None) -> "Manifest":
+        """The manifest; ``BadObject`` naming ``what`` if it is not a readable one of this run."""
+        try:
+            meta = json.loads(data.decode())
+            why = broken_seal(meta, None, check.run, check.key) if check is not None else None
+            if why:
+                raise ValueError(why)
+            known = {k: meta[k] for k in Manifest.__dataclass_fields__ if k in meta}
+            m = Manifest(**known)
+            m.members = sorted(int(w) for w in m.members)
+            m.round, m.closer, m.version = int(m.round), int(m.closer), int(m.version)
+            m.expected = [int(w) for w in m.expected]
+            m.closed_at = float(m.closed_at)
+        except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:
+            raise BadObject(f"exchange object {what}: not a readable manifest of this run ({str(e)[:200]})") from None
+        return m
 
 
 @dataclass
@@ -150,14 +216,18 @@ class RoundState:
     def digest(self) -> str:
         return tree_hash((self.theta, self.outer_opt, self.detectors))
 
-    def encode(self) -> bytes:
+    def encode(self, run: str = "", key: bytes | None = None) -> bytes:
         meta = {"round": self.round, "tally": self.tally, "cursors": self.cursors, "members": self.members,
                 "finished": self.finished, "hash": self.digest()}
-        return pack([np.asarray(x) for x in jax.tree.leaves((self.theta, self.outer_opt, self.detectors))], meta)
+        leaves = [np.asarray(x) for x in jax.tree.leaves((self.theta, self.outer_opt, self.detectors))]
+        return pack(leaves, seal(meta, None, run, key))  # (its checksum: the hash of its arrays)
 
     @staticmethod
-    def decode(data: bytes, template: "RoundState", what: str) -> "RoundState":
+    def decode(data: bytes, template: "RoundState", what: str, check: PostCheck | None = None) -> "RoundState":
         leaves, m = unpack(data, what)
+        why = broken_seal(m, None, check.run, check.key) if check is not None else None
+        if why:
+            raise BadObject(f"exchange object {what}: {why}")
         want = jax.tree.leaves((template.theta, template.outer_opt, template.detectors))
         if len(leaves) != len(want) or any(a.shape != np.shape(b) for a, b in zip(leaves, want)):
             raise ValueError(f"exchange object {what}: the round state does not fit this config's model "
@@ -174,36 +244,75 @@ class RoundState:
 # ----------------------------------------------------------------------------- the store's view
 
 
+def _rounds(keys: list[str], pattern: re.Pattern) -> list[int]:
+    return sorted({int(m.group(1)) for m in map(pattern.match, keys) if m})
+
+
 def newest_round(ex: Exchange) -> int:
     """The newest round with a manifest (0: none yet)."""
-    keys = ex.list("rounds/r")
-    return _round_of(keys[-1]) if keys else 0
+    rounds = _rounds(ex.list("rounds/r"), _MANIFEST)
+    return rounds[-1] if rounds else 0
+
+
+def state_rounds(ex: Exchange) -> list[int]:
+    """The rounds with a published state, oldest first."""
+    return _rounds(ex.list("state/r"), _STATE)
 
 
 def newest_state(ex: Exchange) -> int | None:
-    keys = ex.list("state/r")
-    return _round_of(keys[-1]) if keys else None
+    rounds = state_rounds(ex)
+    return rounds[-1] if rounds else None
 
 
-def read_manifest(ex: Exchange, r: int) -> Manifest | None:
-    data = ex.get(manifest_key(r))
-    return None if data is None else Manifest.decode(data)
+def manifest_versions(ex: Exchange, r: int) -> list[int]:
+    """The versions of round r's manifest that exist, oldest first."""
+    return sorted(int(m.group(2) or 0) for m in map(_MANIFEST.match, ex.list(f"rounds/r{r:08d}")) if m)
+
+
+def read_manifest(ex: Exchange, r: int, check: PostCheck | None = None) -> Manifest | None:
+    """Round r's newest manifest version, or None (the round is open). ``BadObject`` if that
+    version cannot be read (garbled, another run's): the reader redoes the round (``collect``
+    with the next version), since a manifest, created once, is never overwritten."""
+    versions = manifest_versions(ex, r)
+    if not versions:
+        return None
+    key = manifest_key(r, versions[-1])
+    data = ex.get(key)
+    if data is None:
+        raise BadObject(f"exchange object {key}: listed but gone")
+    m = Manifest.decode(data, key, check)
+    if m.round != r or m.version != versions[-1]:
+        raise BadObject(f"exchange object {key}: says round {m.round} version {m.version}")
+    return m
 
 
 def posted(ex: Exchange, r: int) -> list[int]:
-    return sorted(int(k.rsplit("/w", 1)[-1].split(".")[0]) for k in ex.list(f"posts/r{r:08d}/"))
+    return sorted(int(m.group(2)) for m in map(_POST.match, ex.list(f"posts/r{r:08d}/")) if m)
 
 
 def posted_rounds(ex: Exchange, worker: int) -> list[int]:
     """The rounds holding a post of ``worker`` (those not yet collected)."""
-    return sorted(_round_of(k.split("/")[1]) for k in ex.list("posts/r") if k.endswith(f"/w{worker:04d}.npz"))
+    return sorted(int(m.group(1)) for m in map(_POST.match, ex.list("posts/r")) if m and int(m.group(2)) == worker)
+
+
+def _member(ex: Exchange, key: str) -> dict:
+    """A member announcement, or {} if it is not a readable one (skipped: a worker announces again
+    at its next round, and a round waits at most ``sync.grace`` for a slot it cannot read)."""
+    data = ex.get(key)
+    try:
+        info = json.loads(data.decode()) if data else {}
+        if not isinstance(info, dict):
+            return {}
+        int(info.get("worker", 0)), int(info.get("round", 0))
+        return info
+    except (ValueError, TypeError, UnicodeDecodeError):
+        return {}
 
 
 def live_owner(ex: Exchange, worker: int, me: str, stale_s: float) -> str | None:
     """The process (host:pid) other than ``me`` that announced on slot ``worker`` and may still be
     alive (on this host: its PID exists; on another: it announced within ``stale_s`` seconds)."""
-    data = ex.get(hello_key(worker))
-    info = json.loads(data.decode()) if data else {}
+    info = _member(ex, hello_key(worker))
     host, _, pid = str(info.get("owner", "")).rpartition(":")
     if not host or info["owner"] == me:
         return None
@@ -222,9 +331,8 @@ def announced(ex: Exchange) -> dict[int, int]:
     """Workers that said they (re)joined: slot -> the round they will post at first."""
     out = {}
     for key in ex.list("members/w"):
-        data = ex.get(key)
-        if data:
-            info = json.loads(data.decode())
+        info = _member(ex, key)
+        if "worker" in info and "round" in info:
             out[int(info["worker"])] = int(info["round"])
     return out
 
@@ -236,16 +344,34 @@ def expected(ex: Exchange, r: int) -> list[int]:
     return sorted(w for w, at in announced(ex).items() if at == r)
 
 
-def collect(ex: Exchange, r: int, closer: int, by_grace: bool, base_hash: str) -> Manifest | None:
+def collect(ex: Exchange, r: int, closer: int, by_grace: bool, base_hash: str, check: PostCheck | None = None,
+            version: int = 0, redone: str = "", only: list[int] | None = None) -> Manifest | None:
     """Close round r if it may close now (everyone expected posted, or ``by_grace``): create the
-    manifest; returns the manifest that exists (ours or another closer's), or None (still open)."""
+    manifest naming the posts that pass ``check`` (the others listed with why, ``rejected``);
+    returns the manifest that exists (ours or another closer's), or None (still open, or no post
+    passed yet). ``version`` > 0: redo the round (``read_manifest``), ``redone`` saying why, from
+    the posts in ``only`` (the earlier version's members: a post that came after it closed was
+    late, and its worker carried its steps into its next post; None: any, the earlier unreadable)."""
     have, want = posted(ex, r), expected(ex, r)
-    everyone = set(want) <= set(have)
+    if only is not None:
+        have = [w for w in have if w in only]
+    everyone = set(want) <= set(have)  # (a slot whose post was left out cannot post again this round)
     if not have or not (by_grace or everyone):
         return None
-    ex.create(manifest_key(r), Manifest(r, have, base_hash, closer, "all posted" if everyone else "grace",
-                                        want, time.time()).encode())
-    return read_manifest(ex, r)
+    good, rejected = have, {}
+    if check is not None:
+        verdicts = {w: check.problem(ex.get(post_key(r, w)), r, w, base_hash)[1] for w in have}
+        good = [w for w in have if verdicts[w] is None]
+        rejected = {str(w): why for w, why in verdicts.items() if why is not None}
+    if not good:
+        return None
+    # Who the round waited for: those still announced at r, and those who posted (they announced r,
+    # then moved on to r + 1 at their post; ``expected`` alone is nearly always empty by now).
+    waited = sorted(set(want) | set(have))
+    m = Manifest(r, good, base_hash, closer, "all posted" if everyone else "grace", waited, time.time(), rejected,
+                 version, redone)
+    ex.create(manifest_key(r, version), m.encode(check.run if check else "", check.key if check else None))
+    return read_manifest(ex, r, check)
 
 
 def retract(ex: Exchange, worker: int) -> None:
@@ -256,10 +382,11 @@ def retract(ex: Exchange, worker: int) -> None:
 def collect_garbage(ex: Exchange, r: int) -> None:
     """After round r's state is published: posts and states of rounds <= r - KEEP_ROUNDS go."""
     for key in ex.list("posts/r") + ex.list("state/r"):
-        if _round_of(key.split("/")[1] if key.startswith("posts/") else key) <= r - KEEP_ROUNDS:
+        m = _POST.match(key) or _STATE.match(key)
+        if m and int(m.group(1)) <= r - KEEP_ROUNDS:
             ex.delete(key)
 
 
-__all__ = ["Post", "Manifest", "RoundState", "KEEP_ROUNDS", "post_key", "manifest_key", "state_key", "hello_key",
+__all__ = ["Post", "PostCheck", "BadObject", "Manifest", "RoundState", "manifest_versions", "state_rounds", "KEEP_ROUNDS", "post_key", "manifest_key", "state_key", "hello_key",
            "newest_round", "newest_state", "read_manifest", "posted", "posted_rounds", "expected", "collect", "collect_garbage",
            "announced", "live_owner", "retract", "tree_hash", "pack", "unpack"]

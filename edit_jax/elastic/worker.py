@@ -33,15 +33,20 @@ from edit_jax.data import check_model_vocab, load_corpus, make_train_stream, val
 from edit_jax.elastic import packed as PK
 from edit_jax.elastic import progress as PG
 from edit_jax.elastic import rounds as R
+from edit_jax.elastic import trust as T
 from edit_jax.elastic.admission import NotAdmitted, admit, write_run_config
-from edit_jax.elastic.exchange import Exchange, open_exchange
+from edit_jax.elastic.exchange import Exchange
+from edit_jax.elastic.keys import ExchangeError, ExchangeUnavailable
 from edit_jax.elastic.local_training import Local, LocalTraining
+from edit_jax.elastic.recovery import RoundRecovery, Published
 from edit_jax.elastic.outer_round import OuterRound
-from edit_jax.localsgd.compressed import Compressed
+from edit_jax.elastic.patience import open_patient
+from edit_jax.localsgd.codec import Codec
 from edit_jax.localsgd.methods import LOCAL, plan_for
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.rundir.records import replace_file, worker_log
 from edit_jax.runtime import multihost
+from edit_jax.runtime.cluster_exit import EXIT_RETRY
 from edit_jax.runtime.executables import ExecutableStore
 from edit_jax.runtime.mesh import make_mesh
 from edit_jax.runtime.multihost import parse_slowdown
@@ -59,7 +64,7 @@ class RoundMismatch(RuntimeError):
     the closer's (``ElasticWorker.adopt_published``)."""
 
 
-class ElasticWorker(LocalTraining):
+class ElasticWorker(LocalTraining, RoundRecovery):
     def __init__(self, cfg: Config, worker: int, run_dir: str, say=print, exchange: Exchange | None = None):
         self.cfg = cfg
         if not cfg.sync.exchange and exchange is None:
@@ -67,7 +72,8 @@ class ElasticWorker(LocalTraining):
         if not 0 <= worker < cfg.mesh.replica:
             raise ValueError(f"--worker: expected a worker slot 0..{cfg.mesh.replica - 1} (mesh.replica slots), got {worker}")
         self.me, self.run_dir, self.say = worker, run_dir, say
-        self.ex = exchange or open_exchange(cfg.sync.exchange)
+        # Storage faults waited out for sync.exchange_patience (patience.py), the open included.
+        self.ex = exchange or open_patient(cfg.sync.exchange, cfg.sync.exchange_patience, say, f"edit-jax worker {worker}")
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
         # Admitted before anything is written (no run-dir file, record or post): the run's config,
         # with the run's `steps`, or NotAdmitted (admission.py); then its slot, before any work.
@@ -86,9 +92,10 @@ class ElasticWorker(LocalTraining):
         check_model_vocab(corpus, cfg.model.vocab_size)
         self.stream = make_train_stream(corpus, cfg.data.seq_len, cfg.batch_size, cfg.mesh.replica, cfg.data.seed)
         self.val = val_batches(corpus, cfg.data.seq_len, cfg.batch_size // cfg.mesh.replica, cfg.eval_batches) if cfg.eval_batches else []
-        self.wire = Compressed.wire_of(cfg.sync)
-        self.outer = OuterRound(self.plan, self.wire, cfg.sync.carried_weight, self.exe)
-        self._encode = jax.jit(lambda d, e: PK.encode_post(d, e, self.wire, self.plan.layerwise))
+        self.codec = Codec.from_sync(cfg.sync)
+        self.wire = self.codec.name  # what the posts and records carry
+        self.outer = OuterRound(self.plan, self.codec, cfg.sync.carried_weight, self.exe)
+        self._encode = jax.jit(lambda d, e: PK.encode_post(d, e, self.codec, self.plan.layerwise))
         self.my_flags: dict[int, list] = {}  # round -> this worker's per-unit flags (packed posts' residual)
         self.target = cfg.steps * cfg.mesh.replica  # the token budget in inner steps of one worker's rows
         self.slow = parse_slowdown(cfg.debug.slowdown).get(worker, 1.0)
@@ -101,10 +108,12 @@ class ElasticWorker(LocalTraining):
     # -- records -----------------------------------------------------------------------------------
 
     def _start_time(self) -> float:
+        key = T.exchange_key()
+        start, run = T.run_start(self.ex, self.say, key)  # the run's id: what its objects are sealed with
+        self.check = R.PostCheck(run, self.wire, None, key)
         os.makedirs(self.run_dir, exist_ok=True)
         write_run_config(self.ex, self.run_dir, self.me)  # the run's config, never this worker's own
-        self.ex.create("run/start.json", json.dumps({"time": time.time()}).encode())
-        return float(json.loads(self.ex.get("run/start.json").decode())["time"])
+        return start
 
     def record(self, rec: dict) -> None:
         self.log.write({**rec, "time": round(time.time() - self.t0, 3)})
@@ -124,9 +133,12 @@ class ElasticWorker(LocalTraining):
         then every later round replayed from its posts (``self.caught_up``: how long each took)."""
         self.template = template = self._template()
         if R.newest_state(self.ex) is None:  # a new run (not again once round 0 was collected)
-            self.ex.create(R.state_key(0), template.encode())
-        t, r = time.perf_counter(), R.newest_state(self.ex)
-        shared = R.RoundState.decode(self.ex.get(R.state_key(r)), template, R.state_key(r))
+            self.ex.create(R.state_key(0), template.encode(self.check.run, self.check.key))
+        if self.wire == "none":  # (packed rows: their shapes from this worker's first post)
+            self.check.shapes = [np.shape(t) for t in jax.tree.leaves(template.theta)]
+        t = time.perf_counter()
+        shared = self._newest_good_state(0)
+        r = shared.round
         read_s, shared = time.perf_counter() - t, self.catch_up(shared)
         self.caught_up = {"read_s": read_s, "catch_up_s": time.perf_counter() - t, "replayed": shared.round - r}
         shared.finished = shared.tally >= self.target  # this config's budget (a restart may raise `steps`)
@@ -134,21 +146,30 @@ class ElasticWorker(LocalTraining):
 
     def catch_up(self, shared: R.RoundState) -> R.RoundState:
         while True:
-            m = R.read_manifest(self.ex, shared.round + 1)
+            try:
+                m = self.manifest(shared, shared.round + 1)
+            except Published as p:
+                return self._published_at_least(p.round)
             if m is None:
                 return shared
             shared = self.apply(shared, m)
 
     def apply(self, shared: R.RoundState, m: R.Manifest) -> R.RoundState:
-        """Round ``m.round`` applied to ``shared`` (round m.round - 1): the posts the manifest names."""
+        """Round ``m.round`` applied to ``shared`` (round m.round - 1): the posts the manifest names
+        (each checked again: one damaged or removed since the round closed redoes the round)."""
         if m.base_hash != shared.digest():
             shared = self.adopt_published(shared, m)
         posts = []
-        for w in m.members:
-            data = self.ex.get(R.post_key(m.round, w))
-            if data is None:  # collected: this worker is too far behind to replay; take the published state
-                return self._published_at_least(m.round)
-            posts.append(R.Post.decode(data, R.post_key(m.round, w), self.wire))
+        try:
+            for w in m.members:
+                post, why = self.check.problem(self.ex.get(R.post_key(m.round, w)), m.round, w, m.base_hash)
+                if why == "gone" and self._newest_good_state(m.round, required=False) is not None:
+                    raise Published(m.round)  # collected: too far behind to replay; the published state
+                if why:
+                    return self.apply(shared, self.redo(shared, m.round, f"worker {w}'s post is {why}", m.members))
+                posts.append(post)
+        except Published as p:
+            return self._published_at_least(p.round)
         new, figures = self.outer.apply(shared, posts)
         if self.me in m.members and "unit_flagged" in figures:
             self.my_flags[m.round] = [u[m.members.index(self.me)] for u in figures["unit_flagged"]]
@@ -160,8 +181,7 @@ class ElasticWorker(LocalTraining):
     def adopt_published(self, shared: R.RoundState, m: R.Manifest) -> R.RoundState:
         """This worker's θ̄ differs from the closer's (hosts whose CPUs round differently, say): take
         the published round state the closer holds, recorded; with none, stop with the hashes."""
-        data = self.ex.get(R.state_key(shared.round))
-        theirs = R.RoundState.decode(data, self.template, R.state_key(shared.round)) if data else None
+        theirs = self._state(shared.round)
         if theirs is None or theirs.digest() != m.base_hash:
             raise RoundMismatch(f"round {m.round}: worker {self.me}'s θ̄ (hash {shared.digest()}) differs from the "
                                 f"closer's (worker {m.closer}, hash {m.base_hash}) and no published state matches")
@@ -171,15 +191,10 @@ class ElasticWorker(LocalTraining):
         return theirs
 
     def _published_at_least(self, r: int) -> R.RoundState:
-        newest = R.newest_state(self.ex)
-        if newest is None or newest < r:
-            raise RuntimeError(f"round {r}: its posts were collected and no state of round >= {r} is published "
-                               f"(exchange {self.ex.url})")
-        shared = R.RoundState.decode(self.ex.get(R.state_key(newest)), self.template, R.state_key(newest))
-        return self.catch_up(shared)
+        return self.catch_up(self._newest_good_state(r))
 
     def _publish(self, new: R.RoundState, m: R.Manifest, posts: list[R.Post], figures: dict) -> None:
-        self.ex.put(R.state_key(new.round), new.encode())
+        self.ex.put(R.state_key(new.round), new.encode(self.check.run, self.check.key))
         R.collect_garbage(self.ex, new.round)
         slots = self.cfg.mesh.replica
         per_slot = lambda v: [v[m.members.index(w)] if w in m.members else None for w in range(slots)]  # noqa: E731
@@ -190,7 +205,8 @@ class ElasticWorker(LocalTraining):
                      "flagged": per_slot(figures["flagged"]), "clip_factor": figures["clip_factor"],
                      "outer_update_norm": figures["outer_update_norm"],
                      "steps": [p.steps_since for p in posts], "carried": [p.carried for p in posts],
-                     "cursors": [p.cursor for p in posts], "finished": new.finished})
+                     "cursors": [p.cursor for p in posts], "finished": new.finished,
+                     **({"rejected": m.rejected} if m.rejected else {}), **({"version": m.version} if m.version else {})})
         before = (new.tally - sum(p.steps_since for p in posts)) // slots
         crossed = lambda every: new.finished or (every > 0 and step // every > before // every)  # noqa: E731
         if crossed(self.cfg.checkpoint_every):  # what `edit-jax sample / export` read (rundir/trained.py)
@@ -209,7 +225,10 @@ class ElasticWorker(LocalTraining):
         """Seconds of training before this worker's next post: the next round's posts are due
         ``tau_time`` after the last round closed, so a worker that joined or caught up mid-round
         posts with the others instead of a round late (clocks on different hosts: NTP-close)."""
-        m = R.read_manifest(self.ex, shared.round) if shared.round else None
+        try:
+            m = R.read_manifest(self.ex, shared.round, self.check) if shared.round else None
+        except R.BadObject:
+            m = None
         if m is None or not m.closed_at:
             return self.cfg.sync.tau_time
         return min(self.cfg.sync.tau_time, max(0.0, self.cfg.sync.tau_time - (time.time() - m.closed_at)))
@@ -242,7 +261,16 @@ class ElasticWorker(LocalTraining):
                                                                jax.device_put(local.residual, cpu)))
             post.delta, post.norms, post.wire = [np.asarray(r) for r in rows], np.asarray(norms), self.wire
             local.pending = [np.asarray(e) for e in pending]
-        return post, self.ex.create(R.post_key(post.round, self.me), post.encode()), delta
+            if self.check.shapes is None:  # every worker's rows have these shapes (one config: admission.py)
+                self.check.shapes = [np.shape(x) for x in post.delta]
+        data, key = post.encode(self.check.run, self.check.key), R.post_key(post.round, self.me)
+        fresh = self.ex.create(key, data)
+        if not fresh and self.check.problem(self.ex.get(key), post.round, self.me, post.base_hash)[1] is not None:
+            # Junk in this worker's own slot (not its own post from before a restart): no manifest
+            # can name it (the closer checks), so it goes, and this post takes its place.
+            self.ex.delete(key)
+            fresh = self.ex.create(key, data)
+        return post, fresh, delta
 
     def await_round(self, shared: R.RoundState) -> R.Manifest | None:
         """Round shared.round + 1's manifest: read, or written by this worker when the round is due
@@ -250,10 +278,14 @@ class ElasticWorker(LocalTraining):
         r, posted_at = shared.round + 1, time.monotonic()
         poll = getattr(self.ex, "poll_s", POLL_S)  # object stores: fewer requests
         while not self.stop:
-            m = R.read_manifest(self.ex, r)
+            try:
+                m = self.manifest(shared, r)
+            except Published:  # redone elsewhere and published: catch_up takes the state (this post: late)
+                return R.Manifest(r, [], "", -1, "published")
             if m is not None:
                 return m
-            m = R.collect(self.ex, r, self.me, time.monotonic() - posted_at >= self.cfg.sync.grace, shared.digest())
+            m = R.collect(self.ex, r, self.me, time.monotonic() - posted_at >= self.cfg.sync.grace, shared.digest(),
+                          self.check)
             if m is not None:
                 return m
             time.sleep(poll)
@@ -277,7 +309,7 @@ class ElasticWorker(LocalTraining):
         local = Local(self.initial_state, done=shared.cursors[self.me])
         local.state = self.restart_from(shared, local.state, count=local.done)
         if self.wire != "none":  # the residual lives in this process: zeros, unless its saved progress resumes
-            local.residual = PK.zero_residual(shared.theta, self.plan.layerwise, PK.layout(self.wire)[2])
+            local.residual = PK.zero_residual(shared.theta, self.plan.layerwise, self.codec)
         resumed = self.cfg.sync.progress_every > 0 and self.resume_progress(shared, local)
         wire = {"wire": self.wire, "residual": "saved" if resumed else "zeros"} if self.wire != "none" else {}
         self.record({"step": shared.global_step, "worker": self.me, "joined": shared.round, **self.caught_up, **wire})
@@ -323,8 +355,11 @@ def run_worker(cfg: Config, worker: int, run_dir: str, say=print) -> int:
     """Runs worker ``worker`` until the run ends (0) or a signal stops it (130)."""
     try:
         w = ElasticWorker(cfg, worker, run_dir, say)
-    except (SlotInUse, NotAdmitted) as e:  # exit 2: the launcher does not start it again
-        say(f"edit-jax: {'bad config: ' if isinstance(e, NotAdmitted) else ''}{e}")
+    except ExchangeUnavailable as e:  # storage down past the patience: exit 75, started again later
+        say(f"edit-jax worker {worker}: {e}; exit {EXIT_RETRY} (retry)")
+        return EXIT_RETRY
+    except (SlotInUse, NotAdmitted, ExchangeError) as e:  # exit 2: the launcher does not start it again
+        say(f"edit-jax: {'' if isinstance(e, SlotInUse) else 'bad config: '}{e}")
         return 2
 
     def on_signal(signum, frame):
@@ -332,8 +367,17 @@ def run_worker(cfg: Config, worker: int, run_dir: str, say=print) -> int:
         w.stop = True
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    w.ex.stopped = lambda: w.stop
     try:
         return w.run()
+    except ExchangeUnavailable as e:
+        if w.stop:  # a signal ended its wait for the storage
+            return 130
+        say(f"edit-jax worker {worker}: {e}; exit {EXIT_RETRY} (retry)")
+        return EXIT_RETRY
+    except ExchangeError as e:  # (e.g. the bucket deleted or the credentials revoked under the run)
+        say(f"edit-jax worker {worker}: {e}")
+        return 1
     finally:
         w.outer.close()  # no compile thread left running into the interpreter's exit
 
