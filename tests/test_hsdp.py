@@ -111,7 +111,9 @@ def test_hsdp_step_matches_single_device_adamw():
         upd, ref_state = opt.update(g, ref_state, ref_params)
         ref_params = optax.apply_updates(ref_params, upd)
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_params)):
-        np.testing.assert_allclose(np.asarray(a)[0], np.asarray(b), rtol=0, atol=1e-4)  # Adam divides by sqrt(v): ulp noise where g ~ 0
+        # Adam divides by sqrt(v): ulp noise where g ~ 0 (one of 16384 entries 1.01e-4 apart on this
+        # machine's Xeon, at 50e730b too: XLA:CPU's kernels follow the host's vector instructions)
+        np.testing.assert_allclose(np.asarray(a)[0], np.asarray(b), rtol=0, atol=2e-4)
         np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(a)[1])  # replicas stay identical
 
 
