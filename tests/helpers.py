@@ -3,6 +3,7 @@
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import jax
@@ -120,3 +121,27 @@ def damage_checkpoint_arrays(ckpt_dir, spots=16, n=64) -> None:
                 raw = f.read(n)
                 f.seek(-len(raw), os.SEEK_CUR)
                 f.write(bytes(b ^ 0xFF for b in raw))
+
+
+def exchange_run_through(workdir, args: list[str], ex_dir: str, fault) -> str:
+    """``edit-jax train ARGS`` (an exchange run of one-device workers) with ``fault()`` done once its
+    round 1 closed; asserts it ends by itself, exit 0, no traceback; returns its output."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    log = open(os.path.join(workdir, "log.txt"), "w+")
+    p = subprocess.Popen([sys.executable, "-m", "edit_jax", "train", *args], env=env, stdout=log,
+                         stderr=subprocess.STDOUT, cwd=str(workdir))
+    try:
+        end = time.monotonic() + 120
+        while not os.path.exists(os.path.join(ex_dir, "rounds", "r00000001.json")):
+            assert time.monotonic() < end and p.poll() is None, "the run did not reach round 1"
+            time.sleep(0.1)
+        fault()
+        code = p.wait(timeout=180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    log.seek(0)
+    out = log.read()
+    assert code == 0 and "Traceback" not in out, out[-3000:]
+    return out

@@ -306,31 +306,21 @@ def test_a_run_outlives_its_exchange_directory_gone_for_seconds(tmp_path):
               other="test_exchange_trust's run given junk")
     import json as _json
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from tests.helpers import REPO, exchange_run_through
+
     run, ex_dir = str(tmp_path / "run"), str(tmp_path / "run.x")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    args = ["--config", os.path.join(root, "configs", "tiny.py"), "--run-dir", run, f"sync.exchange={ex_dir}",
+    args = ["--config", os.path.join(REPO, "configs", "tiny.py"), "--run-dir", run, f"sync.exchange={ex_dir}",
             "sync.method=a_edit", "sync.warmup_steps=0", "mesh.replica=2", "mesh.shard=1", "mesh.processes=2",
             "sync.tau_time=0.3", "sync.grace=1", "batch_size=4", "steps=20", "eval_every=0",
             "sync.exchange_patience=60"]
-    log = open(tmp_path / "log.txt", "w+")
-    p = subprocess.Popen([sys.executable, "-m", "edit_jax", "train", *args], env=env, stdout=log,
-                         stderr=subprocess.STDOUT, cwd=str(tmp_path))
-    try:
-        end = time.monotonic() + 120
-        while not os.path.exists(os.path.join(ex_dir, "rounds", "r00000001.json")):
-            assert time.monotonic() < end and p.poll() is None, "the run did not reach round 1"
-            time.sleep(0.1)
+
+    def away_for_4_s():
         os.rename(ex_dir, ex_dir + ".away")
         time.sleep(4)
         os.rename(ex_dir + ".away", ex_dir)
-        assert p.wait(timeout=180) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-    log.seek(0)
-    out = log.read()
-    assert "Traceback" not in out and "retrying for up to 60 s" in out and "answering again" in out, out[-3000:]
+
+    out = exchange_run_through(tmp_path, args, ex_dir, away_for_4_s)
+    assert "retrying for up to 60 s" in out and "answering again" in out, out[-3000:]
     with open(os.path.join(run, "metrics.jsonl")) as f:
         ends = [r for r in map(_json.loads, f) if "finished_round" in r]
     assert len(ends) == 2 and len({e["theta_hash"] for e in ends}) == 1

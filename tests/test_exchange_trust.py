@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -25,6 +24,7 @@ from edit_jax.elastic import rounds as R
 from edit_jax.elastic.exchange import DirExchange
 from edit_jax.elastic.trust import ENV_KEY, START_KEY, broken_seal, run_start
 from edit_jax.rundir.records import read_records
+from tests.helpers import exchange_run_through
 from tests.stages import one_stage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,32 +182,18 @@ def test_a_run_given_junk_finishes_and_restarts_over_a_damaged_round(tmp_path):
     one_stage("default", "an exchange run given junk, restarted over a damaged round", 45,
               other="test_exchange_storage's end-to-end outage")
     run, ex_dir = str(tmp_path / "run"), str(tmp_path / "run.x")
-    log = open(tmp_path / "log.txt", "w+")
-    p = subprocess.Popen([sys.executable, "-m", "edit_jax", "train", *_args(run, ex_dir, 24)], env=_env(),
-                         stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path))
-    try:
-        ex = None
-        end = time.monotonic() + 120
-        while time.monotonic() < end and p.poll() is None:
-            if os.path.isdir(os.path.join(ex_dir, "rounds")):
-                ex = DirExchange(ex_dir)
-                if R.newest_round(ex) >= 1:
-                    break
-            time.sleep(0.1)
-        assert ex is not None and p.poll() is None, "the run did not reach round 1"
+
+    def junk():
+        ex = DirExchange(ex_dir)
         r = R.newest_round(ex)
         # Slot 2 has no worker (3 slots, 2 processes): what lands there is only ever the closer's to check.
         ex.put(R.post_key(r + 2, 2), np.random.default_rng(1).bytes(3000))
         ex.put(R.post_key(r + 3, 1), b"junk in worker 1's own slot")  # it replaces it with its post
         ex.put(f"posts/r{r + 2:08d}/notes.txt", b"hello")
         ex.put(R.hello_key(1), b"{garbled")
-        assert p.wait(timeout=180) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-    log.seek(0)
-    out = log.read()
-    assert "Traceback" not in out, out[-3000:]
+
+    exchange_run_through(tmp_path, _args(run, ex_dir, 24), ex_dir, junk)
+    ex = DirExchange(ex_dir)
     ends = _ends(run)
     assert len(ends) == 2 and len({e["theta_hash"] for e in ends}) == 1
     recs = read_records(os.path.join(run, "metrics.jsonl"))
