@@ -24,7 +24,7 @@ import pytest
 from edit_jax.elastic.admission import CONFIG_KEY, NotAdmitted, admit
 from edit_jax.elastic.exchange import DirExchange
 from edit_jax.rundir.runlock import RunLock
-from edit_jax.validate import load_config
+from edit_jax.validate import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")
@@ -101,21 +101,27 @@ def test_second_launcher_refused(finished):
     assert _snapshot(run, ex) == before
 
 
-def test_launcher_on_another_exchange_refused(finished, tmp_path):
-    """A `train` on a run dir that names another sync.exchange: exit 2, one line, the other
-    exchange never made (before: one metrics.jsonl got both runs' rounds)."""
+@pytest.mark.parametrize("command", ["train", "worker", "in-program train"])
+def test_another_exchange_refused(finished, tmp_path, command):
+    """A `train` or a worker on a run dir that names another sync.exchange, or an in-program `train`
+    on an exchange run's dir: exit 2, one line, nothing written, the other exchange never made
+    (before: one metrics.jsonl got both runs' rounds, config.json named the other exchange)."""
     run, ex, cwd = finished
     before, other = _snapshot(run, ex), str(tmp_path / "other.x")
-    out = _edit_jax("train", "--config", TINY, "--run-dir", run, f"sync.exchange={other}", *ARGS, cwd=cwd)
+    argv, more = {"train": (["train"], [f"sync.exchange={other}"]),
+                  "worker": (["worker", "--worker", "1"], [f"sync.exchange={other}"]),
+                  "in-program train": (["train"], ["sync.method=diloco", "sync.tau=2"])}[command]
+    out = _edit_jax(*argv, "--config", TINY, "--run-dir", run, *ARGS, *more, cwd=cwd)
     assert out.returncode == 2, out.stderr[-3000:]
-    assert "belongs to another run" in _one_line(out.stderr)
+    line = _one_line(out.stderr)
+    assert "belongs to another run" in line and (f"sync.exchange={ex}" in line if command == "in-program train"
+                                                  else f"not {other}" in line), line
     assert _snapshot(run, ex) == before and not os.path.exists(other)
 
 
 @pytest.mark.parametrize("argv, named", [
     (["plan", "model.d_model=1000000000"], "'model.d_model'"),
     (["train", "model.d_model=1000000000"], "'model.d_model'"),
-    (["train", "data.seq_len=3000000000"], "'data.seq_len'"),
     (["train", "sync.exchange=EX", "debug.lr_spike=2-3:100"], "'debug.lr_spike'")])
 def test_config_errors_before_any_work(tmp_path, argv, named):
     """Sizes past XLA's int64 bytes (it aborted in C++, exit 134, `train` after making its run dir) and
@@ -129,6 +135,44 @@ def test_config_errors_before_any_work(tmp_path, argv, named):
     line = _one_line(out.stderr)
     assert line.startswith("edit-jax: bad config:") and named in line, line
     assert sorted(os.listdir(tmp_path)) == []
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.n_layers=1000000000000", "model.n_layers"), ("batch_size=33554432", "batch_size"),
+    ("steps=3000000000", "steps"), ("optim.warmup_steps=3000000000", "optim.warmup_steps"),
+    ("sync.tau=3000000000", "sync.tau"), ("data.seq_len=3000000000", "data.seq_len")])
+def test_int32_counts_refused(override, key):
+    """Counts JAX takes as int32 (x64 is off; past 2^31 - 1 it raised a traceback while tracing):
+    the layer scan's length, a worker's tokens per step (2^31 here: 16777216 rows x 128), the step
+    counts. Refused by validate (what `plan` and `train` run first), naming the key."""
+    with pytest.raises(ConfigError, match=f"'{key}'.*int32"):
+        load_config(TINY, ["data.seq_len=128", override])
+    load_config(TINY, ["batch_size=67108856", "data.seq_len=64"])  # 2^31 - 256 tokens per worker: allowed
+
+
+def test_plan_step_kinds_without_stepping():
+    """`plan` asks the schedule only around the warmup's end and each group's due step: the same kinds
+    as stepping through warmup + 2 tau (checked on small schedules), and at once for tau = 2^31 - 1
+    (before: a Python loop of 4e9 steps)."""
+    from types import SimpleNamespace
+
+    from edit_jax.localsgd.methods import StepSchedule
+    from edit_jax.tools.plan import step_kinds
+
+    def stepped(schedule, tau):
+        kinds = []
+        for k in range(schedule.warmup + 2 * tau + 2):
+            kinds += [str(schedule.kind(k))] if str(schedule.kind(k)) not in kinds else []
+        return kinds
+
+    for outer, layerwise, warmup, tau in [(o, lw, w, t) for o in (True, False) for lw in (True, False)
+                                          for w in (0, 1, 3) for t in (1, 2, 4, 6, 12)]:
+        for f in [f for f in range(1, tau + 1) if tau % f == 0]:
+            schedule = StepSchedule(outer, layerwise, warmup, tau, fragments=f)
+            cfg = SimpleNamespace(sync=SimpleNamespace(tau=tau, fragments=f))
+            assert step_kinds(schedule, cfg) == stepped(schedule, tau), (outer, layerwise, warmup, tau, f)
+    big = SimpleNamespace(sync=SimpleNamespace(tau=2 ** 31 - 1, fragments=1))
+    assert step_kinds(StepSchedule(True, False, 2 ** 31 - 1, 2 ** 31 - 1), big) == ["hsdp", "local", "local_then_sync"]
 
 
 def test_steps_rule(tmp_path):

@@ -27,7 +27,7 @@ from dataclasses import replace
 from edit_jax.config import Config, ConfigError, dumps
 from edit_jax.localsgd.methods import normalise
 from edit_jax.rundir.records import replace_file
-from edit_jax.rundir.runlock import RunLock, check_writable, first_missing, remove_if_unused
+from edit_jax.rundir.runlock import RunLock, check_writable, exchange_problem, first_missing, remove_if_unused
 
 CONFIG_KEY = "run/config.json"  # (run/start.json is the run's start time and id: another key)
 # Fields a process may set for itself: none changes θ̄'s maths or what a post holds.
@@ -159,27 +159,10 @@ def launcher_lock(run_dir: str, cfg: Config, say=print):
             remove_if_unused(run_dir, created)  # only while empty: a refusal's
 
 
-def _same_exchange(a: str, b: str) -> bool:
-    def norm(url: str) -> str:
-        if url.startswith("s3://"):
-            return url.rstrip("/")
-        return os.path.abspath(url[len("file://"):] if url.startswith("file://") else url)
-    return a == b or norm(a) == norm(b)
-
-
 def run_dir_problem(run_dir: str, cfg: Config) -> str | None:
-    """Why ``run_dir`` is not this exchange run's: its ``config.json`` names another exchange (or
-    none: an in-program run). None when it has no readable config.json."""
-    try:
-        with open(os.path.join(run_dir, "config.json")) as f:
-            theirs = json.load(f).get("sync", {}).get("exchange", "")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if _same_exchange(theirs or "", cfg.sync.exchange):
-        return None
-    what = f"sync.exchange={theirs}" if theirs else "no sync.exchange (an in-program run)"
-    return (f"sync.exchange: run dir {run_dir!r} belongs to another run ({what}, its config.json), not "
-            f"{cfg.sync.exchange}; use another --run-dir, or that exchange")
+    """Why ``run_dir`` is not this exchange run's: its ``config.json`` names another exchange, or
+    none (an in-program run). None when it has no readable config.json (``runlock.exchange_problem``)."""
+    return exchange_problem(run_dir, cfg.sync.exchange)
 
 
 __all__ = ["admit", "write_run_config", "run_dir_problem", "launcher_lock", "NotAdmitted", "CONFIG_KEY", "OWN"]

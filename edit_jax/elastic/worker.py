@@ -34,7 +34,7 @@ from edit_jax.elastic import packed as PK
 from edit_jax.elastic import progress as PG
 from edit_jax.elastic import rounds as R
 from edit_jax.elastic import trust as T
-from edit_jax.elastic.admission import NotAdmitted, admit, write_run_config
+from edit_jax.elastic.admission import NotAdmitted, admit, run_dir_problem, write_run_config
 from edit_jax.elastic.exchange import Exchange
 from edit_jax.elastic.keys import ExchangeError, ExchangeUnavailable
 from edit_jax.elastic.local_training import Local, LocalTraining
@@ -72,6 +72,8 @@ class ElasticWorker(LocalTraining, RoundRecovery):
         if not 0 <= worker < cfg.mesh.replica:
             raise ValueError(f"--worker: expected a worker slot 0..{cfg.mesh.replica - 1} (mesh.replica slots), got {worker}")
         self.me, self.run_dir, self.say = worker, run_dir, say
+        if problem := run_dir_problem(run_dir, cfg):  # before the exchange is opened (a directory one is made)
+            raise NotAdmitted(problem)
         # Storage faults waited out for sync.exchange_patience (patience.py), the open included.
         self.ex = exchange or open_patient(cfg.sync.exchange, cfg.sync.exchange_patience, say, f"edit-jax worker {worker}")
         self.owner = f"{socket.gethostname()}:{os.getpid()}"

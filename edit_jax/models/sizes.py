@@ -63,7 +63,8 @@ def validate(cfg: Config) -> None:
     require(cfg.model.vocab_size <= INT32, "model.vocab_size",
             f"token ids are int32 on the device: expected at most 2^31 - 1, got {cfg.model.vocab_size}")
     require(cfg.model.n_layers <= INT32, "model.n_layers",
-            f"the layers are a scan whose length is int32 on the device: expected at most 2^31 - 1, got {cfg.model.n_layers}")
+            f"the layers are a scan whose length is int32 on the device: expected at most 2^31 - 1, "
+            f"got {cfg.model.n_layers}")
     rows, seq = cfg.batch_size // cfg.mesh.replica, cfg.data.seq_len
     tokens = rows * seq  # the loss's divisor: a worker's tokens per step (the model runs them as one batch)
     require(tokens <= INT32, "batch_size" if rows >= seq else "data.seq_len",

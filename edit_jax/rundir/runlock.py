@@ -202,6 +202,32 @@ def remove_new_files(run_dir: str, before: set[str], dirs: tuple[str, ...] = ())
             pass  # best effort: the error that ended the run is what gets reported
 
 
+def _same_exchange(a: str, b: str) -> bool:
+    def norm(url: str) -> str:
+        if url.startswith("s3://"):
+            return url.rstrip("/")
+        return os.path.abspath(url[len("file://"):] if url.startswith("file://") else url)
+    return a == b or (bool(a) and bool(b) and norm(a) == norm(b))
+
+
+def exchange_problem(run_dir: str, exchange: str) -> str | None:
+    """Why ``run_dir`` is not the dir of a run on ``exchange`` (``sync.exchange``; "": an in-program
+    run): its ``config.json`` names another exchange, or none (an in-program run's), or one (for an
+    in-program run). A run dir holds one run's records: an exchange run's launcher and workers write
+    it (elastic/admission.py), an in-program run its own. None when it has no readable config.json."""
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            theirs = json.load(f).get("sync", {}).get("exchange", "") or ""
+    except (OSError, ValueError, AttributeError):
+        return None
+    if _same_exchange(theirs, exchange):
+        return None
+    what = f"sync.exchange={theirs}" if theirs else "no sync.exchange (an in-program run)"
+    mine = exchange or "an in-program run (no sync.exchange)"
+    return (f"sync.exchange: run dir {run_dir!r} belongs to another run ({what}, its config.json), not "
+            f"{mine}; use another --run-dir, or that exchange")
+
+
 def _read_record(path: str) -> dict:
     try:
         with open(path) as f:
@@ -270,5 +296,5 @@ class RunLock:
         self.release()
 
 
-__all__ = ["RunLock", "RunLockError", "RunDirError", "check_writable", "first_missing", "remove_if_unused",
-           "listing", "remove_new_files", "nearest_existing", "output_path_problem", "LOCK_NAME"]
+__all__ = ["RunLock", "RunLockError", "RunDirError", "exchange_problem", "check_writable", "first_missing",
+           "remove_if_unused", "listing", "remove_new_files", "nearest_existing", "output_path_problem", "LOCK_NAME"]

@@ -30,8 +30,8 @@ from edit_jax.localsgd.sharding import MeshError
 from edit_jax.placement.topology import PlacementError
 from edit_jax.rundir.checkpoint import CheckpointError, steps_on_disk
 from edit_jax.rundir.records import TB_DIR, read_records
-from edit_jax.rundir.runlock import (RunLock, RunLockError, check_writable, first_missing, listing, remove_if_unused,
-                                     remove_new_files)
+from edit_jax.rundir.runlock import (RunLock, RunLockError, check_writable, exchange_problem, first_missing, listing,
+                                     remove_if_unused, remove_new_files)
 from edit_jax.runtime import multihost
 from edit_jax.runtime.compile_cache import cache_dir_for, compile_cache, run_dir_cache
 from edit_jax.runtime.launch import ENV_FORWARDS, take_forwarded
@@ -153,10 +153,14 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
     With ``mesh.processes > 1`` this runs in each of the worker processes (started by launch.py or
     a cluster launcher); process 0 holds the run dir's lock and writes the run's files.
 
-    Raises ``RunDirError`` (run dir not writable), ``RunLockError`` (another run holds it),
+    Raises ``ConfigError`` (also for an exchange run's dir: its config.json names a ``sync.exchange``,
+    runlock.py), ``RunDirError`` (run dir not writable), ``RunLockError`` (another run holds it),
     ``DivergedError`` (non-finite state; nothing non-finite saved) besides the input errors.
     """
     validate(cfg)
+    problem = run_dir and exchange_problem(run_dir, cfg.sync.exchange)  # an exchange run's dir is its launcher's
+    if problem:
+        raise ConfigError(problem)
     multi = cfg.mesh.processes > 1
     lead = jax.process_index() == 0 if multi else True
     say = _sayer(progress, verbose) if lead else (lambda msg: None)
