@@ -17,7 +17,7 @@ from tests.helpers import REPO
 from tests.stages import one_stage
 
 BENCHES = ("bench_data", "bench_edit", "bench_faults", "bench_gpu", "bench_kill", "bench_late_posts", "bench_links",
-           "bench_live", "bench_sample",
+           "bench_live", "bench_outages", "bench_sample",
            "bench_sparse_wire", "bench_spike", "bench_step", "bench_straggler", "compare_methods", "plan_presets",
            "pool_live", "reproduce_placement", "spike_experiment")
 # Every bench's `--smoke` runs here, in this process (one JAX start for the in-process ones; the

@@ -13,8 +13,10 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
+from edit_jax.elastic import rounds as R
 from edit_jax.elastic.exchange import DirExchange, ExchangeError
 from edit_jax.elastic.keys import ExchangeUnavailable
 from edit_jax.elastic.patience import PatientExchange, open_patient
@@ -324,3 +326,18 @@ def test_a_run_outlives_its_exchange_directory_gone_for_seconds(tmp_path):
     with open(os.path.join(run, "metrics.jsonl")) as f:
         ends = [r for r in map(_json.loads, f) if "finished_round" in r]
     assert len(ends) == 2 and len({e["theta_hash"] for e in ends}) == 1
+
+
+def test_two_publishers_of_one_round_state_create_it_once(tmp_path):
+    """A round state is the same on every worker, so two publishers' bytes were equal: a closer whose
+    create was retried after a fault took the other's object for its own (a lost answer) and recorded
+    the round a second time (seen in bench_outages' read-only run). Its publisher (host:pid) in the
+    state's header makes them differ; readers decode either."""
+    state = R.RoundState(3, [np.ones(4, np.float32)], [np.zeros(2, np.float32)], [np.zeros(1, np.float32)], 10, [5, 5])
+    inner = DirExchange(str(tmp_path))
+    assert inner.create(R.state_key(3), state.encode("run", None, "host-b:2"))  # the other publisher, first
+    ex, _ = _patient(Flaky(inner, "create", errno.EIO, times=1))  # this one's first try fails, then finds it
+    assert ex.create(R.state_key(3), state.encode("run", None, "host-a:1")) is False
+    assert state.encode("run") == state.encode("run")  # (without a publisher: alike)
+    back = R.RoundState.decode(inner.get(R.state_key(3)), state, "k", R.PostCheck("run"))
+    assert back.digest() == state.digest() and back.round == 3

@@ -16,6 +16,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ from edit_jax.elastic.trust import ENV_KEY, START_KEY, broken_seal, run_start
 from edit_jax.rundir.records import read_records
 from tests.helpers import exchange_run_through
 from tests.stages import one_stage
+from tests.test_elastic import _config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN, BASE = "0123456789abcdef", "b" * 24
@@ -228,3 +231,57 @@ def test_a_worker_with_another_key_is_refused_before_any_work(tmp_path):
     run_start(plain)
     with pytest.raises(NotAdmitted, match="was started without it"):
         run_start(plain, key=b"k1")
+
+
+class _Died(Exception):
+    """A worker's death at an exact point (its thread ends there, nothing more written)."""
+
+
+def test_a_closer_that_dies_before_its_state_still_gets_its_round_recorded(tmp_path):
+    """Item 7: the closer of round 2 dies between its manifest and its state, and the other worker
+    closes round 3 before it is back. The round's state and record are published once, by round
+    3's closer (``published_for``); the dead slot's restart joins from round 3 and both finish on
+    one θ̄. Without the hand-over round 2 has no record and no state. Threads of this process."""
+    from edit_jax.elastic.worker import ElasticWorker
+    from edit_jax.runtime.compile_cache import compile_cache
+    dead = []
+
+    class DiesPublishingRound2(ElasticWorker):
+        def _publish(self, new, m, posts, figures, published_for=None):
+            if new.round == 2 and published_for is None and not dead:
+                dead.append(self.me)
+                raise _Died(self.me)  # after its manifest, before its state: nothing of round 2 published
+            super()._publish(new, m, posts, figures, published_for)
+
+    ex, run = str(tmp_path / "ex"), str(tmp_path / "run")
+    cfg = _config(ex, "steps=16")
+    codes = {}
+
+    def go(w):
+        try:
+            codes[w.me] = w.run()
+        except _Died:
+            pass
+
+    with compile_cache(os.environ.get("EDIT_JAX_COMPILE_CACHE")):  # the suite's shared cache (conftest.py)
+        workers = [DiesPublishingRound2(cfg, w, run, say=lambda m: None) for w in (0, 1)]
+        threads = [threading.Thread(target=go, args=(w,)) for w in workers]
+        [t.start() for t in threads]
+        ex_dir = DirExchange(ex)
+        deadline = time.monotonic() + 180
+        while not (dead and ex_dir.list(R.state_key(3))):
+            assert time.monotonic() < deadline and any(t.is_alive() for t in threads), codes
+            time.sleep(0.05)
+        back = ElasticWorker(cfg, dead[0], run, say=lambda m: None)  # its restart: from round 3's state
+        assert back.join().round >= 3
+        threads.append(threading.Thread(target=go, args=(back,)))
+        threads[-1].start()
+        [t.join(timeout=240) for t in threads]
+    assert codes == {0: 0, 1: 0}, codes
+    recs = read_records(os.path.join(run, "metrics.jsonl"))
+    rounds = sorted(r["round"] for r in recs if r.get("sync"))
+    assert rounds == list(range(1, rounds[-1] + 1)), rounds  # every round recorded once
+    two = next(r for r in recs if r.get("sync") and r["round"] == 2)
+    assert two["published_for"] == dead[0] and two["members"]
+    ends = {r["theta_hash"] for r in recs if "finished_round" in r}
+    assert len(ends) == 1 and ends == {max((r for r in recs if r.get("sync")), key=lambda r: r["round"])["theta_hash"]}

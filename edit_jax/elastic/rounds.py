@@ -216,9 +216,11 @@ class RoundState:
     def digest(self) -> str:
         return tree_hash((self.theta, self.outer_opt, self.detectors))
 
-    def encode(self, run: str = "", key: bytes | None = None) -> bytes:
+    def encode(self, run: str = "", key: bytes | None = None, publisher: str = "") -> bytes:
+        """The state's bytes; ``publisher`` (host:pid) makes two processes' bytes of one state differ,
+        so a create whose answer was lost can tell its own object from another publisher's."""
         meta = {"round": self.round, "tally": self.tally, "cursors": self.cursors, "members": self.members,
-                "finished": self.finished, "hash": self.digest()}
+                "finished": self.finished, "hash": self.digest(), **({"publisher": publisher} if publisher else {})}
         leaves = [np.asarray(x) for x in jax.tree.leaves((self.theta, self.outer_opt, self.detectors))]
         return pack(leaves, seal(meta, None, run, key))  # (its checksum: the hash of its arrays)
 

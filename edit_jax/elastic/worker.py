@@ -99,6 +99,7 @@ class ElasticWorker(LocalTraining, RoundRecovery):
         self.outer = OuterRound(self.plan, self.codec, cfg.sync.carried_weight, self.exe)
         self._encode = jax.jit(lambda d, e: PK.encode_post(d, e, self.codec, self.plan.layerwise))
         self.my_flags: dict[int, list] = {}  # round -> this worker's per-unit flags (packed posts' residual)
+        self.applied: tuple | None = None  # the last round applied here: (manifest, posts without Δ, figures)
         self.target = cfg.steps * cfg.mesh.replica  # the token budget in inner steps of one worker's rows
         self.slow = parse_slowdown(cfg.debug.slowdown).get(worker, 1.0)
         self.stop, self.compiled = False, False
@@ -176,8 +177,15 @@ class ElasticWorker(LocalTraining, RoundRecovery):
         if self.me in m.members and "unit_flagged" in figures:
             self.my_flags[m.round] = [u[m.members.index(self.me)] for u in figures["unit_flagged"]]
         new.finished = new.tally >= self.target
-        if m.closer == self.me and not self.ex.list(R.state_key(new.round)):  # not again after a restart
+        if m.closer == self.me:
+            last = self.applied  # the round before, if this process applied it (its closer's to publish)
+            if last and last[0].round == shared.round and last[0].closer != self.me:
+                # Its closer died between its manifest and its state (item 7 of the faults issue):
+                # this round's closer publishes that state and writes its record, else it has neither.
+                self._publish(shared, *last, published_for=last[0].closer)
             self._publish(new, m, posts, figures)
+        # What this round's record needs, without Δ (the state it made is the next round's `shared`)
+        self.applied = (m, [replace(p, delta=[], norms=None) for p in posts], figures)
         return new
 
     def adopt_published(self, shared: R.RoundState, m: R.Manifest) -> R.RoundState:
@@ -195,8 +203,14 @@ class ElasticWorker(LocalTraining, RoundRecovery):
     def _published_at_least(self, r: int) -> R.RoundState:
         return self.catch_up(self._newest_good_state(r))
 
-    def _publish(self, new: R.RoundState, m: R.Manifest, posts: list[R.Post], figures: dict) -> None:
-        self.ex.put(R.state_key(new.round), new.encode(self.check.run, self.check.key))
+    def _publish(self, new: R.RoundState, m: R.Manifest, posts: list[R.Post], figures: dict,
+                 published_for: int | None = None) -> None:
+        """Round ``new.round``'s state into the exchange and its record into the run dir, once: the
+        state is created exclusively, and only the process that created it records the round (a
+        restarted closer replaying its round, or two publishers of a dead closer's, write nothing)."""
+        key = R.state_key(new.round)
+        if self.ex.list(key) or not self.ex.create(key, new.encode(self.check.run, self.check.key, self.owner)):
+            return
         R.collect_garbage(self.ex, new.round)
         slots = self.cfg.mesh.replica
         per_slot = lambda v: [v[m.members.index(w)] if w in m.members else None for w in range(slots)]  # noqa: E731
@@ -208,7 +222,8 @@ class ElasticWorker(LocalTraining, RoundRecovery):
                      "outer_update_norm": figures["outer_update_norm"],
                      "steps": [p.steps_since for p in posts], "carried": [p.carried for p in posts],
                      "cursors": [p.cursor for p in posts], "finished": new.finished,
-                     **({"rejected": m.rejected} if m.rejected else {}), **({"version": m.version} if m.version else {})})
+                     **({"rejected": m.rejected} if m.rejected else {}), **({"version": m.version} if m.version else {}),
+                     **({"published_for": published_for} if published_for is not None else {})})
         before = (new.tally - sum(p.steps_since for p in posts)) // slots
         crossed = lambda every: new.finished or (every > 0 and step // every > before // every)  # noqa: E731
         if crossed(self.cfg.checkpoint_every):  # what `edit-jax sample / export` read (rundir/trained.py)
