@@ -309,6 +309,11 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="batch: a global batch's leading dim must be a multiple of the 4 workers"):
         trainer.per_worker(np.zeros((6, 2)))
     assert trainer.per_worker(np.arange(8).reshape(8, 1))[:, :, 0].tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    batch = {"x": np.ones((4, 4, 3), np.float32), "y": np.ones((4, 4, 2), np.float32)}
+    new, _ = trainer.step(state, batch)
+    with pytest.raises(ValueError, match="state: its buffers were consumed .* pass the state that call returned"):
+        trainer.step(state, batch)  # the consumed one again (it crashed Python: exit 139)
+    trainer.step(new, batch)
 
 
 def test_a_forward_that_skips_the_hook_is_named():

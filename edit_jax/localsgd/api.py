@@ -238,6 +238,9 @@ class LocalSGD:
         return self._programs[key]
 
     def _run(self, kind: str, state: LocalSGDState, *args):
+        if self.donate and any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array)):
+            raise ValueError("state: its buffers were consumed (donated) by an earlier step or sync; pass the state "
+                             "that call returned, or build LocalSGD with donate=False")  # (it crashed Python)
         with jax.set_mesh(self.mesh):  # bare PartitionSpecs in the user's code name this mesh's axes
             return self._jitted(kind, state)(state, *args)
 
