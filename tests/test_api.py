@@ -314,6 +314,21 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="state: its buffers were consumed .* pass the state that call returned"):
         trainer.step(state, batch)  # the consumed one again (it crashed Python: exit 139)
     trainer.step(new, batch)
+    # A user's inner_step returning the wrong things: named while tracing, not a bare unpacking error
+    # or JAX's pjit out_shardings message (issue 58).
+    wrong = {"two values": (lambda p, o, b: (p, o), r"must return \(params, opt_state, metrics\), got a tuple of 2"),
+             "an extra key": (lambda p, o, b: ({**p, "extra": p["bias"][1]}, o, {}),
+                              r"the params it returns must have the structure .* extra \[\"\['extra'\]\"\]"),
+             "opt_state changed": (lambda p, o, b: (p, (), {}), r"the opt_state it returns must have the structure")}
+    for what, (fn, message) in wrong.items():
+        bad = LocalSGD(diloco(), mesh, 4, inner_step=fn)
+        with pytest.raises(ValueError, match="inner_step: " + message):
+            bad.step(bad.init(params, optax.sgd(0.1).init(params)), batch)
+    listed = _scanned_params()
+    listed["layers"] = [jax.tree.map(lambda x, i=i: x[i], listed["layers"]) for i in range(2)]
+    with pytest.raises(ValueError, match=r"params\['layers'\] is a list of 2 per-layer trees \(of one structure\); "
+                                         r".*jax.tree.map\(lambda \*x: jnp.stack\(x\), \*layers\)"):
+        layerwise.init(listed)
 
 
 def test_a_forward_that_skips_the_hook_is_named():

@@ -48,6 +48,7 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from edit_jax.localsgd.api_checks import checked_step_output, stacked_layer_count
 from edit_jax.localsgd.methods import OuterSpec, Penalty
 from edit_jax.localsgd.outer import Detector, UnitSync, make_outer_optimizer, sync_unit
 from edit_jax.localsgd.reduction import ReplicaPsum, Stacked
@@ -166,7 +167,7 @@ class LocalSGD:
             if self.optimizer is None:
                 raise ValueError("opt_state: required with inner_step (there is no optimizer to init it)")
             opt_state = self.optimizer.init(params)
-        n_units = 1 + self._n_layers(params) if self.rule.layerwise else 1
+        n_units = 1 + stacked_layer_count(params, self.rule.name) if self.rule.layerwise else 1
         outer_opt = self.outer_opt
 
         def build(params, opt_state):
@@ -249,7 +250,7 @@ class LocalSGD:
 
     def _worker_step(self, params, opt_state, batch):
         if self.inner_step is not None:
-            return self.inner_step(params, opt_state, batch)
+            return checked_step_output(self.inner_step(params, opt_state, batch), params, opt_state)
         params, opt_state, metrics, _, _ = self._loss_step(params, opt_state, batch, identity_hook, None)
         return params, opt_state, metrics
 
@@ -326,17 +327,6 @@ class LocalSGD:
         return new, {"inner": metrics, "sync": figures}
 
     # -- layout ------------------------------------------------------------------------------------
-
-    def _n_layers(self, params) -> int:
-        if not (isinstance(params, dict) and set(params) == {"root", "layers"}):
-            keys = sorted(params) if isinstance(params, dict) else type(params).__name__
-            raise ValueError(f"params: rule {self.rule.name!r} syncs layer by layer and needs "
-                             f"{{'root': ..., 'layers': <stacked on a leading layer axis>}} (ScannedModel), got {keys}")
-        dims = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(params["layers"])}
-        if len(dims) != 1 or None in dims or 0 in dims:
-            raise ValueError(f"params: every leaf of params['layers'] must be stacked on one leading layer axis "
-                             f"of the same size >= 1, got leading sizes {sorted(dims, key=str)}")
-        return dims.pop()
 
     def _shardings(self, state: LocalSGDState) -> LocalSGDState:
         per_worker, shared = NamedSharding(self.mesh, P(REPLICA)), NamedSharding(self.mesh, P())
