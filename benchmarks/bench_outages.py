@@ -34,6 +34,7 @@ import time
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import harness as common  # noqa: E402
+from edit_jax.rundir.records import read_records  # noqa: E402
 
 REPO = common.REPO
 KINDS = ("gone", "readonly", "full", "s3")
@@ -131,7 +132,7 @@ def _fill(path: str) -> str:
     return filler
 
 
-def _outage(kind: str, ex_dir: str, mnt: str, relay: Relay | None, seconds: float):
+def _outage(kind: str, ex_dir: str, mnt: str, relay: Relay | None):
     """Start the outage; returns the function that ends it."""
     if kind == "gone":
         os.rename(ex_dir, ex_dir + ".away")
@@ -175,7 +176,7 @@ def one_run(kind: str, root: str, seconds: float, steps: int, env: dict, endpoin
                 break
             if (first and os.path.exists(first)) or (kind == "s3" and _round_closed(run, 1)):
                 at["start"] = _rounds_recorded(run)
-                end = _outage(kind, exchange, mnt, relay, seconds)
+                end = _outage(kind, exchange, mnt, relay)
                 began = time.monotonic()
                 time.sleep(seconds)
                 at["end"] = _rounds_recorded(run)
@@ -208,11 +209,7 @@ def one_run(kind: str, root: str, seconds: float, steps: int, env: dict, endpoin
 
 
 def _records(run: str) -> list[dict]:
-    try:
-        with open(os.path.join(run, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except FileNotFoundError:
-        return []
+    return read_records(os.path.join(run, "metrics.jsonl"))  # (polled while written: a cut line is skipped)
 
 
 def _round_closed(run: str, r: int) -> bool:

@@ -13,7 +13,8 @@ hand with another ``steps`` adopts the run's, said in one line, so it never ends
 (nor trains one past its budget).
 
 A run dir belongs to one exchange: a ``train`` or a worker whose ``sync.exchange`` is not the one
-the run dir's ``config.json`` names is refused (``run_dir_problem``). ``RUN/config.json`` is written
+the run dir's ``config.json`` names is refused before it opens the exchange (``runlock.exchange_problem``,
+checked once by the launcher and by each worker as they start). ``RUN/config.json`` is written
 only by an admitted worker, and only as the exchange's text (``write_run_config``).
 """
 
@@ -27,7 +28,7 @@ from dataclasses import replace
 from edit_jax.config import Config, ConfigError, dumps
 from edit_jax.localsgd.methods import normalise
 from edit_jax.rundir.records import replace_file
-from edit_jax.rundir.runlock import RunLock, check_writable, exchange_problem, first_missing, remove_if_unused
+from edit_jax.rundir.runlock import RunLock, check_writable, first_missing, remove_if_unused
 
 CONFIG_KEY = "run/config.json"  # (run/start.json is the run's start time and id: another key)
 # Fields a process may set for itself: none changes θ̄'s maths or what a post holds.
@@ -76,10 +77,8 @@ def _read_run(ex, url: str) -> dict | None:
 
 def admit(ex, cfg: Config, run_dir: str, say=print, *, owner: bool = False) -> Config:
     """``cfg`` admitted to the run ``ex`` holds (with the run's ``steps``; ``owner``: a launcher
-    holding the run lock sets them), or ``NotAdmitted``. Creates the run's config when there is none."""
-    problem = run_dir_problem(run_dir, cfg)
-    if problem:
-        raise NotAdmitted(problem)
+    holding the run lock sets them), or ``NotAdmitted``. Creates the run's config when there is none.
+    (The run dir's own exchange was checked by the caller, before it opened ``ex``.)"""
     url = getattr(ex, "url", cfg.sync.exchange)
     mine = run_text(cfg)
     run = _read_run(ex, url)
@@ -107,7 +106,7 @@ def admit(ex, cfg: Config, run_dir: str, say=print, *, owner: bool = False) -> C
 
 def _older_run(ex, run_dir: str) -> str | None:
     """The config of a run whose exchange holds round states but no run config (made before
-    admission existed): its run dir's ``config.json`` (``run_dir_problem`` checked its exchange)."""
+    admission existed): its run dir's ``config.json`` (its exchange checked before ``ex`` was opened)."""
     if not ex.list("state/"):
         return None
     try:
@@ -141,11 +140,8 @@ def write_run_config(ex, run_dir: str, worker: int) -> None:
 @contextmanager
 def launcher_lock(run_dir: str, cfg: Config, say=print):
     """The run dir's lock (``runlock.py``) for the launcher's life, as in-program runs hold it: a
-    second ``train`` on the run dir is refused (``RunLockError``) before any work, and so is one on
-    another exchange's run dir (``NotAdmitted``). A refused launcher leaves no run dir it made."""
-    problem = run_dir_problem(run_dir, cfg)
-    if problem:
-        raise NotAdmitted(problem)
+    second ``train`` on the run dir is refused (``RunLockError``) before any work. A refused launcher
+    leaves no run dir it made."""
     created = first_missing(run_dir)
     try:
         check_writable(run_dir, deepest=False)  # (no checkpoints: the closer saves exchange_state.npz)
@@ -159,10 +155,4 @@ def launcher_lock(run_dir: str, cfg: Config, say=print):
             remove_if_unused(run_dir, created)  # only while empty: a refusal's
 
 
-def run_dir_problem(run_dir: str, cfg: Config) -> str | None:
-    """Why ``run_dir`` is not this exchange run's: its ``config.json`` names another exchange, or
-    none (an in-program run). None when it has no readable config.json (``runlock.exchange_problem``)."""
-    return exchange_problem(run_dir, cfg.sync.exchange)
-
-
-__all__ = ["admit", "write_run_config", "run_dir_problem", "launcher_lock", "NotAdmitted", "CONFIG_KEY", "OWN"]
+__all__ = ["admit", "write_run_config", "launcher_lock", "NotAdmitted", "CONFIG_KEY", "OWN"]

@@ -41,13 +41,13 @@ import time
 import traceback
 
 from edit_jax.elastic import command
-from edit_jax.elastic.admission import NotAdmitted, admit, launcher_lock, run_dir_problem
+from edit_jax.elastic.admission import NotAdmitted, admit, launcher_lock
 from edit_jax.elastic.exchange import Exchange
 from edit_jax.elastic.keys import ExchangeError, ExchangeUnavailable
 from edit_jax.elastic.patience import PatientExchange, open_patient
 from edit_jax.elastic.rounds import retract
 from edit_jax.runtime.cluster_exit import EXIT_RETRY
-from edit_jax.rundir.runlock import RunDirError, RunLockError
+from edit_jax.rundir.runlock import RunDirError, RunLockError, exchange_problem
 from edit_jax.runtime.launch import die_with_parent, without_cpu_device_count
 
 EXIT_OK, EXIT_USAGE, EXIT_LOCKED, EXIT_INTERRUPTED, EXIT_WORKER_LOST = 0, 2, 4, 130, 5
@@ -257,7 +257,7 @@ def launch_run(cfg, args, run_dir: str) -> int:
         return 2
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
-        problem = run_dir_problem(run_dir, cfg)  # (another exchange's run dir: that exchange never made)
+        problem = exchange_problem(run_dir, cfg.sync.exchange)  # (another exchange's run dir: that exchange never made)
         if problem:
             raise NotAdmitted(problem)
         exchange = probe_exchange(cfg.sync.exchange, say)  # before any write: an unusable one is a config error

@@ -34,7 +34,7 @@ from edit_jax.elastic import packed as PK
 from edit_jax.elastic import progress as PG
 from edit_jax.elastic import rounds as R
 from edit_jax.elastic import trust as T
-from edit_jax.elastic.admission import NotAdmitted, admit, run_dir_problem, write_run_config
+from edit_jax.elastic.admission import NotAdmitted, admit, write_run_config
 from edit_jax.elastic.exchange import Exchange
 from edit_jax.elastic.keys import ExchangeError, ExchangeUnavailable
 from edit_jax.elastic.local_training import Local, LocalTraining
@@ -45,6 +45,7 @@ from edit_jax.localsgd.codec import Codec
 from edit_jax.localsgd.methods import LOCAL, plan_for
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.rundir.records import replace_file, worker_log
+from edit_jax.rundir.runlock import exchange_problem
 from edit_jax.runtime import multihost
 from edit_jax.runtime.cluster_exit import EXIT_RETRY
 from edit_jax.runtime.executables import ExecutableStore
@@ -72,7 +73,7 @@ class ElasticWorker(LocalTraining, RoundRecovery):
         if not 0 <= worker < cfg.mesh.replica:
             raise ValueError(f"--worker: expected a worker slot 0..{cfg.mesh.replica - 1} (mesh.replica slots), got {worker}")
         self.me, self.run_dir, self.say = worker, run_dir, say
-        if problem := run_dir_problem(run_dir, cfg):  # before the exchange is opened (a directory one is made)
+        if problem := exchange_problem(run_dir, cfg.sync.exchange):  # before the exchange is opened (which makes it)
             raise NotAdmitted(problem)
         # Storage faults waited out for sync.exchange_patience (patience.py), the open included.
         self.ex = exchange or open_patient(cfg.sync.exchange, cfg.sync.exchange_patience, say, f"edit-jax worker {worker}")
@@ -180,7 +181,7 @@ class ElasticWorker(LocalTraining, RoundRecovery):
         if m.closer == self.me:
             last = self.applied  # the round before, if this process applied it (its closer's to publish)
             if last and last[0].round == shared.round and last[0].closer != self.me:
-                # Its closer died between its manifest and its state (item 7 of the faults issue):
+                # Its closer died between its manifest and its state:
                 # this round's closer publishes that state and writes its record, else it has neither.
                 self._publish(shared, *last, published_for=last[0].closer)
             self._publish(new, m, posts, figures)
