@@ -143,7 +143,7 @@ RECORDS = {
         "finished": "`true` when the token budget is spent",
         "rejected": "slot -> why its post was left out of the round (unreadable, another run's, another θ̄, ...)",
         "version": "the manifest's version (> 0: the round was redone)",
-        "published_for": "the closer that died before publishing this round: the next round's closer published it"},
+        "published_for": "the closer that died before publishing this round: the next round's closer (or, for the last round, a worker finishing on it) published it"},
     "Exchange worker events": {
         "round_redone": "a round redone without a post that could no longer be read (or over a garbled manifest)",
         "why": "what that post or manifest was", 

@@ -24,7 +24,7 @@ class Published(Exception):
 
 class RoundRecovery:
     """The recovering half of ``ElasticWorker`` (it sets ``ex``, ``check``, ``cfg``, ``me``, ``say``,
-    ``stop``, ``template``, ``record`` and ``catch_up``)."""
+    ``stop``, ``template``, ``record``, ``applied``, ``catch_up`` and ``_publish``)."""
 
     def manifest(self, shared: R.RoundState, r: int) -> R.Manifest | None:
         """Round r's manifest (its newest version); one that cannot be read is superseded (``redo``)."""
@@ -54,6 +54,24 @@ class RoundRecovery:
             raise RuntimeError(f"round {r}: {why}, and no post of the round can be read any more nor a state of "
                                f"round >= {r} is published (exchange {self.ex.url})")
         return m
+
+    def hand_over_last(self, shared: R.RoundState) -> None:
+        """The run ended on a round this process applied and another closed. Its closer publishes
+        the round's state and record; one that died between its manifest and its state leaves
+        neither, and no round r + 1 comes whose closer would publish them (``apply``). So after
+        ``sync.grace`` s without the state, this worker publishes both, ``published_for`` the
+        closer's slot (creates are exclusive: a closer only slow writes nothing after it)."""
+        last = self.applied
+        if self.stop or not last or last[0].round != shared.round or last[0].closer == self.me:
+            return
+        until = time.monotonic() + self.cfg.sync.grace
+        while not self.ex.list(R.state_key(shared.round)):
+            if time.monotonic() >= until:
+                self._publish(shared, *last, published_for=last[0].closer)
+                return
+            if self.stop:
+                return
+            time.sleep(getattr(self.ex, "poll_s", POLL_S))
 
     def _state(self, r: int) -> R.RoundState | None:
         """The published state of round r, or None (absent, or not a readable state of this run: said)."""

@@ -363,6 +363,7 @@ class ElasticWorker(LocalTraining, RoundRecovery):
                 local.since = 0
             self.record({"step": shared.global_step, "worker": self.me, "late_post": post.round,
                          "late_steps": post.steps_since, "late_posts": self.cfg.sync.late_posts, "caught_up_to": shared.round})
+        self.hand_over_last(shared)
         self.record({"step": shared.global_step, "worker": self.me, "finished_round": shared.round,
                      "theta_hash": shared.digest()})
         self.say(f"edit-jax worker {self.me}: the run's token budget is spent (round {shared.round}); exiting")
