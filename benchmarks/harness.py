@@ -155,10 +155,23 @@ def loadavg() -> list[float] | None:
 
 
 def write_json(path: str, obj: Any) -> None:
+    """``obj`` as JSON at ``path``, with every path inside the repository written relative to it
+    (a result committed under docs/ holds no path of the machine it ran on)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(obj, f, indent=2, default=_json_default)
+        json.dump(repo_relative(obj), f, indent=2, default=_json_default)
         f.write("\n")
+
+
+def repo_relative(obj: Any) -> Any:
+    """``obj`` with the repository's absolute path dropped from every string in it."""
+    if isinstance(obj, str):
+        return obj.replace(REPO + os.sep, "")
+    if isinstance(obj, dict):
+        return {k: repo_relative(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [repo_relative(v) for v in obj]
+    return obj
 
 
 def _json_default(x):

@@ -5,9 +5,11 @@ Python stages each. Benches and tools reach edit_jax through public names only, 
 nothing of it. Also: the repo's .gitignore covers what the documented commands create."""
 
 import ast
+import glob
 import importlib
 import json
 import os
+import re
 import subprocess
 
 import numpy as np
@@ -284,6 +286,23 @@ def test_live_fault_rows_by_hand():
     assert after_post["to_round_without_s"] == pytest.approx(10.5)
     assert (after_close["round_without"], after_close["round_back"]) == (None, 5)
     assert after_close["to_member_s"] == pytest.approx(9.5)
+
+
+def test_committed_results_hold_no_path_of_the_machine_they_ran_on():
+    """Results under docs/ give run roots and outputs relative to the repository (runs/..., docs/...):
+    an absolute path says nothing to another reader and leaks the machine's layout.
+    (tests/fixtures/ are checkpoints as Orbax wrote them, paths included: they stay byte for byte.)"""
+    absolute = re.compile(r"(?<![\w.~$-])/(?:tmp|root|home|work|var|opt|mnt|Users|private)/")
+    found = {}
+    for path in sorted(glob.glob(os.path.join(REPO, "docs", "*.json"))):
+        with open(path) as f:
+            hits = absolute.findall(f.read())
+        if hits:
+            found[os.path.basename(path)] = len(hits)
+    assert found == {}, found
+    from benchmarks.harness import repo_relative
+
+    assert repo_relative({"a": [os.path.join(REPO, "docs", "x.json"), "/tmp/y"]}) == {"a": ["docs/x.json", "/tmp/y"]}
 
 
 def test_gitignore_covers_what_the_commands_create():

@@ -19,6 +19,7 @@ import pytest
 
 from edit_jax.config import ConfigError
 from edit_jax.localsgd.methods import OuterSpec, plan_for
+from edit_jax.localsgd.stale import StaleSync
 from edit_jax.localsgd.outer import make_outer_optimizer, sgd_trace, stale_outer_step
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.presets import cpu, paper
@@ -202,7 +203,8 @@ def test_co2_fixes_heavy_ball_and_no_penalty():
     mp = plan_for(tiny_config(2, 2, "co2", sync=CO2_SYNC))
     s = mp.cfg.sync
     assert (s.layerwise, s.nesterov, s.anomaly, s.weighting, s.clip) == (False, False, False, False, False)
-    assert mp.plan.rule == "stale" and mp.plan.gap_penalty == 2.0 and mp.plan.outer.momentum_clip == 3e-4
+    assert isinstance(mp.plan.rule, StaleSync) and mp.plan.rule.gap_penalty == 2.0
+    assert mp.plan.rule.momentum_clip == 3e-4 and mp.plan.outer.momentum_clip == 3e-4  # the rule's clamp
     assert str(mp.schedule.kind(1)) == "local_then_sync" and str(mp.schedule.kind(0)) == "local"
     assert plan_for(cpu("co2")).changed == () and plan_for(paper("1b", "co2")).changed == ()
 

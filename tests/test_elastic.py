@@ -30,12 +30,16 @@ from jax.sharding import Mesh, PartitionSpec as P
 from edit_jax.elastic import rounds as R
 from edit_jax.elastic.exchange import DirExchange
 from edit_jax.elastic.outer_round import OuterRound
+from edit_jax.localsgd.layerwise import LayerwiseSync
 from edit_jax.localsgd.methods import OuterSpec, Penalty, Plan
 from edit_jax.localsgd.outer import Detector, make_outer_optimizer, sync_unit
 from edit_jax.localsgd.reduction import ReplicaPsum
 from edit_jax.localsgd.sharding import REPLICA
+from edit_jax.localsgd.timed import Timed
 from edit_jax.rundir.records import read_records
 from tests.stages import one_stage
+
+A_EDIT_RULE = Timed(LayerwiseSync())  # A-EDiT's rule, as plan_for builds it
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,7 +65,7 @@ def test_round_equals_the_collective_meeting():
     detectors (float32 rounding)."""
     n, rng = 3, np.random.default_rng(0)
     penalty = Penalty(warmup=2, step_weight_ratio=0.5, clip_threshold=0.3)
-    plan = Plan("a_edit", "timed:layerwise", True, penalty, OuterSpec("nesterov", 0.8, 0.85, True))
+    plan = Plan("a_edit", A_EDIT_RULE, True, penalty, OuterSpec("nesterov", 0.8, 0.85, True))
     rnd = OuterRound(plan)
     start = rnd.initial(_theta(rng), slots=n, n_units=3, window=2)
     start.outer_opt = jax.tree.map(lambda x: (0.01 * rng.normal(size=x.shape)).astype(np.float32), start.outer_opt)
@@ -111,7 +115,7 @@ def test_round_plain_mean_against_numpy():
     """Penalty off, outer lr 1, momentum 0 (Post Local SGD): θ̄ - mean(Δ_i) by hand; a subset of the
     slots participating leaves the others' detectors and cursors untouched."""
     rng = np.random.default_rng(1)
-    plan = Plan("a_edit", "timed:layerwise", True, Penalty.off(), OuterSpec("nesterov", 1.0, 0.0, False))
+    plan = Plan("a_edit", A_EDIT_RULE, True, Penalty.off(), OuterSpec("nesterov", 1.0, 0.0, False))
     rnd = OuterRound(plan)
     start = rnd.initial(_theta(rng, layers=3), slots=4, n_units=4, window=2)
     posts = [p for p in _posts(rng, start.theta, 4) if p.worker in (0, 3)]
@@ -124,7 +128,7 @@ def test_round_plain_mean_against_numpy():
 
     # Weights from the step shares alone (rho 1): worker 3's post carries 10 stale steps of its 14,
     # counted at sync.carried_weight 0.25: shares (5, 4 + 0.25 * 10) / 11.5.
-    plan = Plan("a_edit", "timed:layerwise", True, Penalty(anomaly=False, weighting=False, clip=False,
+    plan = Plan("a_edit", A_EDIT_RULE, True, Penalty(anomaly=False, weighting=False, clip=False,
                                                            step_weight_ratio=1.0), plan.outer)
     posts[1].carried = 10
     got, _ = OuterRound(plan, carried_weight=0.25).apply(start, posts)
@@ -169,7 +173,7 @@ def test_protocol_on_a_directory(tmp_path):
 
 def test_round_state_is_whole_or_reported():
     rng = np.random.default_rng(2)
-    plan = Plan("a_edit", "timed:layerwise", True, Penalty(), OuterSpec())
+    plan = Plan("a_edit", A_EDIT_RULE, True, Penalty(), OuterSpec())
     state = OuterRound(plan).initial(_theta(rng), slots=2, n_units=3, window=3)
     data = state.encode()
     back = R.RoundState.decode(data, state, "state/r00000000.npz")

@@ -36,6 +36,36 @@ def test_method_fixes_are_written_as_they_take_effect():
         assert plan_for(cpu(name)).changed == (), name
 
 
+def test_the_rule_of_a_row_decides_its_timing_and_owns_its_hyperparameters(monkeypatch):
+    """A METHODS row names a rule factory; where the rule syncs (``in_forward``) and when
+    (``asynchronous``) pick the plan's step kinds and its schedule, whatever the method is called,
+    and a rule's own fields (CO2's) are its attributes. A row added in this test (a new name for
+    the whole-model sync, timed) plans and validates with nothing else registered."""
+    from edit_jax.localsgd.methods import Method, StepSchedule, TimeSchedule
+    from edit_jax.localsgd.rule import SyncRule
+    from edit_jax.localsgd.timed import Timed
+    from edit_jax.localsgd.whole_model import WholeModelSync
+
+    for name, m in METHODS.items():
+        mp = plan_for(cpu(name))
+        rule = mp.plan.rule
+        assert isinstance(rule, SyncRule) and mp.plan.layerwise == rule.in_forward, name
+        assert isinstance(mp.schedule, TimeSchedule if rule.asynchronous else StepSchedule), name
+        assert m.keeps_outer == rule.keeps_outer == (name != "baseline"), name
+    assert [n for n in METHODS if plan_for(cpu(n)).plan.rule.asynchronous] == ["a_edit"]
+    co2 = plan_for(tiny_config(2, 2, "co2", sync={"co2_gap_penalty": 3.0, "co2_momentum_clip": 0.5})).plan
+    assert (co2.rule.gap_penalty, co2.rule.momentum_clip, co2.outer.momentum_clip) == (3.0, 0.5, 0.5)  # the rule's
+    monkeypatch.setitem(METHODS, "timed_diloco", Method("timed_diloco", "DiLoCo's sync by wall clock",
+                                                        rule=Timed.around(WholeModelSync.build)))
+    cfg = load_config(os.path.join(REPO, "configs/tiny.py"), [
+        "method=timed_diloco", "mesh.replica=2", "mesh.shard=1", "mesh.processes=2", "sync.exchange=/nowhere", "sync.warmup_steps=0"])
+    mp = plan_for(cfg)
+    assert isinstance(mp.plan.rule, Timed) and not mp.plan.layerwise and isinstance(mp.schedule, TimeSchedule)
+    assert str(mp.schedule.sync_kind()) == "local_then_sync"
+    with pytest.raises(ConfigError, match="sync.exchange.*asynchronous rule .method=a_edit . timed_diloco."):
+        load_config(os.path.join(REPO, "configs/tiny.py"), ["method=diloco", "sync.exchange=/nowhere"])
+
+
 def test_only_fields_the_user_set_are_announced():
     # The demo (EDiT) run as DiLoCo: layerwise/anomaly/... were never set by the user (defaults).
     quiet = plan_for(load_config(os.path.join(REPO, "configs/demo.py"), ["method=diloco"]))

@@ -25,10 +25,14 @@ from edit_jax.elastic import rounds as R
 from edit_jax.elastic.outer_round import OuterRound
 from edit_jax.localsgd.codec import Codec
 from edit_jax.localsgd.compress import flatten_unit
+from edit_jax.localsgd.layerwise import LayerwiseSync
 from edit_jax.localsgd.methods import OuterSpec, Penalty, Plan
 from edit_jax.localsgd.outer import Detector, make_outer_optimizer, sync_unit
 from edit_jax.localsgd.reduction import ReplicaPsum
 from edit_jax.localsgd.sharding import REPLICA
+from edit_jax.localsgd.timed import Timed
+
+A_EDIT_RULE = Timed(LayerwiseSync())  # A-EDiT's rule, as plan_for builds it
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIRE = "topk2;chunk=16;k=4"  # small chunks: the tiny tensors below are sparsified for real
@@ -64,7 +68,7 @@ def _encode(delta, residual, wire=WIRE):
     return jax.tree.map(np.asarray, jax.device_get(out))
 
 
-PLAN = Plan("a_edit", "timed:layerwise", True, Penalty(warmup=2, step_weight_ratio=0.5, clip_threshold=0.3),
+PLAN = Plan("a_edit", A_EDIT_RULE, True, Penalty(warmup=2, step_weight_ratio=0.5, clip_threshold=0.3),
             OuterSpec("nesterov", 0.8, 0.85, True))
 
 
@@ -212,10 +216,10 @@ def test_a_mismatched_reader_fails_naming_both():
     with pytest.raises(ValueError, match="post format 3 is unknown to this reader"):
         R.Post.decode(R.pack(leaves, {**meta, "format": 3}), "p", WIRE)
     wrong = R.Post(2, 1, [rows[0][:-1], rows[1]], 1, 1, 0.0, "", wire=WIRE, norms=norms)
-    start = OuterRound(Plan("a_edit", "timed:layerwise", True, Penalty.off(), OuterSpec("nesterov", 1.0, 0.0, False)),
+    start = OuterRound(Plan("a_edit", A_EDIT_RULE, True, Penalty.off(), OuterSpec("nesterov", 1.0, 0.0, False)),
                        CODEC).initial(theta, slots=1, n_units=3, window=2)
     with pytest.raises(ValueError, match="worker 2's packed post has rows"):
-        OuterRound(Plan("a_edit", "timed:layerwise", True, Penalty.off(), OuterSpec("nesterov", 1.0, 0.0, False)),
+        OuterRound(Plan("a_edit", A_EDIT_RULE, True, Penalty.off(), OuterSpec("nesterov", 1.0, 0.0, False)),
                    CODEC).apply(start, [wrong])
 
 

@@ -232,8 +232,8 @@ def test_sync_stale_is_one_round_stale():
     state = start.replace(params=jax.tree.map(lambda p, d: p - d, start.params, noise(start.params, 0.01)),
                           outer=start.outer.with_trace(trace).replace(extra={"pending": noise(start.outer.extra["pending"], 0.01)}))
     f64 = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t)  # noqa: E731
-    run = _mapped(layout, lambda p, o, lay: stale.sync_stale(p, o, lay.sync_spec))
-    flush = _mapped(layout, lambda p, o, lay: stale.sync_stale(p, o, lay.sync_spec, True))
+    run = _mapped(layout, lambda p, o, lay: stale.sync_stale(p, o, lay.sync_spec, layout.rule.gap_penalty))
+    flush = _mapped(layout, lambda p, o, lay: stale.sync_stale(p, o, lay.sync_spec, layout.rule.gap_penalty, True))
 
     def expected(st):
         a, x, pend = f64(st.outer.params), f64(st.params), f64(st.outer.extra["pending"])

@@ -49,7 +49,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from edit_jax.localsgd.api_checks import checked_step_output, stacked_layer_count
-from edit_jax.localsgd.methods import OuterSpec, Penalty
+from edit_jax.localsgd.outer_spec import OuterSpec, Penalty
 from edit_jax.localsgd.outer import Detector, UnitSync, make_outer_optimizer, sync_unit
 from edit_jax.localsgd.reduction import ReplicaPsum, Stacked
 from edit_jax.localsgd.sharding import REPLICA  # the mesh axis the workers live on

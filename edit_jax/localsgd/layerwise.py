@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import jax
 
+from edit_jax.config import SyncConfig
 from edit_jax.localsgd.outer import sync_unit
 from edit_jax.localsgd.rule import Span, SyncSpec
 from edit_jax.localsgd.sync import as_varying, assemble_group_sync, assemble_sync, local_blocks, \
@@ -79,6 +80,12 @@ class LayerwiseSync(WholeModelSync):
 
     name = "layerwise"
     in_forward = True
+
+    @classmethod
+    def build(cls, sync: SyncConfig) -> WholeModelSync:
+        """EDiT's sync; with ``sync.layerwise=false``, the same per-unit sync after the step, unit
+        by unit over the whole model at once (``WholeModelSync``, the penalty as configured)."""
+        return cls() if sync.layerwise else WholeModelSync()
 
     def forward_inputs(self, outer, spec: SyncSpec, span: Span | None = None, residual=None):
         return forward_inputs(outer, spec, span, residual)

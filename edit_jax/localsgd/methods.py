@@ -17,22 +17,32 @@ the static ``Plan`` the compiled steps need, the *normalised* config (the sync f
 fixes are written as they take effect, so ``config.json`` says what ran), the list of fields it
 changed (announced by ``train``), and the ``Schedule`` the training loop queries each step.
 
-To add a method: one ``Method`` row in ``METHODS`` naming its sync rule (``rules.py``); a new kind
-of sync is one module of ``localsgd/`` with its ``SyncRule`` (``rule.py`` lists them) and one
-line in ``rules.RULES``. The config rules that ask this table (a known method and outer
-optimizer) are ``validate`` at the end; what each method allows is its rule's.
+To add a method: one ``Method`` row in ``METHODS`` naming its sync rule's factory; a new kind of
+sync is one module of ``localsgd/`` with its ``SyncRule`` subclass (``rule.py`` lists them),
+whose ``build`` the row names. The rule says where it syncs (``in_forward``) and when
+(``asynchronous``), and ``plan_for`` picks the schedule from that. The config rules that ask
+this table (a known method and outer optimizer) are ``validate`` at the end; what each method
+allows is its rule's (``rules.validate``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from edit_jax.config import Config, SyncConfig, require
+from edit_jax.localsgd.compressed import Compressed
+from edit_jax.localsgd.layerwise import LayerwiseSync
+from edit_jax.localsgd.outer_spec import OUTER_OPTIMIZERS, OuterSpec, Penalty
+from edit_jax.localsgd.rule import NoSync, SyncRule
+from edit_jax.localsgd.stale import StaleSync
+from edit_jax.localsgd.timed import Timed
+from edit_jax.localsgd.whole_model import WholeModelSync
 
-# No JAX import here: configs are validated (``validate`` below) before JAX starts. The static
-# facts of a plan (``Penalty``, ``OuterSpec``) live here; outer.py builds the machinery from them.
+# Importing the rules imports JAX, which creates no backend: a config is validated (``validate``
+# below) before the CPU device count is set, and that count still takes effect (test_imports.py).
 
 # Kinds of compiled step (programs.py). A schedule maps each inner step k to one of them.
 STEP_KINDS = ("hsdp", "local", "sync_forward", "local_then_sync")
@@ -84,97 +94,57 @@ class StepKind:
 HSDP, LOCAL = StepKind("hsdp"), StepKind("local")
 
 
+RuleFactory = Callable[[SyncConfig], SyncRule]  # a rule class's ``build``, or ``Timed.around(...)``
+
+
 @dataclass(frozen=True)
 class Method:
     name: str
     summary: str
-    # The sync rule it runs (rules.py): "none" (no outer state), "whole_model", "layerwise",
-    # "stale"; "timed:RULE" for that rule due by wall clock with the workers at their own pace.
-    rule: str
+    # The factory of the sync rule it runs (a rule module's ``SyncRule`` subclass, built from the
+    # sync config; ``rule.py`` lists them). The rule says where and when it syncs.
+    rule: RuleFactory
     fixed: dict = field(default_factory=dict)  # sync fields this method sets whatever the config says
     penalty: bool = False  # EDiT's penalty (anomaly elimination, weighting, clipping) is configurable
 
     @property
     def keeps_outer(self) -> bool:  # θ̄, an outer optimizer state and anomaly detectors
-        return self.rule != "none"
-
-    @property
-    def timed(self) -> bool:  # syncs due by wall clock (TimeSchedule); each worker at its own pace
-        return self.rule.startswith("timed:")
+        return self.rule(SyncConfig()).keeps_outer
 
 
 _NO_PENALTY = dict(anomaly=False, weighting=False, clip=False)
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("baseline", "synchronous HSDP: gradients averaged over replica every step", rule="none",
+    Method("baseline", "synchronous HSDP: gradients averaged over replica every step", rule=NoSync.build,
            fixed=dict(layerwise=False, **_NO_PENALTY)),
     # θ̄ = the plain mean of the workers: SGD with lr 1 and no momentum on the pseudo gradient.
-    Method("post_local_sgd", "W synchronous steps, then params averaged every tau steps", rule="whole_model",
+    Method("post_local_sgd", "W synchronous steps, then params averaged every tau steps", rule=WholeModelSync.build,
            fixed=dict(layerwise=False, outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0,
                       nesterov=False, **_NO_PENALTY)),
     Method("diloco", "pseudo gradients of the whole model after the step, outer optimizer, every tau",
-           rule="whole_model", fixed=dict(layerwise=False, **_NO_PENALTY)),
+           rule=WholeModelSync.build, fixed=dict(layerwise=False, **_NO_PENALTY)),
     Method("edit", "pseudo gradients layer by layer in the forward, penalised, outer optimizer, every tau",
-           rule="layerwise", penalty=True),
+           rule=LayerwiseSync.build, penalty=True),
     # A-EDiT: EDiT's sync, due by wall clock per worker (one process per worker, multihost.py).
-    Method("a_edit", "EDiT's sync every tau_time seconds; workers step at their own pace", rule="timed:layerwise",
+    Method("a_edit", "EDiT's sync every tau_time seconds; workers step at their own pace",
+           rule=Timed.around(LayerwiseSync.build),
            penalty=True),
     # CO2 (Sun et al., ICLR 2024; docs/design/CO2.md): heavy-ball outer momentum on the
     # previous round's mean pseudo gradient, so the all-reduce never waits for this round's steps.
     Method("co2", "outer step on the previous round's all-reduced pseudo gradient (one round stale), every tau",
-           rule="stale", fixed=dict(layerwise=False, outer_optimizer="nesterov", nesterov=False, **_NO_PENALTY)),
+           rule=StaleSync.build,
+           fixed=dict(layerwise=False, outer_optimizer="nesterov", nesterov=False, **_NO_PENALTY)),
 )}
-
-OUTER_OPTIMIZERS = ("nesterov", "adam")
-
-
-@dataclass(frozen=True)
-class OuterSpec:
-    """The outer optimizer (outer.make_outer_optimizer builds it)."""
-
-    name: str = "nesterov"  # "nesterov": SGD with momentum (Nesterov iff `nesterov`); "adam"
-    lr: float = 0.8
-    momentum: float = 0.85  # SGD momentum, or Adam's b1
-    nesterov: bool = True
-    b2: float = 0.95  # Adam only
-    momentum_clip: float = 0.0  # > 0 (CO2): the stored momentum is clamped to [-phi, phi] element-wise
-
-
-@dataclass(frozen=True)
-class Penalty:
-    """Which parts of the pseudo-gradient penalty are on, and their constants (static; outer.py
-    applies them)."""
-
-    anomaly: bool = True
-    alpha: float = 0.02
-    warmup: int = 10  # K
-    threshold: float = 3.0  # delta
-    weighting: bool = True
-    temperature: float = 1.0
-    clip: bool = True
-    clip_threshold: float = 10.0  # phi
-    step_weight_ratio: float = 0.0  # rho (A-EDiT): mixes each worker's share of the steps into its weight
-
-    @staticmethod
-    def off() -> "Penalty":
-        return Penalty(anomaly=False, weighting=False, clip=False)
-
-    @staticmethod
-    def from_config(s: SyncConfig) -> "Penalty":
-        return Penalty(s.anomaly, s.anomaly_alpha, s.anomaly_warmup, s.anomaly_threshold, s.weighting,
-                       s.temperature, s.clip, s.clip_threshold, s.step_weight_ratio)
-
 
 @dataclass(frozen=True)
 class Plan:
     """The static facts the compiled steps need, derived once from the (normalised) config."""
 
     method: str
-    rule: str  # the row's rule as it runs: EDiT's "layerwise" is "whole_model" under sync.layerwise=false
-    layerwise: bool
+    rule: SyncRule  # the rule as it runs (compressed when sync.compress is set): ``rule.py``
+    layerwise: bool  # the rule syncs inside the forward, unit by unit (``rule.in_forward``)
     penalty: Penalty
-    outer: OuterSpec
-    gap_penalty: float = 1.0  # CO2's staleness-gap penalty Lambda (outer.staleness_gap_penalty)
+    outer: OuterSpec  # with the rule's own part (CO2's momentum clamp: ``SyncRule.outer_spec``)
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -317,22 +287,21 @@ def normalise(cfg: Config) -> tuple[Config, tuple[tuple[str, Any, Any], ...]]:
 
 
 def plan_for(cfg: Config) -> MethodPlan:
-    """The plan, normalised config and schedule of ``cfg`` (validated already)."""
+    """The plan, normalised config and schedule of ``cfg`` (validated already): the method's rule
+    built from the sync config (wrapped for compression), and the schedule its timing asks for."""
     cfg, changed = normalise(cfg)
     m, s = method(cfg.sync.method), cfg.sync
+    rule = m.rule(s)
+    if s.compress != "none" and rule.keeps_outer:
+        rule = Compressed.of(rule, s)
     penalty = Penalty.from_config(s) if m.penalty else Penalty.off()
-    stale = m.rule == "stale"
-    outer = OuterSpec(s.outer_optimizer, s.outer_lr, s.outer_momentum, s.nesterov, s.outer_b2,
-                      s.co2_momentum_clip if stale else 0.0)
-    layerwise = s.layerwise and m.keeps_outer
-    # EDiT's layer-wise rule without sync.layerwise is the whole-model sync (with the penalty).
-    rule = m.rule if layerwise or not m.rule.endswith("layerwise") else m.rule.replace("layerwise", "whole_model")
-    plan = Plan(m.name, rule, layerwise, penalty, outer, s.co2_gap_penalty)
-    if m.timed:
-        schedule = TimeSchedule(m.keeps_outer, layerwise, s.warmup_steps, s.tau_time, s.min_total_steps,
+    outer = rule.outer_spec(OuterSpec(s.outer_optimizer, s.outer_lr, s.outer_momentum, s.nesterov, s.outer_b2))
+    plan = Plan(m.name, rule, rule.in_forward, penalty, outer)
+    if rule.asynchronous:
+        schedule = TimeSchedule(rule.keeps_outer, rule.in_forward, s.warmup_steps, s.tau_time, s.min_total_steps,
                                 cfg.steps * cfg.mesh.replica)
     else:
-        schedule = StepSchedule(m.keeps_outer, layerwise, s.warmup_steps, s.tau, fragments=s.fragments)
+        schedule = StepSchedule(rule.keeps_outer, rule.in_forward, s.warmup_steps, s.tau, fragments=s.fragments)
     return MethodPlan(plan, cfg, changed, schedule)
 
 

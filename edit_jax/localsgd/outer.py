@@ -23,7 +23,7 @@ from flax import struct
 
 from edit_jax.localsgd.codec import NONE, Codec
 from edit_jax.localsgd.compress import compressed_weighted_sum, stacked_compressed_sum
-from edit_jax.localsgd.methods import Penalty  # the static switches, part of a method's plan (re-exported here)
+from edit_jax.localsgd.outer_spec import Penalty  # the static switches, part of a method's plan (re-exported here)
 from edit_jax.localsgd.reduction import Reduction, ReplicaPsum
 from edit_jax.localsgd.sharding import REPLICA, SHARD, replica_gather, shard_sq_norm
 
@@ -67,7 +67,7 @@ def clipped_momentum(momentum: float, clip: float) -> optax.GradientTransformati
 
 
 def make_outer_optimizer(spec) -> optax.GradientTransformation:
-    """The outer transformation of an ``methods.OuterSpec``. Any optax transformation works here:
+    """The outer transformation of an ``outer_spec.OuterSpec``. Any optax transformation works here:
     the pseudo gradient plays the gradient, and its state is kept per unit (``state.py``)."""
     if spec.name == "nesterov" and spec.momentum_clip > 0:
         if spec.nesterov:

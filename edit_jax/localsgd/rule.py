@@ -17,15 +17,20 @@ A rule owns:
   in-flight pseudo gradients; the compressed wrapper's error-feedback residuals), with its
   ``init_extra``, ``extra_specs``, ``remap_extra`` (elastic resume) and ``extra_from_format2``
   (checkpoints written before rules owned their subtree);
-- where it runs (``in_forward``: inside the forward, else after the step; the schedule that says
-  which step kind runs at step k is the method table's, ``methods.plan_for``);
+- its hyperparameters (CO2's staleness-gap penalty and momentum clamp: ``build`` reads them from
+  the sync config, ``outer_spec`` adds the clamp to the outer optimizer);
+- its timing: where it runs (``in_forward``: inside the forward, else after the step) and when
+  (``asynchronous``: by wall clock, workers apart); ``methods.plan_for`` picks the schedule and
+  its step kinds from them;
 - its pure sync over a ``SyncSpec`` (the penalty, the outer optimizer, the compression, the unit
   count and the reduction; no ``StateLayout``, no config);
-- its config rules (``validate``), run by ``rules.validate``.
+- its config rules (``validate``, checked on the rule as built by ``check_config``; run by
+  ``rules.validate``).
 
-``programs.py`` asks the rule (``keeps_outer``, ``in_forward``, ``after_step``, ``flush``); no
-method flag is read outside ``methods.py`` and the rule modules. ``rules.py`` maps a ``METHODS``
-row's rule name to its class and wraps it for compression.
+A ``METHODS`` row (``methods.py``) names its rule's factory (``LayerwiseSync.build``,
+``Timed.around(LayerwiseSync.build)``); ``methods.plan_for`` builds it and wraps it in
+``Compressed`` when ``sync.compress`` is set. ``programs.py`` calls the protocol declared on
+``SyncRule``; no method flag is read outside ``methods.py`` and the rule modules.
 """
 
 from __future__ import annotations
@@ -37,9 +42,9 @@ import jax
 import numpy as np
 import optax
 
-from edit_jax.config import Config
+from edit_jax.config import Config, SyncConfig
 from edit_jax.localsgd.codec import NONE, Codec
-from edit_jax.localsgd.methods import OuterSpec, Penalty
+from edit_jax.localsgd.outer_spec import OuterSpec, Penalty
 from edit_jax.localsgd.reduction import Reduction, ReplicaPsum
 
 Span = tuple[bool, int, int]  # (root in the group, first layer, end layer): fragments.fragment_layers
@@ -58,7 +63,6 @@ class SyncSpec:
     n_layers: int
     n_workers: int
     codec: Codec = NONE  # how Δ crosses ``replica`` (the compressed wrapper sets it)
-    gap_penalty: float = 1.0  # CO2's staleness-gap penalty Lambda
     replica_dims: Any = None
     reduction: Reduction = ReplicaPsum()
     inner_opt_specs: Any = None  # the inner optimizer state's specs (which leaves are per worker)
@@ -70,20 +74,40 @@ class SyncSpec:
 
 class SyncRule:
     """The base rule: keeps θ̄ and the outer optimizer state; subclasses say where and how they
-    sync. Instances are immutable after construction and hold only static facts."""
+    sync. Instances are immutable after construction and hold only static facts: their own
+    hyperparameters (CO2's Λ), never a method's name. A ``METHODS`` row names a rule's factory
+    (``build``); the drivers read its timing (``in_forward``, ``asynchronous``) and call the
+    protocol below."""
 
     name = "rule"
     keeps_outer = True  # holds θ̄, the outer optimizer state and the detectors
-    in_forward = False  # the sync runs inside the forward (layer by layer), else after the step
-    asynchronous = False  # after the warmup each worker steps at its own pace (one process per worker)
-    after_step_kind = "local_then_sync"
+    # Where it syncs: inside the forward, unit by unit (``forward_inputs``, ``in_forward_sync``,
+    # ``assemble``), else after the step's inner update (``after_step``). ``methods.plan_for``
+    # picks the step kinds from it.
+    in_forward = False
+    # When: False, every tau steps with the workers in lock step (``methods.StepSchedule``); True,
+    # by wall clock with each worker at its own pace after the warmup (``methods.TimeSchedule``).
+    asynchronous = False
     codec: Codec = NONE  # the wire, and the state it carries (the compressed wrapper's)
+
+    @classmethod
+    def build(cls, sync: SyncConfig) -> "SyncRule":
+        """The rule for the sync config ``sync`` (a rule with hyperparameters reads its own fields)."""
+        return cls()
 
     # -- config rules ----------------------------------------------------------------------------
 
     @staticmethod
     def validate(cfg: Config) -> None:
         """This rule's config rules (raise ``ConfigError`` naming the field)."""
+
+    def check_config(self, cfg: Config) -> None:
+        """The config rules of this rule as built (a wrapper's, then its rule's)."""
+        type(self).validate(cfg)
+
+    def outer_spec(self, outer: OuterSpec) -> OuterSpec:
+        """The outer optimizer this rule runs, from the configured one (CO2 adds its clamp)."""
+        return outer
 
     # -- its subtree of the outer state ----------------------------------------------------------
 
@@ -118,6 +142,18 @@ class SyncRule:
         ``metrics["inner_reset"]`` included; ``residual`` is a wrapper's error-feedback tree."""
         raise NotImplementedError(f"rule {self.name} does not sync after the step")
 
+    def forward_inputs(self, outer, spec: SyncSpec, span: Span | None = None, residual=None):
+        """A sync inside the forward: what the model's hook is given per unit, (hook_xs, segments)."""
+        raise NotImplementedError(f"rule {self.name} does not sync inside the forward")
+
+    def in_forward_sync(self, unit, xs, which: str, spec: SyncSpec, shares=None):
+        """The hook's sync of one unit ("root" | "layer"): (synced unit, what ``assemble`` reads)."""
+        raise NotImplementedError(f"rule {self.name} does not sync inside the forward")
+
+    def assemble(self, params, outer, opt_state, ys, spec: SyncSpec, span: Span | None = None, residual=None):
+        """After a forward that synced: the step's (params, outer, opt_state, metrics, residual)."""
+        raise NotImplementedError(f"rule {self.name} does not sync inside the forward")
+
     def flush(self, params, outer, spec: SyncSpec, residual=None):
         """A whole-model sync of a state (evaluation on a fresh θ̄, tests): (params, outer,
         metrics, residual)."""
@@ -145,6 +181,13 @@ class RuleWrapper(SyncRule):
         self.rule = rule
         self.keeps_outer, self.in_forward = rule.keeps_outer, rule.in_forward
         self.asynchronous, self.codec = rule.asynchronous, rule.codec
+
+    def check_config(self, cfg: Config) -> None:
+        type(self).validate(cfg)
+        self.rule.check_config(cfg)
+
+    def outer_spec(self, outer: OuterSpec) -> OuterSpec:
+        return self.rule.outer_spec(outer)
 
     def init_extra(self, rep_params):
         return self.rule.init_extra(rep_params)

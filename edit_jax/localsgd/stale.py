@@ -8,30 +8,34 @@ flight (``extra = {"pending": tree laid out like the params, [N, ...]}``; zeros 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from edit_jax.config import Config, SyncConfig, require
 from edit_jax.localsgd.outer import sgd_trace, stale_outer_step
+from edit_jax.localsgd.outer_spec import OuterSpec
 from edit_jax.localsgd.rule import Span, SyncRule, SyncSpec, worker_zeros
 from edit_jax.localsgd.sharding import REPLICA, SHARD
 from edit_jax.localsgd.sync import as_varying, local_blocks, sync_metrics, unit_sq_sums, with_replica_dim
 
 
-def sync_stale(params, outer, spec: SyncSpec, flush: bool = False):
+def sync_stale(params, outer, spec: SyncSpec, gap_penalty: float, flush: bool = False):
     """CO2's sync after the round's last step (CO2.md section 1): the outer update consumes the
     pseudo gradients every worker sent at the *previous* sync (``outer.extra["pending"]``), so their
     all-reduce does not depend on this round's steps and a GPU can run it while they compute;
     then each worker's new pending is a_t - x^i_t, and every worker restarts from a_{t+1}.
     The inner optimizer states stay local (CO2 never averages or resets them).
 
+    ``gap_penalty``: CO2's staleness-gap penalty Λ (``outer.staleness_gap_penalty``).
     ``flush``: the update of the last round's pending only (for evaluation: the model after
     the final all-reduce lands); the pending is kept as it was.
 
     Unit by unit like the other syncs (root; layers vmapped with their per-unit outer state),
     so the figures are per unit; one all-reduce of the whole pending tree first.
     Returns (params, outer, metrics)."""
-    n, opt, lam = spec.n_workers, spec.opt, spec.gap_penalty
+    n, opt, lam = spec.n_workers, spec.opt, gap_penalty
     local = local_blocks(params)
     pending = local_blocks(outer.extra["pending"])
     # The exchange, one all-reduce over `replica`: the pending pseudo gradients and, in slot r
@@ -74,33 +78,44 @@ def sync_stale(params, outer, spec: SyncSpec, flush: bool = False):
 
 
 class StaleSync(SyncRule):
-    """CO2: heavy-ball outer momentum on the previous round's mean pseudo gradient, every tau."""
+    """CO2: heavy-ball outer momentum on the previous round's mean pseudo gradient, every tau.
+    Its hyperparameters: the staleness-gap penalty Λ (``gap_penalty``) and the clamp φ of the
+    stored outer momentum (``momentum_clip``, 0: off)."""
 
     name = "stale"
+
+    def __init__(self, gap_penalty: float = 1.0, momentum_clip: float = 0.0):
+        self.gap_penalty, self.momentum_clip = float(gap_penalty), float(momentum_clip)
+
+    @classmethod
+    def build(cls, sync: SyncConfig) -> StaleSync:
+        return cls(sync.co2_gap_penalty, sync.co2_momentum_clip)
+
+    def outer_spec(self, outer: OuterSpec) -> OuterSpec:
+        return dataclasses.replace(outer, momentum_clip=self.momentum_clip)
 
     @staticmethod
     def validate(cfg: Config) -> None:
         s = cfg.sync
         # CO2's stale sync is the whole model after the step, one all-reduce of the pending pseudo
         # gradients; the streaming, quantized and replica-sharded exchanges are not built for it.
-        require(s.fragments == 1, "sync.fragments", f"method co2 syncs every unit together; got {s.fragments}")
+        require(s.fragments == 1, "sync.fragments", f"method {s.method} syncs every unit together; got {s.fragments}")
         require(s.compress == "none", "sync.compress",
-                f"method co2 exchanges float32 pseudo gradients; got {s.compress!r}")
+                f"method {s.method} exchanges float32 pseudo gradients; got {s.compress!r}")
         require(s.outer_sharding == "shard", "sync.outer_sharding",
-                f"method co2 needs 'shard' (the outer state is not split over replica); got {s.outer_sharding!r}")
+                f"method {s.method} needs 'shard' (the outer state is not split over replica); "
+                f"got {s.outer_sharding!r}")
+
+    # Its own fields: set away from their defaults for a method whose rule is another, a mistake
+    # (``rules.validate`` says so, naming the methods that use them).
+    owned_fields = ("co2_gap_penalty", "co2_momentum_clip")
 
     @staticmethod
     def validate_fields(s: SyncConfig) -> None:
-        """CO2's own fields: checked whatever the method (set away from their defaults without
-        method co2 is a mistake)."""
+        """CO2's own fields' ranges, whatever the method."""
         require(s.co2_gap_penalty > 0, "sync.co2_gap_penalty", f"must be positive, got {s.co2_gap_penalty}")
         require(s.co2_momentum_clip >= 0, "sync.co2_momentum_clip",
                 f"must be >= 0 (0: off), got {s.co2_momentum_clip}")
-        if s.method != "co2":
-            for key in ("co2_gap_penalty", "co2_momentum_clip"):
-                val = getattr(s, key)
-                require(val == getattr(SyncConfig, key), f"sync.{key}",
-                        f"is used by method co2 only (method is {s.method!r}); got {val}")
 
     # -- the in-flight pseudo gradients ----------------------------------------------------------
 
@@ -126,11 +141,11 @@ class StaleSync(SyncRule):
 
     def after_step(self, params, outer, opt_state, spec: SyncSpec, shares=None, span: Span | None = None,
                    residual=None):
-        params, outer, metrics = sync_stale(params, outer, spec)
+        params, outer, metrics = sync_stale(params, outer, spec, self.gap_penalty)
         return params, outer, opt_state, metrics, residual
 
     def flush(self, params, outer, spec: SyncSpec, residual=None):
-        params, outer, metrics = sync_stale(params, outer, spec, flush=True)
+        params, outer, metrics = sync_stale(params, outer, spec, self.gap_penalty, flush=True)
         return params, outer, metrics, residual
 
 

@@ -35,7 +35,6 @@ from edit_jax.localsgd.methods import MethodPlan, Plan, plan_for
 from edit_jax.localsgd.optim import inner_optimizer
 from edit_jax.localsgd.outer import Detector, make_outer_optimizer, sgd_trace, with_sgd_trace
 from edit_jax.localsgd.rule import SyncRule, SyncSpec
-from edit_jax.localsgd.rules import rule_for
 from edit_jax.localsgd.sharding import REPLICA, named, outer_specs, param_shard_dims, replica_specs, unit_dims
 from edit_jax.models.family import model_family
 
@@ -116,7 +115,7 @@ def make_state(cfg: Config, plan: Plan, key: jax.Array, params: Any = None) -> T
     if params is None:
         params = model_family(cfg.model.family).init_params(cfg.model, key)
     rep = jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), params)
-    rule = rule_for(plan, cfg.sync)
+    rule = plan.rule
     outer = None
     if rule.keeps_outer:
         outer = OuterState(params, init_outer_opt_state(make_outer_optimizer(plan.outer), params),
@@ -139,7 +138,7 @@ class StateLayout:
     def __init__(self, method_plan: MethodPlan, mesh: Mesh):
         cfg = method_plan.cfg
         self.cfg, self.plan, self.schedule, self.mesh = cfg, method_plan.plan, method_plan.schedule, mesh
-        self.rule: SyncRule = rule_for(self.plan, cfg.sync)
+        self.rule: SyncRule = self.plan.rule
         self.n, self.s = cfg.mesh.replica, cfg.mesh.shard
         self.inner_opt = inner_optimizer(cfg.optim, cfg.steps)
         self.outer_opt = make_outer_optimizer(self.plan.outer)
@@ -169,7 +168,6 @@ class StateLayout:
         self.tokens_per_replica = cfg.batch_size // self.n * cfg.data.seq_len
         # What the rule's pure sync runs on (compression: the rule's wrapper sets it).
         self.sync_spec = SyncSpec(self.plan.penalty, self.plan.outer, self.outer_opt, cfg.model.n_layers, self.n,
-                                  gap_penalty=self.plan.gap_penalty,
                                   replica_dims={"root": self.unit_dims["root"], "layer": self.unit_dims["layer"]}
                                   if self.outer_over_replica else None,
                                   inner_opt_specs=self.state_specs.opt_state)
@@ -320,7 +318,7 @@ def state_shapes_of_format(cfg: Config, fmt: int) -> TrainState:
     """Shapes of a state of format ``fmt`` for ``cfg`` (host restores of older checkpoints, and the
     leaves their checksums were computed over)."""
     mp = plan_for(cfg)
-    return as_format(state_shapes(cfg), fmt, rule_for(mp.plan, mp.cfg.sync))
+    return as_format(state_shapes(cfg), fmt, mp.plan.rule)
 
 
 def legacy_state_shapes(cfg: Config) -> TrainState:

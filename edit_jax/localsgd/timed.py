@@ -10,6 +10,8 @@ state that can move between a worker's own mesh and the global one by reference.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from edit_jax.config import Config, SyncConfig, require
 from edit_jax.localsgd.rule import RuleWrapper, SyncRule
 
@@ -21,6 +23,14 @@ class Timed(RuleWrapper):
         super().__init__(rule)
         self.name = f"timed({rule.name})"
         self.asynchronous = True
+
+    @staticmethod
+    def around(factory: Callable[[SyncConfig], SyncRule]) -> Callable[[SyncConfig], SyncRule]:
+        """The factory of ``factory``'s rule, timed (a ``METHODS`` row's: A-EDiT's is
+        ``Timed.around(LayerwiseSync.build)``)."""
+        def build(sync: SyncConfig) -> Timed:
+            return Timed(factory(sync))
+        return build
 
     @staticmethod
     def validate_fields(s: SyncConfig) -> None:
@@ -36,8 +46,6 @@ class Timed(RuleWrapper):
                 f"must be in [0, 1] (1: carried steps count as fresh ones), got {s.carried_weight}")
         require(not s.progress_every or s.exchange, "sync.progress_every",
                 "saves an exchange worker's unposted steps: set sync.exchange too, or 0")
-        require(not s.exchange or s.method == "a_edit", "sync.exchange",
-                f"workers meeting through an exchange are A-EDiT's (method=a_edit), got method={s.method}")
 
     @staticmethod
     def validate(cfg: Config) -> None:
