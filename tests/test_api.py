@@ -148,6 +148,36 @@ def test_diloco_syncs_match_numpy_for_any_pytree():
     assert max(hlo.operand_elements(r) for r in synced) >= sum(np.size(x) for x in jax.tree.leaves(params))
 
 
+def test_a_sync_that_makes_theta_non_finite_is_said_once():
+    """DiLoCo keeps a NaN worker in the mean: θ̄ goes NaN at that sync and every worker restarts
+    from it. The next call says so once (RuntimeWarning naming the sync and the worker); a sync
+    that keeps θ̄ finite says nothing; later NaN syncs say nothing more."""
+    import warnings
+
+    tx = optax.sgd(0.1)
+    trainer = LocalSGD(diloco(), _mesh(), 2, inner_step=_linear_step(tx), donate=False)
+    params = _linear_params()
+    state = trainer.init(params, tx.init(params))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a finite run: no warning at any call
+        for k in range(4):
+            state, _ = trainer.step(state, _linear_batch(k))
+        trainer.sync(state)
+    poisoned = _linear_batch(4)
+    poisoned["x"][2] = np.nan  # worker 2's step goes NaN; the sync after step 5 takes it into θ̄
+    state, _ = trainer.step(state, poisoned)
+    state, metrics = trainer.step(state, _linear_batch(5))
+    assert np.asarray(metrics["sync"]["inner_reset"]).tolist() == [False, False, True, False]
+    assert not bool(metrics["sync"]["outer_finite"])
+    with pytest.warns(RuntimeWarning, match=r"sync at step 5 made the outer params .* worker\(s\) \[2\].*'diloco'"):
+        state, _ = trainer.step(state, _linear_batch(6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        for k in range(7, 10):
+            state, _ = trainer.step(state, _linear_batch(k))
+        trainer.sync(state)
+
+
 def test_post_local_sgd_is_the_mean_of_any_pytree():
     params = {"a": (np.ones((2, 3), np.float32), {"b": np.arange(4, dtype=np.float32)}),
               "c": jnp.full((5,), 0.25, jnp.bfloat16)}

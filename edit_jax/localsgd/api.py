@@ -48,7 +48,7 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from edit_jax.localsgd.api_checks import checked_step_output, stacked_layer_count
+from edit_jax.localsgd.api_checks import NonFiniteWatch, checked_step_output, stacked_layer_count
 from edit_jax.localsgd.outer_spec import OuterSpec, Penalty
 from edit_jax.localsgd.outer import Detector, UnitSync, make_outer_optimizer, sync_unit
 from edit_jax.localsgd.reduction import ReplicaPsum, Stacked
@@ -156,6 +156,7 @@ class LocalSGD:
         self.batch_axes = tuple(a for a in self.mesh.axis_names if a != REPLICA and self.mesh.shape[a] > 1)
         self.outer_opt = make_outer_optimizer(rule.outer)
         self._programs: dict[Any, Callable] = {}
+        self._nonfinite = NonFiniteWatch(rule.name)  # warns once when a sync leaves θ̄ non-finite
 
     # -- the public calls --------------------------------------------------------------------------
 
@@ -192,16 +193,21 @@ class LocalSGD:
         figures (on sync steps only)}``."""
         k = int(state.step)
         kind = self.kind_at(k)
+        self._nonfinite.check()  # the last sync's, read one call late (no wait on the device)
         new, metrics = self._run(SYNC_FORWARD if kind == SYNC_FORWARD else LOCAL, state._replace(step=None),
                                  self._put_batch(batch))
         if kind == LOCAL_THEN_SYNC:  # a second, small program: the sync alone (as ``sync``)
             new, metrics["sync"] = self._run("sync", new)
+        if "sync" in metrics:
+            self._nonfinite.saw(k, metrics["sync"])
         return new._replace(step=np.int32(k + 1)), metrics
 
     def sync(self, state: LocalSGDState) -> tuple[LocalSGDState, dict]:
         """A sync now, after the last step (unit by unit for layer-wise rules): every worker and
         ``outer_params`` at the new θ̄. For evaluation or saving at the end of training."""
         new, metrics = self._run("sync", state._replace(step=None))
+        self._nonfinite.saw(int(state.step), metrics)
+        self._nonfinite.check()  # (the run's last sync, most likely: said now)
         return new._replace(step=state.step), metrics
 
     def kind_at(self, k: int) -> str:
@@ -289,7 +295,7 @@ class LocalSGD:
             self.outer_opt, self.rule.layerwise)
         params = jax.tree.map(lambda s, x: s.astype(x.dtype), params, state.params)
         bad = ~jnp.all(jnp.isfinite(figures["unit_pseudo_grad_norm"]), axis=0) | ~_all_finite(state.opt_state, 1)
-        figures["inner_reset"] = bad
+        figures["inner_reset"], figures["outer_finite"] = bad, _all_finite(outer)
         new = state._replace(params=params, opt_state=_zero_inexact(state.opt_state, bad),
                              outer_params=outer, outer_opt_state=outer_state, detector=det)
         return new, figures
@@ -321,7 +327,7 @@ class LocalSGD:
         (params, opt_state, metrics, det, reset), (outer, outer_state, unit) = self._workers(
             worker, state.params, state.opt_state, batch, state.detector, out_axes=(0, None))
         figures = sync_figures(unit)
-        figures["inner_reset"] = reset
+        figures["inner_reset"], figures["outer_finite"] = reset, _all_finite(outer)
         new = state._replace(params=params, opt_state=opt_state, outer_params=outer, outer_opt_state=outer_state,
                              detector=det)
         return new, {"inner": metrics, "sync": figures}

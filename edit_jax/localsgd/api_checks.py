@@ -1,5 +1,6 @@
 """What ``LocalSGD`` checks of a user's own code and params, with one message each that names the
-argument and what was expected (``api.py`` calls them; they hold no state).
+argument and what was expected (``api.py`` calls them; they hold no state), and the warning it
+gives when a sync leaves θ̄ non-finite (``NonFiniteWatch``).
 
 A user's ``inner_step`` runs inside ``jax.vmap`` under ``jax.jit``: what it returns wrong would
 surface as a bare unpacking error, or as JAX's pjit message about ``out_shardings`` many lines
@@ -9,6 +10,8 @@ long, far from the cause. These checks run while tracing (once per program), on 
 from __future__ import annotations
 
 from typing import Any
+
+import warnings
 
 import jax
 import numpy as np
@@ -65,3 +68,34 @@ def stacked_layer_count(params: Any, rule: str) -> int:
 
 
 __all__ = ["checked_step_output", "stacked_layer_count"]
+
+
+class NonFiniteWatch:
+    """Says, once, that a sync left θ̄ non-finite, and which workers were non-finite there. A rule
+    without anomaly elimination (DiLoCo, Post Local SGD) averages a worker gone NaN into θ̄, and
+    every worker restarts from it: the run is lost from that sync on, silently otherwise. The sync's
+    two flags are read one call later (the next ``step`` or ``sync``), when the program that made
+    them has most likely finished, so the watch adds no wait on the device to a sync."""
+
+    def __init__(self, rule_name: str):
+        self.rule_name, self.pending, self.warned = rule_name, None, False
+
+    def saw(self, k: int, figures: dict) -> None:
+        """The sync after step ``k`` made ``figures`` (``inner_reset`` [N], ``outer_finite``)."""
+        if not self.warned:
+            self.pending = (k, figures["inner_reset"], figures["outer_finite"])
+
+    def check(self) -> None:
+        if self.pending is None:
+            return
+        (k, reset, finite), self.pending = self.pending, None
+        if bool(np.asarray(finite)):
+            return
+        bad = [int(i) for i in np.flatnonzero(np.asarray(reset))]
+        self.warned = True
+        warnings.warn(f"LocalSGD: the sync at step {k} made the outer params (θ̄) non-finite, and every worker "
+                      f"restarts from them: worker(s) {bad} had non-finite params or pseudo gradients. Rule "
+                      f"{self.rule_name!r} keeps them in the mean; edit()'s anomaly elimination leaves such a worker "
+                      "out. Lower the learning rate, or restore a state saved before this sync.",
+                      RuntimeWarning, stacklevel=3)
+
