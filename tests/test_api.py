@@ -178,6 +178,46 @@ def test_a_sync_that_makes_theta_non_finite_is_said_once():
         trainer.sync(state)
 
 
+def test_a_seed_gives_each_worker_and_step_its_own_key_and_user_metrics_come_back():
+    """With ``seed``, ``loss_fn`` / ``inner_step`` get a key as their last argument, different per
+    worker and per step, the same for the same seed; ``loss_fn``'s third value (a dict) comes back
+    per worker in ``metrics["inner"]`` (``averaged``: their means), sync steps included."""
+    tx = optax.sgd(0.01)
+
+    def loss_fn(p, batch, hook, hook_xs, key):
+        loss, ys = _scanned_loss(p, batch, hook, hook_xs)
+        return loss, ys, {"draw": jax.random.uniform(key), "half_loss": loss / 2}
+
+    def draws(seed, steps=3):
+        trainer = LocalSGD(edit(), _mesh(), 2, loss_fn=loss_fn, optimizer=tx, seed=seed, donate=False)
+        state, out = trainer.init(_scanned_params()), []
+        for k in range(steps):
+            state, metrics = trainer.step(state, _scanned_batch(k))
+            inner = metrics["inner"]
+            np.testing.assert_allclose(np.asarray(inner["half_loss"]), np.asarray(inner["loss"]) / 2, rtol=1e-6)
+            np.testing.assert_allclose(trainer.averaged(metrics)["draw"], np.mean(np.asarray(inner["draw"])), rtol=1e-6)
+            assert ("sync" in metrics) == (k == 2)
+            out.append(np.asarray(inner["draw"]))
+        return np.stack(out)  # [steps, N]
+
+    a = draws(0)
+    assert len(np.unique(a)) == a.size  # every worker and step its own key
+    np.testing.assert_array_equal(a, draws(0))
+    assert not np.array_equal(a, draws(jax.random.key(1)))
+    keys = []
+    step = _linear_step(tx)
+    trainer = LocalSGD(diloco(), _mesh(), 2, inner_step=lambda p, s, b, key: step(p, s, b)[:2] + (
+        {"draw": jax.random.uniform(key)},), seed=3, donate=False)
+    params = _linear_params()
+    state, metrics = trainer.step(trainer.init(params, tx.init(params)), _linear_batch(0))
+    assert len(np.unique(np.asarray(metrics["inner"]["draw"]))) == N
+    with pytest.raises(ValueError, match="seed: expected an int or a JAX random key"):
+        LocalSGD(diloco(), _mesh(), 2, inner_step=step, seed="zero")
+    bad = LocalSGD(edit(), _mesh(), 2, loss_fn=lambda p, b, h, x: (0.0, None, None, None), optimizer=tx)
+    with pytest.raises(ValueError, match=r"loss_fn: must return \(loss, ys\) or \(loss, ys, metrics\).*tuple of 4"):
+        bad.step(bad.init(_scanned_params()), _scanned_batch(0))
+
+
 def test_post_local_sgd_is_the_mean_of_any_pytree():
     params = {"a": (np.ones((2, 3), np.float32), {"b": np.arange(4, dtype=np.float32)}),
               "c": jnp.full((5,), 0.25, jnp.bfloat16)}

@@ -1,5 +1,5 @@
 """A round's outer step, from the posts its manifest names: the same penalised, weighted EDiT sync
-as the collective meeting (``api.stacked_sync``: ``outer.sync_unit`` with the ``Stacked``
+as the collective meeting (``stacked.stacked_sync``: ``outer.sync_unit`` with the ``Stacked``
 reduction, unit by unit), run on the host's CPU backend.
 
 Why the CPU: every worker must compute bit-identical θ̄ from the same posts, and workers may run on
@@ -26,7 +26,7 @@ from jax.sharding import SingleDeviceSharding
 
 from edit_jax.elastic import packed as PK
 from edit_jax.elastic.rounds import Post, RoundState
-from edit_jax.localsgd.api import stacked_sync
+from edit_jax.localsgd.stacked import stacked_sync
 from edit_jax.localsgd.codec import NONE, Codec
 from edit_jax.localsgd.methods import Plan
 from edit_jax.localsgd.outer import Detector, make_outer_optimizer

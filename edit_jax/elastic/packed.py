@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from edit_jax.localsgd.api import cat_units, unit_detector, sync_figures
+from edit_jax.localsgd.stacked import cat_units, sync_figures, unit_detector
 from edit_jax.localsgd.codec import Codec
 from edit_jax.localsgd.compress import flatten_unit
 from edit_jax.localsgd.outer import Detector, outer_step, detector_step, mix_step_weights, softmax_weights

@@ -17,7 +17,7 @@ anomaly detectors, the step tally) into round state r:
    holds it) create-exclusively: of several closers exactly one wins, and everybody follows the
    manifest that exists;
 3. every participant (and anyone catching up) reads exactly the posts the manifest names and runs
-   the same penalised, weighted outer step (``outer_round.py``: ``api.stacked_sync`` on the host
+   the same penalised, weighted outer step (``outer_round.py``: ``stacked.stacked_sync`` on the host
    CPU, so hardware never changes the bits); each compares the manifest's hash with its own θ̄_{r-1}
    first, so θ̄ is checked identical on every worker after every round;
 4. the closer publishes ``state/rXXXXXXXX.npz`` (the round state: what a joiner and a whole-run

@@ -51,8 +51,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from edit_jax.localsgd.api_checks import NonFiniteWatch, checked_step_output, stacked_layer_count
 from edit_jax.localsgd.outer_spec import OuterSpec, Penalty
 from edit_jax.localsgd.outer import Detector, UnitSync, make_outer_optimizer, sync_unit
-from edit_jax.localsgd.reduction import ReplicaPsum, Stacked
+from edit_jax.localsgd.reduction import ReplicaPsum
 from edit_jax.localsgd.sharding import REPLICA  # the mesh axis the workers live on
+from edit_jax.localsgd.stacked import cat_units, stacked_sync, sync_figures, unit_detector  # (re-exported: __all__)
 from edit_jax.localsgd.sync import with_value  # the sync is the identity in the backward
 from edit_jax.models.family import HOOK_SAVED
 
@@ -129,11 +130,14 @@ class LocalSGD:
     rules only), or ``loss_fn(params, batch, hook, hook_xs) -> (loss, ys)`` and an optax
     ``optimizer`` (every rule): ``loss_fn`` passes ``hook, hook_xs`` to the model's forward and
     returns the forward's ``ys``; without a sync the hook is ``identity_hook`` and ``hook_xs`` None.
+    ``loss_fn`` may return ``(loss, ys, metrics)``: a dict of the user's scalars, returned by
+    ``step`` per worker (``averaged``: their means). ``seed`` (an int or a JAX key): ``inner_step`` / ``loss_fn``
+    get a random key as one more, last argument (dropout), a different one per worker and step.
     ``donate``: each step consumes the state it is given (its buffers are reused)."""
 
     def __init__(self, rule: LocalSGDRule, mesh: Mesh, tau: int, inner_step: Callable | None = None, *,
                  loss_fn: Callable | None = None, optimizer: optax.GradientTransformation | None = None,
-                 donate: bool = True):
+                 seed: int | jax.Array | None = None, donate: bool = True):
         if not isinstance(rule, LocalSGDRule):
             raise ValueError(f"rule: expected a LocalSGDRule (diloco(), post_local_sgd(), edit()), got {rule!r}")
         if not isinstance(mesh, Mesh) or REPLICA not in mesh.axis_names:
@@ -155,6 +159,7 @@ class LocalSGD:
         self.n = int(self.mesh.shape[REPLICA])
         self.batch_axes = tuple(a for a in self.mesh.axis_names if a != REPLICA and self.mesh.shape[a] > 1)
         self.outer_opt = make_outer_optimizer(rule.outer)
+        self.key = _base_key(seed)  # None: no key is passed
         self._programs: dict[Any, Callable] = {}
         self._nonfinite = NonFiniteWatch(rule.name)  # warns once when a sync leaves θ̄ non-finite
 
@@ -190,17 +195,23 @@ class LocalSGD:
         """One inner step of every worker (and the rule's sync when due). ``batch``: a pytree whose
         leaves are stacked per worker, [N, B, ...] (``per_worker`` makes them from a global batch).
         Returns the new state and ``{"inner": the step's metrics, each [N, ...], "sync": the sync's
-        figures (on sync steps only)}``."""
+        figures (on sync steps only)}`` (``averaged`` gives the inner ones' means over the workers)."""
         k = int(state.step)
         kind = self.kind_at(k)
         self._nonfinite.check()  # the last sync's, read one call late (no wait on the device)
         new, metrics = self._run(SYNC_FORWARD if kind == SYNC_FORWARD else LOCAL, state._replace(step=None),
-                                 self._put_batch(batch))
+                                 self._put_batch(batch), np.int32(k))
         if kind == LOCAL_THEN_SYNC:  # a second, small program: the sync alone (as ``sync``)
             new, metrics["sync"] = self._run("sync", new)
         if "sync" in metrics:
             self._nonfinite.saw(k, metrics["sync"])
         return new._replace(step=np.int32(k + 1)), metrics
+
+    @staticmethod
+    def averaged(metrics: dict) -> dict:
+        """A step's inner metrics averaged over the workers, as host floats (for a log line: it
+        reads the device; the programs leave the mean out, so a local step crosses no worker)."""
+        return {k: float(np.mean(np.asarray(jax.device_get(v), np.float64))) for k, v in metrics["inner"].items()}
 
     def sync(self, state: LocalSGDState) -> tuple[LocalSGDState, dict]:
         """A sync now, after the last step (unit by unit for layer-wise rules): every worker and
@@ -231,7 +242,7 @@ class LocalSGD:
         """The lowered (not run) program ``kind`` ("local", "sync_forward" or "sync": a
         "local_then_sync" step runs "local", then "sync") on ``state`` and ``batch``:
         ``.compile().as_text()`` is its HLO, ``.compile().memory_analysis()`` its memory."""
-        args = (state._replace(step=None),) + (() if kind == "sync" else (self._put_batch(batch),))
+        args = (state._replace(step=None),) + (() if kind == "sync" else (self._put_batch(batch), np.int32(0)))
         with jax.set_mesh(self.mesh):
             return self._jitted(kind, args[0]).lower(*args)
 
@@ -254,21 +265,32 @@ class LocalSGD:
     def _workers(self, fn: Callable, *args, in_axes=0, out_axes=0):
         return jax.vmap(fn, in_axes=in_axes, out_axes=out_axes, axis_name=REPLICA, spmd_axis_name=REPLICA)(*args)
 
-    def _worker_step(self, params, opt_state, batch):
+    def _key_args(self, k) -> tuple:
+        """The user function's last argument: this worker's key of step ``k`` (none without ``seed``)."""
+        if self.key is None:
+            return ()
+        return (jax.random.fold_in(jax.random.fold_in(self.key, k), jax.lax.axis_index(REPLICA)),)
+
+    def _worker_step(self, params, opt_state, batch, k):
         if self.inner_step is not None:
-            return checked_step_output(self.inner_step(params, opt_state, batch), params, opt_state)
-        params, opt_state, metrics, _, _ = self._loss_step(params, opt_state, batch, identity_hook, None)
+            out = self.inner_step(params, opt_state, batch, *self._key_args(k))
+            return checked_step_output(out, params, opt_state)
+        params, opt_state, metrics, _, _ = self._loss_step(params, opt_state, batch, identity_hook, None, k)
         return params, opt_state, metrics
 
-    def _loss_step(self, params, opt_state, batch, hook, hook_xs):
+    def _loss_step(self, params, opt_state, batch, hook, hook_xs, k):
         """One worker's step from ``loss_fn``; with a sync in the forward (``hook_xs``), the update
         applies to the synced params (θ̄), and a worker gone non-finite restarts its optimizer."""
+        key = self._key_args(k)
+
         def loss(p):
-            out = self.loss_fn(p, batch, hook, hook_xs)
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise ValueError("loss_fn: must return (loss, ys), ys the forward's hook outputs")
-            return out
-        (value, ys), grads = jax.value_and_grad(loss, has_aux=True)(params)
+            out = self.loss_fn(p, batch, hook, hook_xs, *key)
+            if not (isinstance(out, tuple) and len(out) in (2, 3)) or (len(out) == 3 and not isinstance(out[2], dict)):
+                raise ValueError("loss_fn: must return (loss, ys) or (loss, ys, metrics), ys the forward's hook "
+                                 f"outputs and metrics a dict of scalars; got {type(out).__name__}"
+                                 + (f" of {len(out)}" if isinstance(out, tuple) else ""))
+            return out[0], (out[1], out[2] if len(out) == 3 else {})
+        (value, (ys, user)), grads = jax.value_and_grad(loss, has_aux=True)(params)
         reset = jnp.zeros((), bool)
         if hook_xs is not None:
             _check_ys(ys)
@@ -282,10 +304,11 @@ class LocalSGD:
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
-        return params, opt_state, {"loss": value, "grad_norm": grad_norm}, ys, reset
+        return params, opt_state, {**user, "loss": value, "grad_norm": grad_norm}, ys, reset
 
-    def _local(self, state: LocalSGDState, batch):
-        params, opt_state, metrics = self._workers(self._worker_step, state.params, state.opt_state, batch)
+    def _local(self, state: LocalSGDState, batch, k):
+        params, opt_state, metrics = self._workers(self._worker_step, state.params, state.opt_state, batch, k,
+                                                   in_axes=(0, 0, 0, None))
         return state._replace(params=params, opt_state=opt_state), {"inner": metrics}
 
     def _sync_now(self, state: LocalSGDState):
@@ -300,7 +323,7 @@ class LocalSGD:
                              outer_params=outer, outer_opt_state=outer_state, detector=det)
         return new, figures
 
-    def _sync_forward(self, state: LocalSGDState, batch):
+    def _sync_forward(self, state: LocalSGDState, batch, k):
         """A step whose forward syncs each unit on its way into compute (EDiT), every worker in a
         vmap over ``replica``: the psums of ``ReplicaPsum`` are sums over the workers."""
         p, opt, red = self.rule.penalty, self.outer_opt, ReplicaPsum(axis=REPLICA, norm_axes=())
@@ -317,7 +340,7 @@ class LocalSGD:
         def worker(params, opt_state, batch, det):
             xs = {u: (state.outer_params[u], state.outer_opt_state[u], jax.tree.map(lambda x: x[cut], det))
                   for u, cut in (("root", 0), ("layers", slice(1, None)))}
-            params, opt_state, metrics, ys, reset = self._loss_step(params, opt_state, batch, hook, xs)
+            params, opt_state, metrics, ys, reset = self._loss_step(params, opt_state, batch, hook, xs, k)
             root, layers = ys["root"], ys["layers"]
             det = cat_units(root.detector, layers.detector)
             shared = ({"root": root.outer_params, "layers": layers.outer_params},
@@ -363,14 +386,15 @@ class LocalSGD:
 # ----------------------------------------------------------------------------- helpers
 
 
-def cat_units(root, layers, axis: int = 0):
-    """The root's values and the layers' (stacked on ``axis``) as one unit axis ``axis``: [.., U, ..]."""
-    return jax.tree.map(lambda r, l: jnp.concatenate([jnp.expand_dims(r, axis), l], axis=axis), root, layers)
-
-
-def unit_detector(det: Detector, u) -> Detector:
-    """Every worker's detector of unit(s) ``u`` (from the [N, U] detectors)."""
-    return jax.tree.map(lambda x: x[:, u], det)
+def _base_key(seed):
+    """``seed`` as a JAX key (an int, a typed key or a raw uint32[2] key), or None."""
+    if seed is None:
+        return None
+    if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+        return jax.random.key(int(seed))
+    if isinstance(seed, jax.Array) and (jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) or seed.shape == (2,)):
+        return seed
+    raise ValueError(f"seed: expected an int or a JAX random key, got {seed!r}")
 
 
 def _check_ys(ys) -> None:
@@ -401,43 +425,6 @@ def _zero_inexact(tree, reset):
         r = jnp.reshape(reset, jnp.shape(reset) + (1,) * (x.ndim - jnp.ndim(reset)))
         return jnp.where(r, jnp.zeros_like(x), x)
     return jax.tree.map(one, tree)
-
-
-def sync_figures(unit: dict) -> dict:
-    """A sync's figures from its per-unit ones (leading unit axis U; [U, N] per worker)."""
-    g = unit["pseudo_grad_norm"]
-    return {"pseudo_grad_norm": jnp.sqrt(jnp.sum(jnp.square(g), axis=0)),  # [N]: whole-model norm
-            "unit_pseudo_grad_norm": g, "weight": jnp.mean(unit["weight"], axis=0),
-            "flagged": jnp.sum(unit["flagged"].astype(jnp.int32), axis=0),  # [N]: units flagged
-            "clip_factor": jnp.min(unit["clip_factor"]),
-            "outer_update_norm": jnp.sqrt(jnp.sum(jnp.square(unit["update_norm"])))}
-
-
-def stacked_sync(params: Any, outer_params: Any, outer_opt_state: Any, detector: Detector, penalty: Penalty,
-                 outer_opt: optax.GradientTransformation, layerwise: bool, shares: jax.Array | None = None):
-    """One sync of N workers whose params are stacked [N, ...] in one program (the ``Stacked``
-    reduction), unit by unit: the root and each layer of ``{"root", "layers"}`` params when
-    ``layerwise``, else the whole pytree as one unit. ``detector``: every worker's, [N, U];
-    ``shares`` ([N], A-EDiT): each worker's share of the steps. Returns (every worker's new params
-    [N, ...] (θ̄ broadcast, float32), θ̄, the outer state, the detectors, the sync's figures).
-    What ``LocalSGD.sync`` runs, and the exchange's round (``elastic/outer_round.py``)."""
-    red = Stacked()
-    if not layerwise:
-        res = sync_unit(params, outer_params, outer_opt_state, unit_detector(detector, 0), penalty, outer_opt,
-                        shares=shares, reduction=red)
-        det = jax.tree.map(lambda x: x[:, None], res.detector)
-        return res.params, res.outer_params, res.opt_state, det, sync_figures(jax.tree.map(lambda x: x[None],
-                                                                                            res.metrics))
-
-    def one(local, outer, outer_state, det):
-        r = sync_unit(local, outer, outer_state, det, penalty, outer_opt, shares=shares, reduction=red)
-        return r.params, r.outer_params, r.opt_state, r.detector, r.metrics
-    root = one(params["root"], outer_params["root"], outer_opt_state["root"], unit_detector(detector, 0))
-    layers = jax.vmap(one, in_axes=(1, 0, 0, 1), out_axes=(1, 0, 0, 1, 0))(
-        params["layers"], outer_params["layers"], outer_opt_state["layers"], unit_detector(detector, slice(1, None)))
-    new_params, outer, outer_state = ({"root": r, "layers": l} for r, l in zip(root[:3], layers[:3]))
-    return new_params, outer, outer_state, cat_units(root[3], layers[3], axis=1), sync_figures(
-        cat_units(root[4], layers[4]))
 
 
 __all__ = ["LocalSGD", "LocalSGDRule", "LocalSGDState", "diloco", "post_local_sgd", "edit", "identity_hook",
