@@ -148,10 +148,11 @@ def test_diloco_syncs_match_numpy_for_any_pytree():
     assert max(hlo.operand_elements(r) for r in synced) >= sum(np.size(x) for x in jax.tree.leaves(params))
 
 
-def test_a_sync_that_makes_theta_non_finite_is_said_once():
-    """DiLoCo keeps a NaN worker in the mean: θ̄ goes NaN at that sync and every worker restarts
-    from it. The next call says so once (RuntimeWarning naming the sync and the worker); a sync
-    that keeps θ̄ finite says nothing; later NaN syncs say nothing more."""
+def test_a_sync_that_would_make_theta_non_finite_is_refused_and_said():
+    """DiLoCo keeps a NaN worker in the mean: that sync would make θ̄ NaN. It is refused: θ̄ and the
+    outer state stay as they were, every worker restarts from that θ̄ (the NaN worker's optimizer
+    state zeroed), ``sync_refused`` says so, and the next call warns in one line naming the sync
+    and the worker. The run then goes on finite, and a sync that keeps θ̄ finite says nothing."""
     import warnings
 
     tx = optax.sgd(0.1)
@@ -161,21 +162,28 @@ def test_a_sync_that_makes_theta_non_finite_is_said_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a finite run: no warning at any call
         for k in range(4):
-            state, _ = trainer.step(state, _linear_batch(k))
+            state, metrics = trainer.step(state, _linear_batch(k))
+            assert "sync" not in metrics or not bool(metrics["sync"]["sync_refused"])
         trainer.sync(state)
+    before = _f64((state.outer_params, sgd_trace(state.outer_opt_state)))
     poisoned = _linear_batch(4)
-    poisoned["x"][2] = np.nan  # worker 2's step goes NaN; the sync after step 5 takes it into θ̄
+    poisoned["x"][2] = np.nan  # worker 2's step goes NaN; the sync after step 5 would take it into θ̄
     state, _ = trainer.step(state, poisoned)
     state, metrics = trainer.step(state, _linear_batch(5))
     assert np.asarray(metrics["sync"]["inner_reset"]).tolist() == [False, False, True, False]
-    assert not bool(metrics["sync"]["outer_finite"])
-    with pytest.warns(RuntimeWarning, match=r"sync at step 5 made the outer params .* worker\(s\) \[2\].*'diloco'"):
+    assert bool(metrics["sync"]["sync_refused"])
+    _close((state.outer_params, sgd_trace(state.outer_opt_state)), before, "θ̄ and momentum kept", rtol=0, atol=0)
+    _close(state.params, jax.tree.map(lambda t: np.broadcast_to(t, (N,) + t.shape), before[0]), "workers at θ̄",
+           rtol=0, atol=0)
+    with pytest.warns(RuntimeWarning, match=r"sync of step 5 was refused: .*non-finite \(worker\(s\) \[2\].*'diloco'"):
         state, _ = trainer.step(state, _linear_batch(6))
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # said once
+        warnings.simplefilter("error")  # finite from there on: nothing more is said
         for k in range(7, 10):
-            state, _ = trainer.step(state, _linear_batch(k))
-        trainer.sync(state)
+            state, metrics = trainer.step(state, _linear_batch(k))
+        _, metrics = trainer.sync(state)
+    assert not bool(metrics["sync_refused"])
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves((state.params, state.opt_state)))
 
 
 def test_a_seed_gives_each_worker_and_step_its_own_key_and_user_metrics_come_back():

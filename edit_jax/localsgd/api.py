@@ -48,7 +48,8 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from edit_jax.localsgd.api_checks import NonFiniteWatch, checked_step_output, stacked_layer_count
+from edit_jax.localsgd.api_checks import NonFiniteWatch, all_finite as _all_finite, checked_step_output, \
+    refuse_nonfinite_sync, stacked_layer_count, zero_inexact as _zero_inexact
 from edit_jax.localsgd.outer_spec import OuterSpec, Penalty
 from edit_jax.localsgd.outer import Detector, UnitSync, make_outer_optimizer, sync_unit
 from edit_jax.localsgd.reduction import ReplicaPsum
@@ -161,7 +162,7 @@ class LocalSGD:
         self.outer_opt = make_outer_optimizer(rule.outer)
         self.key = _base_key(seed)  # None: no key is passed
         self._programs: dict[Any, Callable] = {}
-        self._nonfinite = NonFiniteWatch(rule.name)  # warns once when a sync leaves θ̄ non-finite
+        self._nonfinite = NonFiniteWatch(rule.name)  # says when a sync was refused (θ̄ non-finite)
 
     # -- the public calls --------------------------------------------------------------------------
 
@@ -318,10 +319,10 @@ class LocalSGD:
             self.outer_opt, self.rule.layerwise)
         params = jax.tree.map(lambda s, x: s.astype(x.dtype), params, state.params)
         bad = ~jnp.all(jnp.isfinite(figures["unit_pseudo_grad_norm"]), axis=0) | ~_all_finite(state.opt_state, 1)
-        figures["inner_reset"], figures["outer_finite"] = bad, _all_finite(outer)
+        figures["inner_reset"] = bad
         new = state._replace(params=params, opt_state=_zero_inexact(state.opt_state, bad),
                              outer_params=outer, outer_opt_state=outer_state, detector=det)
-        return new, figures
+        return refuse_nonfinite_sync(state, new, figures, _all_finite(outer))
 
     def _sync_forward(self, state: LocalSGDState, batch, k):
         """A step whose forward syncs each unit on its way into compute (EDiT), every worker in a
@@ -350,9 +351,10 @@ class LocalSGD:
         (params, opt_state, metrics, det, reset), (outer, outer_state, unit) = self._workers(
             worker, state.params, state.opt_state, batch, state.detector, out_axes=(0, None))
         figures = sync_figures(unit)
-        figures["inner_reset"], figures["outer_finite"] = reset, _all_finite(outer)
+        figures["inner_reset"] = reset
         new = state._replace(params=params, opt_state=opt_state, outer_params=outer, outer_opt_state=outer_state,
                              detector=det)
+        new, figures = refuse_nonfinite_sync(state, new, figures, _all_finite(outer))
         return new, {"inner": metrics, "sync": figures}
 
     # -- layout ------------------------------------------------------------------------------------
@@ -404,27 +406,6 @@ def _check_ys(ys) -> None:
                          "which) (the root, then each layer inside its scan) and loss_fn must return the forward's "
                          f"ys laid out {{'root': ..., 'layers': ...}}; got ys={type(ys).__name__} "
                          "(models.family.ScannedModel)")
-
-
-def _all_finite(tree, batch_dims: int = 0) -> jax.Array:
-    """Whether every floating leaf is finite (per worker, [N], with ``batch_dims=1`` on stacked trees)."""
-    ok = jnp.ones((), bool)
-    for x in jax.tree.leaves(tree):
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            ok = ok & jnp.all(jnp.isfinite(x), axis=tuple(range(batch_dims, x.ndim)))
-    return ok
-
-
-def _zero_inexact(tree, reset):
-    """The optimizer state with its floating leaves zeroed where ``reset`` (scalar, or [N] on
-    stacked trees): a worker whose moments or pseudo gradient went non-finite (NaN moments would
-    poison every later step); integer leaves (step counts) are kept."""
-    def one(x):
-        if not jnp.issubdtype(x.dtype, jnp.inexact):
-            return x
-        r = jnp.reshape(reset, jnp.shape(reset) + (1,) * (x.ndim - jnp.ndim(reset)))
-        return jnp.where(r, jnp.zeros_like(x), x)
-    return jax.tree.map(one, tree)
 
 
 __all__ = ["LocalSGD", "LocalSGDRule", "LocalSGDState", "diloco", "post_local_sgd", "edit", "identity_hook",

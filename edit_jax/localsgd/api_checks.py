@@ -1,6 +1,7 @@
 """What ``LocalSGD`` checks of a user's own code and params, with one message each that names the
-argument and what was expected (``api.py`` calls them; they hold no state), and the warning it
-gives when a sync leaves θ̄ non-finite (``NonFiniteWatch``).
+argument and what was expected (``api.py`` calls them; they hold no state), and the guard of a
+sync that would leave θ̄ non-finite (``refuse_nonfinite_sync`` in the program, ``NonFiniteWatch``
+on the host: the one line that says so).
 
 A user's ``inner_step`` runs inside ``jax.vmap`` under ``jax.jit``: what it returns wrong would
 surface as a bare unpacking error, or as JAX's pjit message about ``out_shardings`` many lines
@@ -14,6 +15,7 @@ from typing import Any
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -67,35 +69,74 @@ def stacked_layer_count(params: Any, rule: str) -> int:
     return dims.pop()
 
 
-__all__ = ["checked_step_output", "stacked_layer_count"]
+
+def all_finite(tree, batch_dims: int = 0) -> jax.Array:
+    """Whether every floating leaf is finite (per worker, [N], with ``batch_dims=1`` on stacked trees)."""
+    ok = jnp.ones((), bool)
+    for x in jax.tree.leaves(tree):
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            ok = ok & jnp.all(jnp.isfinite(x), axis=tuple(range(batch_dims, x.ndim)))
+    return ok
+
+
+def zero_inexact(tree, reset):
+    """The optimizer state with its floating leaves zeroed where ``reset`` (scalar, or [N] on
+    stacked trees): a worker whose moments or pseudo gradient went non-finite (NaN moments would
+    poison every later step); integer leaves (step counts) are kept."""
+    def one(x):
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            return x
+        r = jnp.reshape(reset, jnp.shape(reset) + (1,) * (x.ndim - jnp.ndim(reset)))
+        return jnp.where(r, jnp.zeros_like(x), x)
+    return jax.tree.map(one, tree)
+
+
+def refuse_nonfinite_sync(old, new, figures: dict, outer_finite: jax.Array):
+    """A sync whose θ̄ would be non-finite is not applied (inside the sync's program): θ̄, the outer
+    state and the detectors stay ``old``'s, and every worker restarts from that θ̄ (the round's
+    local steps are dropped; a non-finite worker's inner optimizer state is zeroed as at any sync).
+    Without it a rule with no anomaly elimination (DiLoCo, Post Local SGD) averages a worker gone
+    NaN into θ̄ and every worker trains from NaN from then on. ``figures["sync_refused"]`` says so.
+    The inner optimizer states are the ones from before the step (a layer-wise step's update was
+    taken at the non-finite θ̄), the non-finite workers' zeroed (``figures["inner_reset"]``)."""
+    ok = outer_finite
+
+    def keep(a, b):
+        return jax.tree.map(lambda x, y: jnp.where(ok, x, y), a, b)
+    theta = jax.tree.map(lambda t, p: jnp.broadcast_to(t.astype(p.dtype), p.shape), old.outer_params, new.params)
+    figures["sync_refused"] = ~ok
+    opt_state = keep(new.opt_state, zero_inexact(old.opt_state, figures["inner_reset"]))
+    return new._replace(params=keep(new.params, theta), opt_state=opt_state,
+                        outer_params=keep(new.outer_params, old.outer_params),
+                        outer_opt_state=keep(new.outer_opt_state, old.outer_opt_state),
+                        detector=keep(new.detector, old.detector)), figures
 
 
 class NonFiniteWatch:
-    """Says, once, that a sync left θ̄ non-finite, and which workers were non-finite there. A rule
-    without anomaly elimination (DiLoCo, Post Local SGD) averages a worker gone NaN into θ̄, and
-    every worker restarts from it: the run is lost from that sync on, silently otherwise. The sync's
-    two flags are read one call later (the next ``step`` or ``sync``), when the program that made
-    them has most likely finished, so the watch adds no wait on the device to a sync."""
+    """Says, in one line, that a sync was refused because θ̄ would have been non-finite, and which
+    workers were non-finite there (``refuse_nonfinite_sync``). The sync's flags are read one call
+    later (the next ``step`` or ``sync``), when the program that made them has most likely finished,
+    so the watch adds no wait on the device to a sync."""
 
     def __init__(self, rule_name: str):
-        self.rule_name, self.pending, self.warned = rule_name, None, False
+        self.rule_name, self.pending = rule_name, None
 
     def saw(self, k: int, figures: dict) -> None:
-        """The sync after step ``k`` made ``figures`` (``inner_reset`` [N], ``outer_finite``)."""
-        if not self.warned:
-            self.pending = (k, figures["inner_reset"], figures["outer_finite"])
+        """The sync of step ``k`` made ``figures`` (``inner_reset`` [N], ``sync_refused``)."""
+        self.pending = (k, figures["inner_reset"], figures["sync_refused"])
 
     def check(self) -> None:
         if self.pending is None:
             return
-        (k, reset, finite), self.pending = self.pending, None
-        if bool(np.asarray(finite)):
+        (k, reset, refused), self.pending = self.pending, None
+        if not bool(np.asarray(refused)):
             return
         bad = [int(i) for i in np.flatnonzero(np.asarray(reset))]
-        self.warned = True
-        warnings.warn(f"LocalSGD: the sync at step {k} made the outer params (θ̄) non-finite, and every worker "
-                      f"restarts from them: worker(s) {bad} had non-finite params or pseudo gradients. Rule "
-                      f"{self.rule_name!r} keeps them in the mean; edit()'s anomaly elimination leaves such a worker "
-                      "out. Lower the learning rate, or restore a state saved before this sync.",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(f"LocalSGD: the sync of step {k} was refused: it would have made the outer params (θ̄) "
+                      f"non-finite (worker(s) {bad} had non-finite params or pseudo gradients; rule "
+                      f"{self.rule_name!r} keeps every worker in the mean). θ̄ stays as it was and every worker "
+                      "restarts from it; lower the learning rate if it happens again.", RuntimeWarning, stacklevel=3)
 
+
+__all__ = ["checked_step_output", "stacked_layer_count", "all_finite", "zero_inexact", "refuse_nonfinite_sync",
+           "NonFiniteWatch"]
