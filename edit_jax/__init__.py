@@ -61,6 +61,7 @@ _API = {
     "Penalty": "edit_jax.localsgd.api",
     "OuterSpec": "edit_jax.localsgd.api",
     "identity_hook": "edit_jax.localsgd.api",
+    "LayerStack": "edit_jax.localsgd.layer_stack",
 }
 
 __all__ = ["__version__", *_API]
