@@ -86,10 +86,11 @@ class LayerStack:
                              f"{missing + ([] if layers else ['blocks'])}")
         return {"root": root_params, "layers": layers[0]}
 
-    def apply(self, params: dict, *args, hook: Callable = _identity_hook, hook_xs: Any = None,
+    def apply(self, params: dict, *args, hook: Callable | None = None, hook_xs: Any = None,
               rngs: dict | None = None, **kw) -> tuple[Any, dict]:
-        """``(the forward's output, ys)``: the root's params through ``hook`` first, then each block's
-        inside the scan; ``ys = {"root": ..., "layers": ...}`` (a ``ScannedModel``)."""
+        """``(the forward's output, ys)``: the root's params through ``hook`` first (None: the
+        identity), then each block's inside the scan; ``ys = {"root": ..., "layers": ...}``."""
+        hook = _identity_hook if hook is None else hook
         xs = hook_xs if hook_xs is not None else {"root": None, "layers": None}
         root, root_ys = hook(params["root"], xs["root"], "root")
         layer_ys = []
