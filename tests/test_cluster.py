@@ -11,6 +11,7 @@ import pytest
 from edit_jax.runtime.cluster import ClusterError, cluster_params, local_device_ids
 from edit_jax.runtime.compile_cache import ENV_DIR
 from tests.helpers import REPO, child_xla_flags
+from tests.stages import one_stage
 
 SLURM_ONE_TASK_PER_NODE = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "8", "SLURM_PROCID": "3", "SLURM_LOCALID": "0",
                            "SLURM_STEP_NODELIST": "node[001-008]", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
@@ -127,6 +128,7 @@ def test_distributed_without_a_cluster_is_one_line(tmp_path):
 def test_a_two_process_slurm_training_run_is_quiet_and_reports_once(tmp_path):
     """A real run of two `--distributed` processes under SLURM's variables: both finish, the
     summary is printed once (process 0), and none of gloo's connection lines reach the output."""
+    one_stage("3.12", "a 2-process SLURM training run", 43)
     port = _free_port()
     procs = [subprocess.Popen(TRAIN + ["--run-dir", str(tmp_path / "run")], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,

@@ -147,6 +147,7 @@ def test_edit_flags_the_corrupted_worker(tmp_path):
     window's two syncs worker 1's norm is 2.1x and 3.2x worker 0's, its z-scores reach 1.35x and
     1.95x the threshold; outside the window no unit of either worker exceeds 0.76x it.
     """
+    one_stage("3.12", "EDiT flags a worker fed corrupted rows", 55, other="test_two_processes_corrupt_the_same_rows")
     window = (70, 89)
     cfg = _with(tiny_config(method="edit", steps=92, seq_len=128, log_every=10, optim={"min_lr_ratio": 1.0},
                             sync={"tau": 10, "anomaly_warmup": 3}),

@@ -245,6 +245,8 @@ def test_a_closer_that_dies_before_its_state_still_gets_its_round_recorded(tmp_p
     on it publishes it after ``sync.grace`` s, and that slot's restart finds the run finished. Both
     slots end on one θ̄. Rounds are one step each (``due_in`` 0), so their count does not depend on
     the machine's speed. Without the hand-overs the rounds have no record and no state. Threads."""
+    one_stage("3.12", "closers dying before their states (threads)", 31,
+              other="test_a_run_given_junk_finishes_and_restarts_over_a_damaged_round")
     from edit_jax.elastic.worker import ElasticWorker
     from edit_jax.runtime.compile_cache import compile_cache
     dead = []  # (slot, round) of each closer that died before its state

@@ -19,6 +19,7 @@ from edit_jax.models import llama as model_lib
 from edit_jax.rundir.trained import load_trained
 from tests.helpers import damage_checkpoint_arrays, tiny_config
 from tests.trained_runs import edit_run, tokenizer_run
+from tests.stages import one_stage
 
 
 def read_safetensors(path):
@@ -130,6 +131,7 @@ def test_bfloat16_export_is_the_rounded_float32(tmp_path):
 
 
 def test_export_run_cli(tmp_path_factory, tmp_path, capsys):
+    one_stage("default", "export of a trained run through the CLI", 47)
     _, run_dir = edit_run(tmp_path_factory)
     out = tmp_path / "hf"
     assert export_main(["--run-dir", run_dir, "--out", str(out)]) == 0

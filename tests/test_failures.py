@@ -200,6 +200,7 @@ def test_offloaded_outer_state_is_checked_and_verified(tmp_path):
     """With sync.cpu_offload θ̄ and the trace live in host memory; the finite check and the
     checksums copy them to device memory first (XLA refuses mixed-memory reductions), and a
     resume verifies them."""
+    one_stage("3.12", "an offloaded outer state checked and verified", 39)
     cfg = tiny_config(2, 4, method="edit", steps=2, sync={"cpu_offload": True, "tau": 1})
     train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
     cfg.steps = 3
@@ -303,6 +304,9 @@ def test_divergence_exits_3_and_keeps_the_good_checkpoint(tmp_path, processes):
     checkpoint 2 on disk (before the one loop, 2 processes trained on to "train loss nan",
     checkpointed NaN states and rotated the good one away). With the spike watch off: with it on
     (the default), test_spike.py's test_blown_up_run_exits_3_and_a_sane_rerun_does_not_resume_it."""
+    if processes == 1:
+        one_stage("3.12", "the 1-process divergence run", 17,
+                  other="test_divergence_exits_3_and_keeps_the_good_checkpoint[2]")
     if processes == 2:
         one_stage("default", "the 2-process divergence run", 20,
                   other="test_spike.py::test_blown_up_run_exits_3_and_a_sane_rerun_does_not_resume_it[2]")
@@ -321,6 +325,9 @@ def test_damaged_checkpoint_falls_back_and_restore_step_moves_newer_aside(tmp_pa
     checkpoints.bad/ (not deleted) and resumes from the older one (before, 2 processes stopped
     with exit 2 and advised a rerun that failed the same way). Then --restore-step 4 resumes
     from 4 and moves the newer 6 to checkpoints.aside/."""
+    if processes == 1:
+        one_stage("3.12", "the 1-process damaged checkpoint", 31,
+                  other="test_damaged_checkpoint_falls_back_and_restore_step_moves_newer_aside[2]")
     if processes == 2:
         one_stage("default", "the 2-process damaged checkpoint", 60,
                   other="test_cli_faults.py::test_incompatible_checkpoint_is_one_message[2]")
@@ -424,6 +431,8 @@ def test_full_disk_during_a_save_is_one_message(tmp_path, processes):
     244-307 lines). The filler races the run, so what fails first varies: the append of a training
     record to metrics.jsonl (then only checkpoint 2 exists), or a later save (then the checkpoints
     the message names as intact are exactly those on disk: CI once saw a renamed-but-unfinished 4)."""
+    if processes == 2:
+        one_stage("default", "the 2-process full disk", 22, other="test_full_disk_during_a_save_is_one_message[1]")
     disk, run_dir, out_dir = tmp_path / "disk", tmp_path / "disk" / "run", tmp_path / "after"
     disk.mkdir()
     cmd = " ".join(shlex.quote(c) for c in _cmd(run_dir, processes, "method=edit", "steps=6", "checkpoint_every=2",

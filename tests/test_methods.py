@@ -18,6 +18,7 @@ from edit_jax.runtime.mesh import make_mesh
 from edit_jax.training.train import train
 from edit_jax.validate import load_config
 from tests.helpers import REPO, tiny_config
+from tests.stages import one_stage
 
 
 def test_method_fixes_are_written_as_they_take_effect():
@@ -128,6 +129,7 @@ def test_outer_adam_step_matches_numpy():
 def test_outer_adam_run_end_to_end(tmp_path):
     """EDiT with an outer Adam trains, checkpoints and resumes; each unit's Adam step count is the
     number of syncs."""
+    one_stage("default", "an outer-Adam run end to end", 26)
     from edit_jax.rundir.checkpoint import Checkpointer
     from edit_jax.localsgd.state import state_shapes
 

@@ -98,6 +98,7 @@ def test_a_stop_request_during_a_restart_is_not_followed_by_another_restart(tmp_
     """The restarted workers are held at start; the launcher gets a Ctrl-C (SIGINT) and one of
     the held workers is SIGKILLed. The launcher was asked to stop: exit 5 naming the lost
     worker, and no second restart."""
+    one_stage("3.12", "a stop request during a restart", 24)
     run = tmp_path / "run"
     env = _env(tmp_path, run, EDIT_JAX_TEST_KILL_AT="1:3", EDIT_JAX_TEST_HOLD_RESTART="1")
     cmd = [sys.executable, "-m", "edit_jax", "train", "--run-dir", str(run), *TINY, "steps=40"]

@@ -175,6 +175,7 @@ def test_injected_spike_rolls_back_and_finishes_like_the_clean_run_in_both_modes
     """HSDP (nothing of EDiT's own guards) with the updates of steps 20..23 x 3000: the loss
     blows up and stays up, the run rolls back to checkpoint 20, skips batches 20..24 and ends
     within 2% of the clean run's validation loss; 2 processes do exactly what 1 does."""
+    one_stage("default", "an injected spike rolled back in both modes", 46)
     runs = {}
     for name, processes, extra in [("clean", 1, []), ("one", 1, ["debug.lr_spike=20-23:3000"]),
                                    ("two", 2, ["debug.lr_spike=20-23:3000"])]:

@@ -14,6 +14,7 @@ from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import BATCH_SPEC, named
 from edit_jax.tools import hlo
 from tests.helpers import mesh_for, random_batch, tiny_config
+from tests.stages import one_stage
 
 REMAT_LOOP = {"remat": True, "scan_unroll": 1, "n_layers": 3}
 
@@ -57,6 +58,7 @@ def test_compressed_fragment_crosses_once_per_unit_with_remat():
 def test_saving_the_synced_unit_changes_no_result():
     """A sync step with remat gives what it gives without (the sync is the identity in the
     backward, so keeping its result instead of recomputing it changes nothing but float order)."""
+    one_stage("3.12", "saving the synced unit changes no result", 41)
     out = []
     for remat in (False, True):
         cfg = tiny_config(2, 2, method="edit", sync={"warmup_steps": 0, "tau": 1}, optim={"grad_accum": 2},

@@ -73,6 +73,7 @@ def test_missing_data_path_is_named(tmp_path):
 
 
 def test_run_dir_outputs_and_loss_falls(tmp_path):
+    one_stage("default", "a run dir's outputs and a falling loss", 29)
     cfg = tiny_config(2, 4, method="edit", steps=24, eval_every=12, eval_batches=2, seq_len=64,
                       optim={"warmup_steps": 4}, sync={"warmup_steps": 4, "tau": 4})
     result = train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
@@ -136,6 +137,8 @@ def _wait_for_step(run_dir, step, proc, timeout=180):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+    one_stage("3.12", "a killed run resumed exactly (SIGKILL, SIGTERM)", 95,
+              other="test_restarts.py::test_killed_worker_is_restarted_and_the_run_ends_with_the_uninterrupted_losses")
     run_dir = tmp_path_factory.mktemp("full")
     proc = _cli(run_dir)
     out, err = proc.communicate(timeout=300)
