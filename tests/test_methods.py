@@ -54,6 +54,10 @@ def test_the_rule_of_a_row_decides_its_timing_and_owns_its_hyperparameters(monke
         assert isinstance(mp.schedule, TimeSchedule if rule.asynchronous else StepSchedule), name
         assert m.keeps_outer == rule.keeps_outer == (name != "baseline"), name
     assert [n for n in METHODS if plan_for(cpu(n)).plan.rule.asynchronous] == ["a_edit"]
+    for name in METHODS:  # a rule is a value: two plans of one config are equal, and hash alike
+        a, b = plan_for(cpu(name)).plan, plan_for(cpu(name)).plan
+        assert a == b and hash(a.rule) == hash(b.rule) and a.rule is not b.rule, name
+    assert plan_for(cpu("edit")).plan.rule != plan_for(cpu("a_edit")).plan.rule
     co2 = plan_for(tiny_config(2, 2, "co2", sync={"co2_gap_penalty": 3.0, "co2_momentum_clip": 0.5})).plan
     assert (co2.rule.gap_penalty, co2.rule.momentum_clip, co2.outer.momentum_clip) == (3.0, 0.5, 0.5)  # the rule's
     monkeypatch.setitem(METHODS, "timed_diloco", Method("timed_diloco", "DiLoCo's sync by wall clock",

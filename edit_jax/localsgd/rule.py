@@ -90,6 +90,14 @@ class SyncRule:
     asynchronous = False
     codec: Codec = NONE  # the wire, and the state it carries (the compressed wrapper's)
 
+    # A rule is a value: two rules of one class with the same attributes are equal (two plans of
+    # one config compare equal, as they did when a plan named its rule by a string).
+    def __eq__(self, other) -> bool:
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(sorted(vars(self).items()))))
+
     @classmethod
     def build(cls, sync: SyncConfig) -> "SyncRule":
         """The rule for the sync config ``sync`` (a rule with hyperparameters reads its own fields)."""
