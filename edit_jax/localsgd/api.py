@@ -322,7 +322,7 @@ class LocalSGD:
         figures["inner_reset"] = bad
         new = state._replace(params=params, opt_state=_zero_inexact(state.opt_state, bad),
                              outer_params=outer, outer_opt_state=outer_state, detector=det)
-        return refuse_nonfinite_sync(state, new, figures, _all_finite(outer))
+        return refuse_nonfinite_sync(state, new, figures)
 
     def _sync_forward(self, state: LocalSGDState, batch, k):
         """A step whose forward syncs each unit on its way into compute (EDiT), every worker in a
@@ -354,7 +354,7 @@ class LocalSGD:
         figures["inner_reset"] = reset
         new = state._replace(params=params, opt_state=opt_state, outer_params=outer, outer_opt_state=outer_state,
                              detector=det)
-        new, figures = refuse_nonfinite_sync(state, new, figures, _all_finite(outer))
+        new, figures = refuse_nonfinite_sync(state, new, figures)
         return new, {"inner": metrics, "sync": figures}
 
     # -- layout ------------------------------------------------------------------------------------

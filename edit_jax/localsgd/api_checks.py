@@ -10,9 +10,8 @@ long, far from the cause. These checks run while tracing (once per program), on 
 
 from __future__ import annotations
 
-from typing import Any
-
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +68,6 @@ def stacked_layer_count(params: Any, rule: str) -> int:
     return dims.pop()
 
 
-
 def all_finite(tree, batch_dims: int = 0) -> jax.Array:
     """Whether every floating leaf is finite (per worker, [N], with ``batch_dims=1`` on stacked trees)."""
     ok = jnp.ones((), bool)
@@ -91,7 +89,7 @@ def zero_inexact(tree, reset):
     return jax.tree.map(one, tree)
 
 
-def refuse_nonfinite_sync(old, new, figures: dict, outer_finite: jax.Array):
+def refuse_nonfinite_sync(old, new, figures: dict):
     """A sync whose θ̄ would be non-finite is not applied (inside the sync's program): θ̄, the outer
     state and the detectors stay ``old``'s, and every worker restarts from that θ̄ (the round's
     local steps are dropped; a non-finite worker's inner optimizer state is zeroed as at any sync).
@@ -99,7 +97,7 @@ def refuse_nonfinite_sync(old, new, figures: dict, outer_finite: jax.Array):
     NaN into θ̄ and every worker trains from NaN from then on. ``figures["sync_refused"]`` says so.
     The inner optimizer states are the ones from before the step (a layer-wise step's update was
     taken at the non-finite θ̄), the non-finite workers' zeroed (``figures["inner_reset"]``)."""
-    ok = outer_finite
+    ok = all_finite(new.outer_params)
 
     def keep(a, b):
         return jax.tree.map(lambda x, y: jnp.where(ok, x, y), a, b)
