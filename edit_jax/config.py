@@ -148,8 +148,9 @@ class SyncConfig:
     tau_time: float = 600.0
     min_total_steps: int = 1
     step_weight_ratio: float = 0.5  # rho: w <- (1 - rho) w + rho * (worker's share of the steps)
-    # A-EDiT through a directory or s3://bucket/prefix (elastic/): a round closes `grace` s after a post
-    # (clusters ~60 s); late posts: carry | drop; unposted steps saved every progress_every s (0: off).
+    # Workers through a directory or s3://bucket/prefix (elastic/; A-EDiT, or DiLoCo / EDiT / Post Local SGD
+    # posting every tau steps): a round closes `grace` s after a post (clusters ~60 s); late posts: carry |
+    # drop; unposted steps saved every progress_every s (0: off).
     exchange: str = ""
     grace: float = 10.0
     late_posts: str = "carry"

@@ -7,6 +7,8 @@ step into N workers on a (replica, shard) device mesh and syncs them every tau s
     python examples/own_model.py --rule diloco        # whole model after the step, any train step
     python examples/own_model.py --rule edit          # layer by layer inside the forward (EDiT)
     python examples/own_model.py --rule edit --tiny --steps 40
+    python examples/own_model.py --rule co2           # CO2: the all-reduce one round stale
+    python examples/own_model.py --rule edit --wire topk2    # 2-bit sparse pseudo gradients, error feedback
 
 On CPU it emulates 8 devices (4 workers x 2 devices each); each run takes well under a minute.
 
@@ -113,7 +115,9 @@ def batches(data: np.ndarray, shape: tuple[int, ...], seq_len: int, seed: int):
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rule", choices=("diloco", "edit"), default="edit")
+    ap.add_argument("--rule", choices=("diloco", "edit", "co2"), default="edit")
+    ap.add_argument("--wire", choices=("none", "bf16", "int8", "topk2", "topk4"), default="none",
+                    help="pseudo gradients on a lossy wire, with error feedback")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--tau", type=int, default=None, help="inner steps between syncs")
     ap.add_argument("--tiny", action="store_true", help="a smaller model and batch (for tests)")
@@ -134,10 +138,13 @@ def main(argv=None) -> dict:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"loss": loss}
 
-    if args.rule == "diloco":
-        trainer = edit_jax.LocalSGD(edit_jax.diloco(), mesh, tau, inner_step=train_step)
+    rule = {"diloco": edit_jax.diloco, "edit": edit_jax.edit, "co2": edit_jax.co2}[args.rule]()
+    if args.wire != "none":
+        rule = edit_jax.compressed(rule, args.wire, error_feedback=True)
+    if not rule.layerwise:  # DiLoCo, CO2: the whole model after the step
+        trainer = edit_jax.LocalSGD(rule, mesh, tau, inner_step=train_step)
     else:  # EDiT syncs inside the forward: it runs the update itself, so it takes the loss and tx
-        trainer = edit_jax.LocalSGD(edit_jax.edit(), mesh, tau, loss_fn=loss_fn, optimizer=tx)
+        trainer = edit_jax.LocalSGD(rule, mesh, tau, loss_fn=loss_fn, optimizer=tx)
 
     data = load_bytes()
     split = int(0.9 * len(data))
@@ -145,7 +152,7 @@ def main(argv=None) -> dict:
     params = init_params(jax.random.key(0), size["d_model"], size["n_layers"], size["n_heads"], size["seq_len"])
     state = trainer.init(params, tx.init(params))
 
-    print(f"{args.rule}: {n} workers x {args.shard} devices, tau={tau}, {steps} steps")
+    print(f"{rule.name}: {n} workers x {args.shard} devices, tau={tau}, {steps} steps")
     start, losses = time.time(), []
     for k in range(steps):
         state, metrics = trainer.step(state, next(train))  # one plain call per step
@@ -155,7 +162,8 @@ def main(argv=None) -> dict:
             print(f"step {k:4d}  loss {losses[-1]:.3f}  synced, worker weights {weights}")
 
     before = jax.device_get(state)  # (kept for the tests: they recompute this last sync with NumPy)
-    state, _ = trainer.sync(state)  # a last sync: evaluate θ̄, the model the workers agree on
+    # A last sync: evaluate θ̄, the model the workers agree on (CO2: land the round still in flight).
+    state, _ = trainer.flush(state) if args.rule == "co2" else trainer.sync(state)
     val = next(batches(data[split:], (32,), size["seq_len"], seed=1))
     val_loss = float(jax.jit(loss_fn)(jax.device_get(state.outer_params), val)[0])
     print(f"done in {time.time() - start:.1f}s: train loss {losses[0]:.3f} -> {losses[-1]:.3f}, "

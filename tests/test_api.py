@@ -29,6 +29,7 @@ from edit_jax.localsgd.api import LocalSGD, Penalty, diloco, edit, identity_hook
 from edit_jax.localsgd.outer import sgd_trace
 from edit_jax.tools import hlo
 from tests.helpers import REPO
+from tests.stages import one_stage
 
 N, S = 4, 2
 
@@ -66,11 +67,17 @@ def _example():
     return module
 
 
-@pytest.mark.parametrize("rule", ["diloco", "edit"])
+@pytest.mark.parametrize("rule", ["diloco", "edit", "co2", "edit+topk2"])
 def test_example_trains_with_each_rule(rule):
-    out = _example().main(["--rule", rule, "--tiny", "--steps", "12"])
+    name, _, wire = rule.partition("+")
+    if rule == "co2":  # (the conformance test runs both rules' syncs under both Pythons)
+        one_stage("default", "the example with CO2", 7, other="the example with EDiT + topk2")
+    if wire:  # two bits per value: the first rounds move θ̄ less, so it takes twice the steps here
+        one_stage("3.12", "the example with EDiT + topk2", 22, other="the example with CO2")
+    out = _example().main(["--rule", name, "--tiny", "--steps", "24" if wire else "12"]
+                          + (["--wire", wire] if wire else []))
     losses = out["losses"]
-    assert len(losses) == 12 and all(math.isfinite(x) for x in losses)
+    assert len(losses) == (24 if wire else 12) and all(math.isfinite(x) for x in losses)
     assert np.mean(losses[-3:]) < losses[0] - 0.5, losses
     assert out["val_loss"] < math.log(256) - 0.5, out["val_loss"]
     state = out["state"]  # after the example's last sync every worker is at θ̄
@@ -242,6 +249,30 @@ def test_post_local_sgd_is_the_mean_of_any_pytree():
     _close(state.outer_params, jax.tree.map(lambda w: w.mean(0), workers), "θ̄", rtol=1e-2)
     assert jax.tree.map(lambda x: x.dtype, state.params) == jax.tree.map(lambda x: jnp.asarray(x).dtype, params)
     assert figures["inner_reset"].shape == (N,) and not np.any(figures["inner_reset"])
+
+
+@pytest.mark.parametrize("rule", ["co2", "diloco+int8"])
+def test_co2_and_a_lossy_wire_take_any_pytree(rule):
+    """The registry's rules on any pytree (tuples, a bfloat16 leaf): CO2's pseudo gradients in flight
+    and the wire's residuals live in ``state.extra`` laid out as the user's tree (one unit)."""
+    params = {"a": (np.ones((2, 3), np.float32), {"b": np.arange(4, dtype=np.float32)}),
+              "c": jnp.full((5,), 0.25, jnp.bfloat16)}
+
+    def step(p, s, batch):  # every leaf moves by the worker's own amount
+        return jax.tree.map(lambda x: x + (batch.mean() * 0.01).astype(x.dtype), p), s, {}
+
+    made = edit_jax.co2() if rule == "co2" else edit_jax.compressed(diloco(), "int8")
+    trainer = LocalSGD(made, _mesh(), 2, inner_step=step, donate=False)
+    state = trainer.init(params, ())
+    key = "pending" if rule == "co2" else "residual"
+    assert jax.tree.structure(state.extra[key]["root"]) == jax.tree.structure(params)
+    for k in range(4):
+        state, metrics = trainer.step(state, np.arange(N * 4 * S, dtype=np.float32).reshape(N, 4 * S) * (k + 1))
+    kept = state.extra[key]["root"]
+    assert max(float(np.abs(np.asarray(x, np.float32)).max()) for x in jax.tree.leaves(kept)) > 0  # in flight / lost
+    assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in jax.tree.leaves(state.outer_params))
+    assert jax.tree.map(lambda x: x.dtype, state.params) == jax.tree.map(lambda x: jnp.asarray(x).dtype, params)
+    assert not bool(metrics["sync"]["sync_refused"]) and metrics["sync"]["pseudo_grad_norm"].shape == (N,)
 
 
 # ============================================================================= EDiT, layer-wise

@@ -266,6 +266,41 @@ def _two_workers(tmp_path, ElasticWorker):
         more.adopt_published(off, R.Manifest(shared.round + 1, [0, 1], "0" * 24, closer=1, closed_by="grace"))
 
 
+@pytest.mark.parametrize("method", ["diloco", "edit"])
+def test_lock_step_rules_meet_through_the_exchange_every_tau_steps(tmp_path, method):
+    """DiLoCo and EDiT through the exchange (issue 56): each worker posts after exactly sync.tau of
+    its own steps, the round applies the method's rule on the host (DiLoCo: the plain mean, no step
+    shares), and both workers end on one θ̄."""
+    if method == "edit":
+        one_stage("3.12", "EDiT through the exchange", 12, other="DiLoCo through the exchange")
+    else:
+        one_stage("default", "DiLoCo through the exchange", 12, other="EDiT through the exchange")
+    from edit_jax.elastic.worker import ElasticWorker
+    from edit_jax.runtime.compile_cache import compile_cache
+
+    ex, run = str(tmp_path / "ex"), str(tmp_path / "run")
+    cfg = _config(ex, f"sync.method={method}", "sync.tau=3", "steps=12", "sync.grace=5.0")
+    codes = {}
+    with compile_cache(os.environ.get("EDIT_JAX_COMPILE_CACHE")):
+        workers = [ElasticWorker(cfg, w, run, say=lambda m: None) for w in (0, 1)]
+        threads = [threading.Thread(target=lambda w=w: codes.__setitem__(w.me, w.run())) for w in workers]
+        [t.start() for t in threads]
+        [t.join(timeout=240) for t in threads]
+    assert codes == {0: 0, 1: 0}
+    recs = _records(run)
+    rounds = [r for r in recs if r.get("sync")]
+    assert [r["round"] for r in rounds] == list(range(1, len(rounds) + 1)) and rounds[-1]["finished"]
+    # Every post is tau steps (a post left out of a round is carried into the worker's next: 2 tau).
+    assert all(s in (3, 6) for r in rounds for s in r["steps"]) and sum(sum(r["steps"]) for r in rounds) == 24
+    both = [r for r in rounds if r["members"] == [0, 1]]
+    assert both, rounds
+    if method == "diloco":  # no penalty and no step shares: the plain mean
+        assert all(r["weight"] == [0.5, 0.5] for r in both), [r["weight"] for r in both]
+    assert all(abs(sum(r["weight"]) - 1.0) < 1e-6 and r["outer_update_norm"] > 0 for r in both)
+    ends = [r for r in recs if "finished_round" in r]
+    assert len(ends) == 2 and {r["theta_hash"] for r in ends} == {rounds[-1]["theta_hash"]}
+
+
 def _child_env():
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
@@ -425,7 +460,8 @@ def test_plot_shows_membership(tmp_path):
     ("sync.warmup_steps=4", "sync.warmup_steps"), ("sync.compress=int8", "sync.compress"),
     ("mesh.processes=3", "mesh.processes"), ("sync.grace=0", "sync.grace"), ("sync.late_posts=keep", "sync.late_posts"),
     ("sync.progress_every=-1", "sync.progress_every"),
-    ("max_seconds=60", "max_seconds"), ("sync.method=edit", "sync.exchange"),
+    ("max_seconds=60", "max_seconds"), ("sync.method=co2", "sync.exchange"),
+    ("sync.method=baseline", "sync.exchange"), ("sync.method=edit sync.fragments=2", "sync.fragments"),
     ("sync.compress=topk2 sync.error_feedback=true sync.ef_dtype=bfloat16", "sync.ef_dtype")])
 def test_exchange_config_errors_name_the_field(tmp_path, override, key):
     from edit_jax.validate import ConfigError

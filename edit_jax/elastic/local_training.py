@@ -59,14 +59,15 @@ class LocalTraining:
         return state
 
     def train_for(self, local: Local, seconds: float, started=lambda: None, aligned: bool = False,
-                  save=None) -> float:
-        """Local steps until ``seconds`` passed (at least one); returns the last loss. ``started``
+                  save=None, steps: int | None = None) -> float:
+        """Local steps until ``seconds`` passed (at least one), or ``steps`` of them when given (a
+        rule whose rounds go by step count: DiLoCo, EDiT); returns the last loss. ``started``
         runs after the first step (the first of a process compiles: announcing a round only then
         keeps the others from waiting on a compile). ``aligned``: ``seconds`` lead to the round's due
         time, so a compile counts against them. ``save`` runs every ``sync.progress_every`` s."""
         step = self.local_step
         start, loss, last_log = time.monotonic(), float("nan"), (time.perf_counter(), local.done)
-        saved = start
+        saved, taken = start, 0
         compiling = not self.compiled  # the first step compiles: the round's clock starts after it
         self.compiled = True
         while True:
@@ -79,6 +80,7 @@ class LocalTraining:
                 time.sleep((self.slow - 1.0) * (time.perf_counter() - t))
             local.done += 1
             local.since += 1
+            taken += 1
             if local.done % self.cfg.log_every == 0:
                 now = time.perf_counter()
                 dt = (now - last_log[0]) / max(local.done - last_log[1], 1)
@@ -93,7 +95,7 @@ class LocalTraining:
             if started is not None:
                 started()
                 started = None
-            if self.stop or time.monotonic() - start >= seconds:
+            if self.stop or (taken >= steps if steps is not None else time.monotonic() - start >= seconds):
                 return loss
             if save is not None and 0 < self.cfg.sync.progress_every <= time.monotonic() - saved:
                 save()

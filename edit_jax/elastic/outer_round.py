@@ -1,6 +1,6 @@
-"""A round's outer step, from the posts its manifest names: the same penalised, weighted EDiT sync
-as the collective meeting (``stacked.stacked_sync``: ``outer.sync_unit`` with the ``Stacked``
-reduction, unit by unit), run on the host's CPU backend.
+"""A round's outer step, from the posts its manifest names: the plan's sync rule itself, the one the
+collective meeting runs (``stacked.workers_sync``: the rule over the participants stacked in one
+program, a vmap over ``replica``), run on the host's CPU backend.
 
 Why the CPU: every worker must compute bit-identical θ̄ from the same posts, and workers may run on
 different accelerators (an A100 and an H100 round differently, and XLA:GPU's reductions need not
@@ -26,11 +26,12 @@ from jax.sharding import SingleDeviceSharding
 
 from edit_jax.elastic import packed as PK
 from edit_jax.elastic.rounds import Post, RoundState
-from edit_jax.localsgd.stacked import stacked_sync
+from edit_jax.localsgd.stacked import WORKERS, as_units, of_units, workers_sync
 from edit_jax.localsgd.codec import NONE, Codec
 from edit_jax.localsgd.methods import Plan
 from edit_jax.localsgd.outer import Detector, make_outer_optimizer
-from edit_jax.localsgd.state import init_outer_opt_state
+from edit_jax.localsgd.rule import SyncSpec
+from edit_jax.localsgd.state import OuterState, init_outer_opt_state
 from edit_jax.runtime.executables import ExecutableStore
 
 
@@ -105,17 +106,25 @@ class OuterRound:
         return out
 
     def _step(self, theta, outer_opt, dets: Detector, deltas, *rest):
+        if not self.plan.rule.asynchronous:  # rounds by step count: every post is tau steps, no step shares
+            rest = rest[:-1] + (None,)
         if self.packed:  # packed posts: deltas are the rows, then the norms [N, U], the shares
             norms, shares = rest
             return PK.round_step(theta, outer_opt, dets, deltas, norms, shares, self.plan.penalty, self.opt,
                                  self.codec, self.plan.layerwise)
         shares, = rest
-        # θ_i = θ̄ - Δ_i: sync_unit forms Δ_i = θ̄ - θ_i again (exact up to one rounding of each
+        # θ_i = θ̄ - Δ_i: the rule forms Δ_i = θ̄ - θ_i again (exact up to one rounding of each
         # value, the same on every worker), then the penalty, the weights and the outer step.
+        layerwise = self.plan.rule.in_forward  # its units: the root and each layer; else the whole model
         local = jax.tree.map(lambda o, d: o[None] - d, theta, deltas)
-        _, theta, outer_opt, dets, figures = stacked_sync(local, theta, outer_opt, dets, self.plan.penalty,
-                                                          self.opt, self.plan.layerwise, shares)
-        return theta, outer_opt, dets, figures, figures["flagged"]
+        n_layers = jax.tree.leaves(theta["layers"])[0].shape[0] if layerwise else 0
+        n = jax.tree.leaves(deltas)[0].shape[0]  # the participants
+        spec = SyncSpec(self.plan.penalty, self.plan.outer, self.opt, n_layers, n, reduction=WORKERS)
+        outer = OuterState(as_units(theta, layerwise), as_units(outer_opt, layerwise), dets, np.int32(0))
+        _, _, outer, figures = workers_sync(self.plan.rule, spec, as_units(local, layerwise), None, outer, shares)
+        figures.pop("inner_reset")  # (no inner optimizer state comes with a post)
+        return of_units(outer.params, layerwise), of_units(outer.opt_state, layerwise), outer.detector, figures, \
+            figures["flagged"]
 
     def initial(self, theta: Any, slots: int, n_units: int, window: int) -> RoundState:
         """Round 0: θ̄ = the initial params, a fresh outer state, zero detectors for every slot."""

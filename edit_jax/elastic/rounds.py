@@ -4,7 +4,8 @@ manifests and the published round state, as whole objects under fixed keys.
 Round r (r >= 1) turns the round state r - 1 (θ̄, the outer optimizer's state, every worker slot's
 anomaly detectors, the step tally) into round state r:
 
-1. each worker that applied round r - 1 trains for ``sync.tau_time`` seconds, then **posts**
+1. each worker that applied round r - 1 trains for ``sync.tau_time`` seconds (a lock-step rule:
+   ``sync.tau`` steps), then **posts**
    ``posts/rXXXXXXXX/wYYYY.npz``: its pseudo gradient Δ = θ̄_{r-1} − θ_i (every leaf, float32; with
    a sparse ``sync.compress`` its packed rows and true norms, ``packed.py``), its steps since its
    last round (A-EDiT's step share), its data cursor, its loss;
@@ -17,7 +18,7 @@ anomaly detectors, the step tally) into round state r:
    holds it) create-exclusively: of several closers exactly one wins, and everybody follows the
    manifest that exists;
 3. every participant (and anyone catching up) reads exactly the posts the manifest names and runs
-   the same penalised, weighted outer step (``outer_round.py``: ``stacked.stacked_sync`` on the host
+   the same outer step, the method's rule (``outer_round.py``: ``stacked.workers_sync`` on the host
    CPU, so hardware never changes the bits); each compares the manifest's hash with its own θ̄_{r-1}
    first, so θ̄ is checked identical on every worker after every round;
 4. the closer publishes ``state/rXXXXXXXX.npz`` (the round state: what a joiner and a whole-run

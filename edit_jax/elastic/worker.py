@@ -1,4 +1,5 @@
-"""One A-EDiT worker as its own program, meeting the others only through the exchange.
+"""One worker as its own program, meeting the others only through the exchange (A-EDiT's rounds by
+wall clock; DiLoCo's, EDiT's and Post Local SGD's after ``sync.tau`` steps of each worker).
 
     edit-jax worker CONFIG --worker I --run-dir RUN [key=value ...]     # what the launcher starts
 
@@ -7,7 +8,7 @@ step program, the data (its slot's rows of the global batch), the exchange. Then
 
     join: the newest round state (published, then replayed up to the newest manifest)
     until the token budget is spent:
-        local steps for sync.tau_time seconds
+        local steps for sync.tau_time seconds (a lock-step rule: sync.tau steps)
         post Δ = θ̄ − θ_i to round r; wait for round r's manifest (closing it when due)
         apply round r (and any it missed); restart from θ̄ (a late post: carried or dropped)
 
@@ -335,7 +336,8 @@ class ElasticWorker(LocalTraining, RoundRecovery):
         self.outer.precompile(shared, self.counts_to_compile(shared))  # in the background
         while not shared.finished:
             loss = self.train_for(local, self.due_in(shared), lambda r=shared.round + 1: self.announce(r),
-                                  aligned=shared.round > 0, save=lambda s=shared: self.save_progress(s, local))
+                                  aligned=shared.round > 0, save=lambda s=shared: self.save_progress(s, local),
+                                  steps=None if self.plan.rule.asynchronous else self.cfg.sync.tau)
             if self.stop:
                 return 130
             post, fresh, delta = self.post(shared, local, loss)

@@ -13,22 +13,28 @@ spmd_axis_name="replica")`` under ``jax.jit``, so each replica's devices run the
 nothing crosses ``replica`` between syncs. Other mesh axes (e.g. ``shard``) split each worker's
 batch (dim 1 of the stacked batch): GSPMD partitions the worker's step as data parallelism.
 
-Every ``tau`` steps the workers sync (EDIT.md, Algorithm 2, ``outer.sync_unit``): pseudo gradients
-Δ_i = θ̄ − θ_i, the rule's penalty, the outer optimizer step on θ̄, every worker restarts from θ̄.
-Two compiled programs, picked on the host from the step count (a host integer: picking never waits
-for the device): the local step, and the sync (a small program after the local step) or, for
-layer-wise rules, the step with the sync inside its forward.
+Every ``tau`` steps the workers sync with the rule's ``sync``: the registry's rule object
+(``rule.py``; ``api_rules.py`` builds it, ``from_method`` exactly as the trainer does), called
+through the protocol the trainer's programs call, so the sync is written once for both
+(``tests/test_rule_conformance.py``). Inside the vmap a rule sees one worker's values with their
+local replica dim ([1, ...], as under the trainer's ``shard_map``) and meets the others through
+collectives over ``replica`` (``ReplicaPsum``, each worker holding its whole units). Two compiled
+programs, picked on the host from the step count (a host integer: picking never waits for the
+device): the local step, and the sync (a small program after the local step) or, for layer-wise
+rules, the step with the sync inside its forward.
 
-- Whole-model rules (``diloco``, ``post_local_sgd``, ``edit(layerwise=False)``): the sync runs after
-  the step of every tau-th step ((k + 1) % tau == 0 for the 0-based step k), on the whole params
-  pytree as one unit (one norm, one detector per worker), with the ``Stacked`` reduction: a sum
-  over the leading worker axis, which XLA turns into an all-reduce over ``replica``. Any pytree,
-  any inner step. The inner optimizer state is kept as it is (DiLoCo keeps it).
+- Whole-model rules (``diloco``, ``post_local_sgd``, ``edit(layerwise=False)``, ``co2``): the sync
+  runs after the step of every tau-th step ((k + 1) % tau == 0 for the 0-based step k), on the
+  whole params pytree as one unit (the root of a model without layers: one norm, one detector per
+  worker; ``SyncRule.after_step``). Any pytree, any inner step. The inner optimizer state is kept
+  as it is (DiLoCo keeps it).
 - Layer-wise rules (``edit()``): the sync of the window of steps [k − tau, k) runs inside the
   forward of step k (k > 0, k % tau == 0), unit by unit (the root, then each layer) on its way into
-  compute (``ReplicaPsum`` over the vmap axis), so a unit's exchange can overlap the previous unit's
-  compute. The forward sees θ̄, the gradient is taken at θ̄ and the inner update is applied to θ̄
-  (the harness's ``sync_forward``). The model must meet ``models.family.ScannedModel``.
+  compute (``forward_inputs``, ``in_forward_sync``, ``assemble``), so a unit's exchange can overlap
+  the previous unit's compute. The forward sees θ̄, the gradient is taken at θ̄ and the inner update
+  is applied to θ̄ (the harness's ``sync_forward``). The model must meet ``models.family.ScannedModel``.
+- ``compressed(rule, wire)``: either kind on a lossy wire, each worker's residual in
+  ``LocalSGDState.extra``.
 
 Layer-wise rules take ``loss_fn`` and ``optimizer``, not an opaque step: the update must apply to
 θ̄, which exists only once the hooks ran inside the forward, and an opaque step applies its optimizer
@@ -38,7 +44,6 @@ to the θ_i it was given (docs/api.md, "Why layer-wise rules take loss_fn and op
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -48,57 +53,19 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from edit_jax.localsgd.api_checks import NonFiniteWatch, all_finite as _all_finite, checked_step_output, \
-    refuse_nonfinite_sync, stacked_layer_count, zero_inexact as _zero_inexact
+from edit_jax.localsgd.api_checks import NonFiniteWatch, checked_step_output, refuse_nonfinite_sync, \
+    stacked_layer_count
+from edit_jax.localsgd.api_rules import LocalSGDRule, co2, compressed, diloco, edit, from_method, post_local_sgd
 from edit_jax.localsgd.outer_spec import OuterSpec, Penalty
-from edit_jax.localsgd.outer import Detector, UnitSync, make_outer_optimizer, sync_unit
-from edit_jax.localsgd.reduction import ReplicaPsum
+from edit_jax.localsgd.outer import Detector, UnitSync, make_outer_optimizer
+from edit_jax.localsgd.rule import SyncSpec
 from edit_jax.localsgd.sharding import REPLICA  # the mesh axis the workers live on
-from edit_jax.localsgd.stacked import cat_units, stacked_sync, sync_figures, unit_detector  # (re-exported: __all__)
-from edit_jax.localsgd.sync import with_value  # the sync is the identity in the backward
+from edit_jax.localsgd.stacked import WORKERS, as_units, of_units, workers_sync
+from edit_jax.localsgd.state import OuterState
+from edit_jax.localsgd.sync import local_blocks, with_replica_dim
 from edit_jax.models.family import HOOK_SAVED
 
 LOCAL, SYNC_FORWARD, LOCAL_THEN_SYNC = "local", "sync_forward", "local_then_sync"
-
-
-# ----------------------------------------------------------------------------- rules
-
-
-@dataclass(frozen=True)
-class LocalSGDRule:
-    """What a sync does: where it runs (``layerwise``: inside the forward, unit by unit; else after
-    the step, the whole params as one unit), the pseudo-gradient ``penalty`` (``Penalty.off()``:
-    the plain mean) and the ``outer`` optimizer (``outer.make_outer_optimizer`` builds it)."""
-
-    name: str
-    layerwise: bool
-    penalty: Penalty
-    outer: OuterSpec
-
-    def __post_init__(self):
-        if self.penalty.anomaly and self.penalty.warmup < 2:
-            raise ValueError(f"penalty.warmup: must be >= 2 (the z-score window needs an unbiased std), "
-                             f"got {self.penalty.warmup}")
-        make_outer_optimizer(self.outer)  # an unknown or inconsistent outer optimizer fails here
-
-
-def diloco(outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True) -> LocalSGDRule:
-    """DiLoCo: the whole model after the step, plain mean of the pseudo gradients, Nesterov SGD."""
-    return LocalSGDRule("diloco", False, Penalty.off(), OuterSpec("nesterov", outer_lr, outer_momentum, nesterov))
-
-
-def post_local_sgd() -> LocalSGDRule:
-    """Post Local SGD: θ̄ = the plain mean of the workers (outer SGD with lr 1, no momentum)."""
-    return LocalSGDRule("post_local_sgd", False, Penalty.off(), OuterSpec("nesterov", 1.0, 0.0, False))
-
-
-def edit(outer_lr: float = 0.8, outer_momentum: float = 0.85, nesterov: bool = True,
-         penalty: Penalty | None = None, layerwise: bool = True) -> LocalSGDRule:
-    """EDiT: the sync layer by layer inside the forward, pseudo gradients penalised (anomaly
-    elimination, softmax(−g/T) weights, per-unit clip; ``Penalty()`` by default), Nesterov SGD.
-    The paper's outer lr 0.8 and momentum 0.85."""
-    return LocalSGDRule("edit", layerwise, Penalty() if penalty is None else penalty,
-                        OuterSpec("nesterov", outer_lr, outer_momentum, nesterov))
 
 
 # ----------------------------------------------------------------------------- state
@@ -113,6 +80,9 @@ class LocalSGDState(NamedTuple):
     outer_opt_state: Any  # the outer optimizer's; layer-wise: {"root": ..., "layers": per-layer, stacked}
     detector: Detector  # anomaly detectors, leading dims [N, U] (U = 1, or 1 + layers for layer-wise)
     step: Any  # inner steps done (np.int32): picks the next step's program without a device read
+    # The rule's own per-worker subtree (``SyncRule.init_extra``), [N, ...]: CO2's pseudo gradients
+    # in flight, a lossy wire's error-feedback residuals; None for the others.
+    extra: Any = None
 
 
 def identity_hook(unit, unit_xs, which):
@@ -140,7 +110,8 @@ class LocalSGD:
                  loss_fn: Callable | None = None, optimizer: optax.GradientTransformation | None = None,
                  seed: int | jax.Array | None = None, donate: bool = True):
         if not isinstance(rule, LocalSGDRule):
-            raise ValueError(f"rule: expected a LocalSGDRule (diloco(), post_local_sgd(), edit()), got {rule!r}")
+            raise ValueError("rule: expected a LocalSGDRule (diloco(), post_local_sgd(), edit(), co2(), "
+                             f"compressed(...), from_method(...)), got {rule!r}")
         if not isinstance(mesh, Mesh) or REPLICA not in mesh.axis_names:
             raise ValueError(f"mesh: expected a jax.sharding.Mesh with a {REPLICA!r} axis (one position per "
                              f"worker), got {getattr(mesh, 'axis_names', mesh)!r}")
@@ -186,7 +157,9 @@ class LocalSGD:
             else:
                 outer_state = outer_opt.init(theta)
             det = Detector.zeros((self.n, n_units), max(2, self.rule.penalty.warmup))
-            return LocalSGDState(stack(params), stack(opt_state), theta, outer_state, det, None)
+            workers = stack(params)
+            extra = self.rule.sync.init_extra(self._as_units(workers))  # the rule's own, per worker
+            return LocalSGDState(workers, stack(opt_state), theta, outer_state, det, None, extra)
 
         shapes = jax.eval_shape(build, params, opt_state)
         state = jax.jit(build, out_shardings=self._shardings(shapes))(params, opt_state)
@@ -216,8 +189,18 @@ class LocalSGD:
 
     def sync(self, state: LocalSGDState) -> tuple[LocalSGDState, dict]:
         """A sync now, after the last step (unit by unit for layer-wise rules): every worker and
-        ``outer_params`` at the new θ̄. For evaluation or saving at the end of training."""
-        new, metrics = self._run("sync", state._replace(step=None))
+        ``outer_params`` at the new θ̄. For evaluation or saving at the end of training. (CO2:
+        one more round, whose own pseudo gradients go in flight; ``flush`` lands the last.)"""
+        return self._sync_call("sync", state)
+
+    def flush(self, state: LocalSGDState) -> tuple[LocalSGDState, dict]:
+        """Every worker and ``outer_params`` at θ̄ with what is in flight applied and no new round
+        started: CO2's last round's all-reduce landed (the model to evaluate at the end); for the
+        other rules the same as ``sync``. The rule's own state (in flight, residuals) is kept."""
+        return self._sync_call("flush", state)
+
+    def _sync_call(self, kind: str, state: LocalSGDState):
+        new, metrics = self._run(kind, state._replace(step=None))
         self._nonfinite.saw(int(state.step), metrics)
         self._nonfinite.check()  # (the run's last sync, most likely: said now)
         return new._replace(step=state.step), metrics
@@ -243,7 +226,8 @@ class LocalSGD:
         """The lowered (not run) program ``kind`` ("local", "sync_forward" or "sync": a
         "local_then_sync" step runs "local", then "sync") on ``state`` and ``batch``:
         ``.compile().as_text()`` is its HLO, ``.compile().memory_analysis()`` its memory."""
-        args = (state._replace(step=None),) + (() if kind == "sync" else (self._put_batch(batch), np.int32(0)))
+        args = (state._replace(step=None),) + (() if kind in ("sync", "flush") else (self._put_batch(batch),
+                                                                                    np.int32(0)))
         with jax.set_mesh(self.mesh):
             return self._jitted(kind, args[0]).lower(*args)
 
@@ -251,7 +235,8 @@ class LocalSGD:
         """Program ``kind`` for states laid out as ``state`` (compiled once per kind and layout)."""
         key = (kind, jax.tree.structure(state))
         if key not in self._programs:
-            body = {LOCAL: self._local, SYNC_FORWARD: self._sync_forward, "sync": self._sync_now}[kind]
+            body = {LOCAL: self._local, SYNC_FORWARD: self._sync_forward, "sync": self._sync_now,
+                    "flush": lambda state: self._sync_now(state, flush=True)}[kind]
             self._programs[key] = jax.jit(body, donate_argnums=(0,) if self.donate else (),
                                           out_shardings=(self._shardings(state), None))
         return self._programs[key]
@@ -276,12 +261,14 @@ class LocalSGD:
         if self.inner_step is not None:
             out = self.inner_step(params, opt_state, batch, *self._key_args(k))
             return checked_step_output(out, params, opt_state)
-        params, opt_state, metrics, _, _ = self._loss_step(params, opt_state, batch, identity_hook, None, k)
+        params, opt_state, metrics, _ = self._loss_step(params, opt_state, batch, identity_hook, None, k)
         return params, opt_state, metrics
 
-    def _loss_step(self, params, opt_state, batch, hook, hook_xs, k):
-        """One worker's step from ``loss_fn``; with a sync in the forward (``hook_xs``), the update
-        applies to the synced params (θ̄), and a worker gone non-finite restarts its optimizer."""
+    def _loss_step(self, params, opt_state, batch, hook, hook_xs, k, outer=None, spec=None):
+        """One worker's step from ``loss_fn``; with a sync in the forward (``hook_xs``: the rule's
+        per-unit inputs, ``outer`` this worker's view of the outer state), the rule assembles the
+        synced state (``SyncRule.assemble``: the params are θ̄, a worker gone non-finite restarts
+        its optimizer) and the update applies to θ̄."""
         key = self._key_args(k)
 
         def loss(p):
@@ -292,69 +279,87 @@ class LocalSGD:
                                  + (f" of {len(out)}" if isinstance(out, tuple) else ""))
             return out[0], (out[1], out[2] if len(out) == 3 else {})
         (value, (ys, user)), grads = jax.value_and_grad(loss, has_aux=True)(params)
-        reset = jnp.zeros((), bool)
+        synced = None
         if hook_xs is not None:
             _check_ys(ys)
-            params = jax.tree.map(lambda s, p: s.astype(p.dtype), {"root": ys["root"].params,
-                                                                   "layers": ys["layers"].params}, params)
-            mine = jax.lax.axis_index(REPLICA)
-            g = jnp.concatenate([ys["root"].metrics["pseudo_grad_norm"][None, mine],
-                                 ys["layers"].metrics["pseudo_grad_norm"][:, mine]])
-            reset = ~jnp.all(jnp.isfinite(g)) | ~_all_finite(opt_state)
-            opt_state = _zero_inexact(opt_state, reset)
+            synced, outer, opt_state, figures, _ = self.rule.sync.assemble(
+                with_replica_dim(params), outer, with_replica_dim(opt_state), ys, spec)
+            params = jax.tree.map(lambda s, p: s.astype(p.dtype), local_blocks(synced), params)
+            opt_state, synced = local_blocks(opt_state), (outer, figures)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
-        return params, opt_state, {**user, "loss": value, "grad_norm": grad_norm}, ys, reset
+        return params, opt_state, {**user, "loss": value, "grad_norm": grad_norm}, synced
 
     def _local(self, state: LocalSGDState, batch, k):
         params, opt_state, metrics = self._workers(self._worker_step, state.params, state.opt_state, batch, k,
                                                    in_axes=(0, 0, 0, None))
         return state._replace(params=params, opt_state=opt_state), {"inner": metrics}
 
-    def _sync_now(self, state: LocalSGDState):
-        """Every unit synced after the step, the workers stacked (``Stacked``: a sum over [N])."""
-        params, outer, outer_state, det, figures = stacked_sync(
-            state.params, state.outer_params, state.outer_opt_state, state.detector, self.rule.penalty,
-            self.outer_opt, self.rule.layerwise)
-        params = jax.tree.map(lambda s, x: s.astype(x.dtype), params, state.params)
-        bad = ~jnp.all(jnp.isfinite(figures["unit_pseudo_grad_norm"]), axis=0) | ~_all_finite(state.opt_state, 1)
-        figures["inner_reset"] = bad
-        new = state._replace(params=params, opt_state=_zero_inexact(state.opt_state, bad),
-                             outer_params=outer, outer_opt_state=outer_state, detector=det)
+    # -- the rule's sync, every worker in a vmap over ``replica`` ------------------------------------
+    # The registry's rule (``rule.py``) runs as in the trainer's programs, on one worker's values
+    # with their local replica dim ([1, ...]; ``with_replica_dim``) and collectives over ``replica``
+    # (``ReplicaPsum``; each worker holds its whole unit, so no norm crosses another axis).
+
+    def _as_units(self, tree):
+        """A tree laid out as the rule's units: layer-wise, the params' own ``{"root", "layers"}``;
+        else the whole pytree is one unit (the root of a model without layers)."""
+        return as_units(tree, self.rule.layerwise)
+
+    def _of_units(self, tree):
+        return of_units(tree, self.rule.layerwise)
+
+    def _spec(self, state: LocalSGDState) -> SyncSpec:
+        n_layers = stacked_layer_count(state.outer_params, self.rule.name) if self.rule.layerwise else 0
+        return SyncSpec(self.rule.penalty, self.rule.outer, self.outer_opt, n_layers, self.n,
+                        reduction=WORKERS,
+                        inner_opt_specs=jax.tree.map(lambda _: P(REPLICA), state.opt_state))
+
+    def _outer(self, state: LocalSGDState, det, extra) -> OuterState:
+        """One worker's view of the outer state: θ̄ and its optimizer state as the rule's units,
+        this worker's detectors and own subtree with their replica dim."""
+        return OuterState(self._as_units(state.outer_params), self._as_units(state.outer_opt_state),
+                          with_replica_dim(det), jnp.int32(0), with_replica_dim(extra))
+
+    def _new_state(self, state, per_worker, shared, figures):
+        (params, opt_state, det, extra), (outer, outer_opt_state) = per_worker, shared
+        new = state._replace(params=params, opt_state=opt_state, outer_params=self._of_units(outer),
+                             outer_opt_state=self._of_units(outer_opt_state), detector=det, extra=extra)
         return refuse_nonfinite_sync(state, new, figures)
 
+    def _sync_now(self, state: LocalSGDState, flush: bool = False):
+        """Every unit synced after the step (``SyncRule.after_step``), or the in-flight flushed
+        (``SyncRule.flush``): ``stacked.workers_sync``, the exchange's round too."""
+        outer = OuterState(self._as_units(state.outer_params), self._as_units(state.outer_opt_state), state.detector,
+                           jnp.int32(0), state.extra)  # (detectors and the rule's own: per worker, [N])
+        units, opt_state, outer, figures = workers_sync(self.rule.sync, self._spec(state), self._as_units(state.params),
+                                                        state.opt_state, outer, flush=flush, spmd=True)
+        params = jax.tree.map(lambda s, p: s.astype(p.dtype), self._of_units(units), state.params)
+        return self._new_state(state, (params, opt_state, outer.detector, outer.extra),
+                               (outer.params, outer.opt_state), figures)
+
     def _sync_forward(self, state: LocalSGDState, batch, k):
-        """A step whose forward syncs each unit on its way into compute (EDiT), every worker in a
-        vmap over ``replica``: the psums of ``ReplicaPsum`` are sums over the workers."""
-        p, opt, red = self.rule.penalty, self.outer_opt, ReplicaPsum(axis=REPLICA, norm_axes=())
+        """A step whose forward syncs each unit on its way into compute (EDiT: the rule's
+        ``forward_inputs``, ``in_forward_sync``, ``assemble``)."""
+        spec, rule = self._spec(state), self.rule.sync
 
         def hook(unit, xs, which):
-            del which
             if xs is None:
                 return unit, None
-            outer, outer_state, det = xs
-            res = sync_unit(jax.lax.stop_gradient(unit), outer, outer_state, det, p, opt, reduction=red)
-            synced = checkpoint_name(jax.tree.map(lambda s, u: s.astype(u.dtype), res.params, unit), HOOK_SAVED)
-            return with_value(unit, synced), res
+            synced, res = rule.in_forward_sync(unit, xs, which, spec)
+            return checkpoint_name(synced, HOOK_SAVED), res
 
-        def worker(params, opt_state, batch, det):
-            xs = {u: (state.outer_params[u], state.outer_opt_state[u], jax.tree.map(lambda x: x[cut], det))
-                  for u, cut in (("root", 0), ("layers", slice(1, None)))}
-            params, opt_state, metrics, ys, reset = self._loss_step(params, opt_state, batch, hook, xs, k)
-            root, layers = ys["root"], ys["layers"]
-            det = cat_units(root.detector, layers.detector)
-            shared = ({"root": root.outer_params, "layers": layers.outer_params},
-                      {"root": root.opt_state, "layers": layers.opt_state}, cat_units(root.metrics, layers.metrics))
-            return (params, opt_state, metrics, det, reset), shared
+        def worker(params, opt_state, batch, det, extra):
+            outer = self._outer(state, det, extra)
+            hook_xs, _ = rule.forward_inputs(outer, spec)
+            params, opt_state, metrics, (outer, figures) = self._loss_step(params, opt_state, batch, hook, hook_xs,
+                                                                           k, outer, spec)
+            return ((params, opt_state, local_blocks(outer.detector), local_blocks(outer.extra)),
+                    (outer.params, outer.opt_state), figures, metrics)
 
-        (params, opt_state, metrics, det, reset), (outer, outer_state, unit) = self._workers(
-            worker, state.params, state.opt_state, batch, state.detector, out_axes=(0, None))
-        figures = sync_figures(unit)
-        figures["inner_reset"] = reset
-        new = state._replace(params=params, opt_state=opt_state, outer_params=outer, outer_opt_state=outer_state,
-                             detector=det)
-        new, figures = refuse_nonfinite_sync(state, new, figures)
+        per_worker, shared, figures, metrics = self._workers(
+            worker, state.params, state.opt_state, batch, state.detector, state.extra, out_axes=(0, None, None, 0))
+        new, figures = self._new_state(state, per_worker, shared, figures)
         return new, {"inner": metrics, "sync": figures}
 
     # -- layout ------------------------------------------------------------------------------------
@@ -364,7 +369,7 @@ class LocalSGD:
         each = lambda t, s: jax.tree.map(lambda _: s, t)  # noqa: E731
         return LocalSGDState(each(state.params, per_worker), each(state.opt_state, per_worker),
                              each(state.outer_params, shared), each(state.outer_opt_state, shared),
-                             each(state.detector, per_worker), None)
+                             each(state.detector, per_worker), None, each(state.extra, per_worker))
 
     def _put_batch(self, batch):
         size = math.prod(self.mesh.shape[a] for a in self.batch_axes)
@@ -408,5 +413,6 @@ def _check_ys(ys) -> None:
                          "(models.family.ScannedModel)")
 
 
-__all__ = ["LocalSGD", "LocalSGDRule", "LocalSGDState", "diloco", "post_local_sgd", "edit", "identity_hook",
-           "sync_figures", "stacked_sync", "Penalty", "OuterSpec", "cat_units", "unit_detector"]
+__all__ = ["LocalSGD", "LocalSGDRule", "LocalSGDState", "diloco", "post_local_sgd", "edit", "co2", "compressed",
+           "from_method", "identity_hook",
+           "Penalty", "OuterSpec"]

@@ -107,7 +107,7 @@ def refuse_nonfinite_sync(old, new, figures: dict):
     return new._replace(params=keep(new.params, theta), opt_state=opt_state,
                         outer_params=keep(new.outer_params, old.outer_params),
                         outer_opt_state=keep(new.outer_opt_state, old.outer_opt_state),
-                        detector=keep(new.detector, old.detector)), figures
+                        detector=keep(new.detector, old.detector), extra=keep(new.extra, old.extra)), figures
 
 
 class NonFiniteWatch:

@@ -49,7 +49,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from edit_jax.localsgd.sharding import REPLICA
+from edit_jax.localsgd.sharding import REPLICA, gather_workers
 from edit_jax.localsgd.sparse import sparse_exchange, sparse_send
 
 BLOCK = 256  # elements per int8 scale
@@ -163,14 +163,14 @@ def compressed_weighted_sum(delta: Any, w_all: jax.Array, codec, residual: Any =
         new_residual = unflatten((blocks - codec.decode(payload)).reshape(-1))
     bcast = lambda v, y: v.reshape((n,) + (1,) * (y.ndim - 1))  # noqa: E731
     if pattern == "all_gather":
-        got = codec.decode(tuple(jax.lax.all_gather(p, REPLICA, to="invarying") for p in payload))  # [N, nb, B]
+        got = codec.decode(tuple(gather_workers(p) for p in payload))  # [N, nb, B]
         total = jnp.sum(bcast(w_all, got) * got, axis=0)
     elif pattern == "all_to_all":
         nb = blocks.shape[0]
         chunks = tuple(p.reshape((n, nb // n) + p.shape[1:]) for p in payload)
         mine = codec.decode(tuple(jax.lax.all_to_all(c, REPLICA, 0, 0) for c in chunks))  # [N, nb/N, B]
         part = jnp.sum(bcast(w_all, mine) * mine, axis=0)  # chunk r of the sum, float32
-        total = codec.decode(tuple(jax.lax.all_gather(p, REPLICA, axis=0, tiled=True, to="invarying")
+        total = codec.decode(tuple(gather_workers(p, axis=0, tiled=True)
                                    for p in codec.encode(part)))
     else:
         raise ValueError(f"unknown exchange pattern {pattern!r}")

@@ -60,7 +60,8 @@ def sync_in_forward(unit, xs, which: str, spec: SyncSpec, shares: jax.Array | No
     res = sync_unit(jax.lax.stop_gradient(unit), outer_p, opt_st, det, spec.penalty, spec.opt,
                     spec.dims(which), shares, spec.codec, residual[0] if residual else None,
                     reduction=spec.reduction)
-    return with_value(unit, as_varying(res.params)), res
+    synced = jax.tree.map(lambda s, u: s.astype(u.dtype), res.params, unit)  # (the API's bf16 params)
+    return with_value(unit, as_varying(synced)), res
 
 
 def assemble_forward(params, outer, ys, span: Span | None = None, residual=None):
@@ -98,7 +99,8 @@ class LayerwiseSync(WholeModelSync):
         units' params are θ̄ (the inner update then applies to them); a worker that went
         non-finite has its inner optimizer state zeroed."""
         params, outer, metrics, residual = assemble_forward(params, outer, ys, span, residual)
-        opt_state, metrics["inner_reset"] = reset_nonfinite_workers(opt_state, metrics, spec.inner_opt_specs)
+        opt_state, metrics["inner_reset"] = reset_nonfinite_workers(opt_state, metrics, spec.inner_opt_specs,
+                                                                    spec.reduction.norm_axes)
         return params, outer, opt_state, metrics, residual
 
 

@@ -34,10 +34,39 @@ def validate(cfg: Config) -> None:
                 require(getattr(s, key) == getattr(SyncConfig, key), f"sync.{key}",
                         f"is used by method {_methods_of(lambda r: _holds(r, owner))} only (method is {s.method!r}); "
                         f"got {getattr(s, key)}")
-    # Workers meeting through an exchange post and apply rounds by wall clock, each at its own pace.
-    require(not s.exchange or rule.asynchronous, "sync.exchange", "workers meeting through an exchange run "
-            f"an asynchronous rule (method={_methods_of(lambda r: r.asynchronous)}), got method={s.method}")
+    if s.exchange:
+        validate_exchange(cfg, rule)
     rule.check_config(cfg)
+
+
+def validate_exchange(cfg: Config, rule: SyncRule) -> None:
+    """Workers as separate programs meeting through an exchange (``elastic/``): ``mesh.replica``
+    worker slots (each its rows of the global batch), ``mesh.processes`` of them started by the
+    launcher, the rest by hand. A round's outer step is the rule's, on the host: rounds by wall
+    clock for a timed rule (A-EDiT), else after ``sync.tau`` steps of each worker (DiLoCo, EDiT,
+    Post Local SGD). A rule with state of its own per worker in the round (CO2's pseudo gradients in
+    flight) is not built for it."""
+    mesh, s = cfg.mesh, cfg.sync
+    exchangeable = " | ".join(name for name, m in METHODS.items()
+                              if m.rule(SyncConfig()).keeps_outer and not _holds(m.rule(SyncConfig()), StaleSync))
+    require(rule.keeps_outer and not _holds(rule, StaleSync), "sync.exchange",
+            f"workers meeting through an exchange run method {exchangeable}, got method={s.method}")
+    require(1 <= mesh.processes <= mesh.replica, "mesh.processes",
+            f"with sync.exchange: the workers the launcher starts, 1..mesh.replica={mesh.replica} (the worker "
+            f"slots), got {mesh.processes}")
+    require(s.warmup_steps == 0, "sync.warmup_steps",
+            "must be 0 with sync.exchange: the synchronous warmup is a collective across all workers, which the "
+            f"exchange exists to avoid (a fault in it stops everyone); got {s.warmup_steps}")
+    require(s.fragments == 1, "sync.fragments", f"with sync.exchange a round syncs every unit; got {s.fragments}")
+    require(cfg.max_seconds == 0, "max_seconds", "not with sync.exchange: stop a worker with a signal (the "
+            "others go on), the run ends at its token budget (steps x mesh.replica)")
+    require(s.compress in ("none", "topk2", "topk4"), "sync.compress",
+            "with sync.exchange a post is float32 (none) or the sparse wire's packed rows (topk2, topk4; "
+            "elastic/packed.py); int8 / bf16 posts are not built (in-program int8 at N >= 3 requantizes the "
+            f"reduced chunk, which has no counterpart when every worker sums the posts itself), got {s.compress}")
+    require(s.outer_sharding == "shard" and not s.cpu_offload, "sync.outer_sharding",
+            "with sync.exchange θ̄ and the outer state live in each worker's host memory (leave sync.outer_sharding"
+            "=shard, sync.cpu_offload=false)")
 
 
 def _holds(rule: SyncRule, cls: type) -> bool:
@@ -52,4 +81,4 @@ def _methods_of(pred) -> str:
     return " | ".join(name for name, m in METHODS.items() if pred(m.rule(SyncConfig())))
 
 
-__all__ = ["validate"]
+__all__ = ["validate", "validate_exchange"]

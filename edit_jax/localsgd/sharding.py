@@ -118,6 +118,18 @@ def shard_sq_norm(tree: Any, axes: Any = SHARD) -> jax.Array:
     return jax.lax.psum(local, axes)
 
 
+def replica_is_manual() -> bool:
+    """The workers are ``shard_map``'s manual ``replica`` axis (the trainer), not a ``vmap`` over it
+    (the public API): only there do values carry shard_map's varying / invariant types."""
+    return REPLICA in jax.sharding.get_abstract_mesh().manual_axes
+
+
+def gather_workers(x: jax.Array, axis: int = 0, tiled: bool = False) -> jax.Array:
+    """Every worker's ``x`` (an all-gather over ``replica``), typed identical on every worker."""
+    typed = {"to": "invarying"} if replica_is_manual() else {}
+    return jax.lax.all_gather(x, REPLICA, axis=axis, tiled=tiled, **typed)
+
+
 def replica_gather(x: jax.Array) -> jax.Array:
     """[N, ...] of every replica's ``x``, identical on all devices. A psum of one-hot slots rather
     than an all-gather, so the result is typed as replicated over ``replica`` (shard_map's check)."""

@@ -33,7 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from edit_jax.localsgd.sharding import REPLICA
+from edit_jax.localsgd.sharding import REPLICA, gather_workers
 
 CHUNK, TOPK, INDEX_BITS = 4096, 64, 12
 BITS = {"topk2": 2, "topk4": 4}
@@ -114,7 +114,7 @@ def sparse_exchange(flat: jax.Array, e: jax.Array | None, w_all: jax.Array, code
     packed uint8 rows cross ``replica`` (one all-gather). ``codec``: a sparse ``codec.Codec``."""
     n = jax.lax.axis_size(REPLICA)
     packed, x = sparse_encode(flat, e, codec)
-    got = decode(jax.lax.all_gather(packed, REPLICA, to="invarying"), codec.bits, codec.k, codec.chunk)  # [N, nc, chunk]
+    got = decode(gather_workers(packed), codec.bits, codec.k, codec.chunk)  # [N, nc, chunk]
     # The residual from this worker's own row of what every device decoded: no second decode.
     new_e = None if e is None else (x - got[jax.lax.axis_index(REPLICA)]).reshape(-1)
     total = jnp.sum(w_all.reshape((n, 1, 1)) * got, axis=0)

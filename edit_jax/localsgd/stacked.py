@@ -1,8 +1,13 @@
-"""The sync of N workers stacked on a leading axis [N, ...] in one program (the ``Stacked``
-reduction: a sum over the worker axis), unit by unit: what ``LocalSGD.sync`` runs after the step,
-and what the exchange's round runs on the host (``elastic/outer_round.py``, ``elastic/packed.py``).
-Split from ``api.py``, whose programs call it; the trainer's rules run the same ``outer.sync_unit``
-under ``shard_map`` instead."""
+"""A rule's sync of N workers stacked on a leading axis [N, ...] in one program: what ``LocalSGD``
+runs (``api.py``) and what the exchange's round runs on the host (``elastic/outer_round.py``).
+
+It is the rule itself, not a copy: ``jax.vmap`` over the workers with ``axis_name="replica"``, so a
+rule written for the trainer's ``shard_map`` (one worker's values with their local replica dim,
+``[1, ...]``, collectives over ``replica``) runs unchanged, each worker holding its whole units
+(``ReplicaPsum(norm_axes=())``). A model laid out for a layer-wise rule is its units
+(``{"root", "layers"}``); any other pytree is one unit, the root of a model without layers
+(``as_units``), so a whole-model sync of it has one norm and one detector per worker.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +15,51 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from edit_jax.localsgd.outer import Detector, sync_unit
-from edit_jax.localsgd.outer_spec import Penalty
-from edit_jax.localsgd.reduction import Stacked
+from edit_jax.localsgd.outer import Detector
+from edit_jax.localsgd.reduction import ReplicaPsum
+from edit_jax.localsgd.rule import SyncRule, SyncSpec
+from edit_jax.localsgd.sharding import REPLICA
+from edit_jax.localsgd.sync import local_blocks, with_replica_dim
+
+WORKERS = ReplicaPsum(axis=REPLICA, norm_axes=())  # each worker holds its whole units
+
+
+def as_units(tree: Any, layerwise: bool) -> Any:
+    """``tree`` as a rule's units: layer-wise, its own ``{"root", "layers"}``; else one unit."""
+    return tree if layerwise else {"root": tree, "layers": {}}
+
+
+def of_units(tree: Any, layerwise: bool) -> Any:
+    return tree if layerwise else tree["root"]
+
+
+def workers_sync(rule: SyncRule, spec: SyncSpec, params: Any, opt_state: Any, outer: Any, shares=None,
+                 flush: bool = False, spmd: bool = False):
+    """``rule``'s sync of N workers whose ``params`` (laid out as units) and inner ``opt_state`` (or
+    None) are stacked [N, ...]; ``outer`` an ``OuterState`` whose ``params`` / ``opt_state`` are one
+    copy and whose ``detector`` / ``extra`` are per worker [N, ...]. ``rule.after_step`` (with the
+    step ``shares`` of A-EDiT), or ``rule.flush`` (what is in flight, no new round; no inner reset).
+    ``spmd``: the worker axis is the mesh's ``replica`` axis (``vmap``'s ``spmd_axis_name``).
+    Returns (params [N], opt_state [N], the new ``OuterState`` (per-worker parts [N]), figures)."""
+    def worker(params, opt_state, det, extra):
+        view = outer.replace(detector=with_replica_dim(det), extra=with_replica_dim(extra))
+        units = with_replica_dim(params)
+        if flush:
+            units, view, figures, _ = rule.flush(units, view, spec)
+            figures["inner_reset"] = jnp.zeros((spec.n_workers,), bool)
+        else:
+            units, view, opt_state, figures, _ = rule.after_step(units, view, with_replica_dim(opt_state), spec,
+                                                                 shares)
+            opt_state = local_blocks(opt_state)
+        mine = (local_blocks(units), opt_state, local_blocks(view.detector), local_blocks(view.extra))
+        return mine, (view.params, view.opt_state, view.syncs), figures
+
+    (params, opt_state, det, extra), (theta, outer_opt, syncs), figures = jax.vmap(
+        worker, axis_name=REPLICA, spmd_axis_name=REPLICA if spmd else None, out_axes=(0, None, None))(
+        params, opt_state, outer.detector, outer.extra)
+    return params, opt_state, outer.replace(params=theta, opt_state=outer_opt, detector=det, syncs=syncs,
+                                            extra=extra), figures
 
 
 def cat_units(root, layers, axis: int = 0):
@@ -37,31 +82,4 @@ def sync_figures(unit: dict) -> dict:
             "outer_update_norm": jnp.sqrt(jnp.sum(jnp.square(unit["update_norm"])))}
 
 
-def stacked_sync(params: Any, outer_params: Any, outer_opt_state: Any, detector: Detector, penalty: Penalty,
-                 outer_opt: optax.GradientTransformation, layerwise: bool, shares: jax.Array | None = None):
-    """One sync of N workers whose params are stacked [N, ...] in one program (the ``Stacked``
-    reduction), unit by unit: the root and each layer of ``{"root", "layers"}`` params when
-    ``layerwise``, else the whole pytree as one unit. ``detector``: every worker's, [N, U];
-    ``shares`` ([N], A-EDiT): each worker's share of the steps. Returns (every worker's new params
-    [N, ...] (θ̄ broadcast, float32), θ̄, the outer state, the detectors, the sync's figures).
-    What ``LocalSGD.sync`` runs, and the exchange's round (``elastic/outer_round.py``)."""
-    red = Stacked()
-    if not layerwise:
-        res = sync_unit(params, outer_params, outer_opt_state, unit_detector(detector, 0), penalty, outer_opt,
-                        shares=shares, reduction=red)
-        det = jax.tree.map(lambda x: x[:, None], res.detector)
-        return res.params, res.outer_params, res.opt_state, det, sync_figures(jax.tree.map(lambda x: x[None],
-                                                                                            res.metrics))
-
-    def one(local, outer, outer_state, det):
-        r = sync_unit(local, outer, outer_state, det, penalty, outer_opt, shares=shares, reduction=red)
-        return r.params, r.outer_params, r.opt_state, r.detector, r.metrics
-    root = one(params["root"], outer_params["root"], outer_opt_state["root"], unit_detector(detector, 0))
-    layers = jax.vmap(one, in_axes=(1, 0, 0, 1), out_axes=(1, 0, 0, 1, 0))(
-        params["layers"], outer_params["layers"], outer_opt_state["layers"], unit_detector(detector, slice(1, None)))
-    new_params, outer, outer_state = ({"root": r, "layers": l} for r, l in zip(root[:3], layers[:3]))
-    return new_params, outer, outer_state, cat_units(root[3], layers[3], axis=1), sync_figures(
-        cat_units(root[4], layers[4]))
-
-
-__all__ = ["stacked_sync", "sync_figures", "cat_units", "unit_detector"]
+__all__ = ["WORKERS", "as_units", "of_units", "workers_sync", "sync_figures", "cat_units", "unit_detector"]

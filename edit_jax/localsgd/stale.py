@@ -17,7 +17,7 @@ from edit_jax.config import Config, SyncConfig, require
 from edit_jax.localsgd.outer import sgd_trace, stale_outer_step
 from edit_jax.localsgd.outer_spec import OuterSpec
 from edit_jax.localsgd.rule import Span, SyncRule, SyncSpec, worker_zeros
-from edit_jax.localsgd.sharding import REPLICA, SHARD
+from edit_jax.localsgd.sharding import REPLICA
 from edit_jax.localsgd.sync import as_varying, local_blocks, sync_metrics, unit_sq_sums, with_replica_dim
 
 
@@ -46,22 +46,28 @@ def sync_stale(params, outer, spec: SyncSpec, gap_penalty: float, flush: bool = 
     slot = jax.nn.one_hot(jax.lax.axis_index(REPLICA), n, dtype=jnp.float32)[:, None] > 0
     table = jnp.where(slot, unit_sq_sums(pending)[None, :], 0.0)  # where: NaN * 0 is NaN
     pending_sum, table = jax.lax.psum((pending, table), REPLICA)
-    sent = jnp.sqrt(jax.lax.psum(table, SHARD)).T  # [U, N]: each worker's stale pseudo gradient
+    over_blocks = spec.reduction.norm_axes  # the axes a worker's unit is split over (FSDP: ``shard``)
+    block_sum = (lambda x: jax.lax.psum(x, over_blocks)) if over_blocks else (lambda x: x)  # noqa: E731
+    sent = jnp.sqrt(block_sum(table)).T  # [U, N]: each worker's stale pseudo gradient
     one = lambda ps, lo, op, st: stale_outer_step(ps, n, lo, op, st, opt, lam)  # noqa: E731
     root = one(pending_sum["root"], local["root"], outer.params["root"], outer.opt_state["root"])
-    layers = jax.vmap(one)(pending_sum["layers"], local["layers"], outer.params["layers"],
-                           outer.opt_state["layers"])
+    if jax.tree.leaves(local["layers"]):
+        layers = jax.vmap(one)(pending_sum["layers"], local["layers"], outer.params["layers"],
+                               outer.opt_state["layers"])
+    else:  # a model without layers (the public API's: any pytree is the root unit)
+        layers = (outer.params["layers"], outer.opt_state["layers"], local["layers"], local["layers"])
     new_outer = {"root": root[0], "layers": layers[0]}
     new_opt = {"root": root[1], "layers": layers[1]}
 
-    unit_norms = lambda tree: jnp.sqrt(jax.lax.psum(unit_sq_sums(tree), SHARD))  # noqa: E731
+    unit_norms = lambda tree: jnp.sqrt(block_sum(unit_sq_sums(tree)))  # noqa: E731
     clip = jnp.ones(sent.shape[0], jnp.float32)
     if spec.outer.momentum_clip > 0:  # how much of the momentum survived the clamp, per unit
         beta = spec.outer.momentum
-        old_m = {u: sgd_trace(outer.opt_state[u]) for u in ("root", "layers")}
+        trace = lambda st: {u: sgd_trace(st[u]) if jax.tree.leaves(st[u]) else {}  # noqa: E731
+                            for u in ("root", "layers")}
         g = {"root": root[3], "layers": layers[3]}  # Delta_{t-1} / Lambda_t
-        raw = jax.tree.map(lambda g, m: g + beta * m, g, old_m)
-        new_m = {u: sgd_trace(new_opt[u]) for u in ("root", "layers")}
+        raw = jax.tree.map(lambda g, m: g + beta * m, g, trace(outer.opt_state))
+        new_m = trace(new_opt)
         raw_norm = unit_norms(raw)
         clip = jnp.where(raw_norm > 0, unit_norms(new_m) / jnp.where(raw_norm > 0, raw_norm, 1.0), 1.0)
     unit = {"pseudo_grad_norm": sent, "weight": jnp.full_like(sent, 1.0 / n),

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from edit_jax.localsgd.outer import UnitSync
-from edit_jax.localsgd.sharding import REPLICA, SHARD, replica_gather
+from edit_jax.localsgd.sharding import REPLICA, SHARD, replica_gather, replica_is_manual
 
 # Sync figures (identical on every device); "loss" and "grad_norm" come back per replica, [N].
 # The jax.named_scope of the sync's ops (this module's and outer.py's, as programs.py calls them):
@@ -57,7 +57,12 @@ with_value.defvjp(_with_value_fwd, _with_value_bwd)
 
 
 def as_varying(x):
-    """Marks values computed identically on every replica (θ̄) as per-replica, as local params are."""
+    """Marks values computed identically on every replica (θ̄) as per-replica, as local params are.
+    Under ``shard_map`` only: where the workers are a ``vmap`` over ``replica`` (the public API),
+    there is no such type and the values are returned as they are."""
+    if not replica_is_manual():
+        return x
+
     def one(v):
         aval = jax.typeof(v)  # the varying-axes set is `.mat.varying` in recent JAX, `.vma` before
         mat = getattr(aval, "mat", None)
@@ -70,9 +75,15 @@ def as_varying(x):
 # ----------------------------------------------------------------------------- assembly
 
 
-def assemble_sync(outer, root: UnitSync, layers: UnitSync):
+def assemble_sync(outer, root: UnitSync, layers: UnitSync | None):
     """Reassembles per-unit sync results (root + scanned layers) into (params, outer, metrics,
-    residual): the residual is the per-worker error-feedback tree ([1, ...]) or None."""
+    residual): the residual is the per-worker error-feedback tree ([1, ...]) or None. ``layers``
+    None: a model without layers (the public API's whole-model rules: any pytree is the root)."""
+    if layers is None:
+        none = outer.params["layers"]  # an empty tree
+        no_units = lambda t: jax.tree.map(lambda x: jnp.zeros((0,) + jnp.shape(x), x.dtype), t)  # noqa: E731
+        layers = UnitSync(none, none, outer.opt_state["layers"], no_units(root.detector), no_units(root.metrics),
+                          None if root.residual is None else none)
     cat = lambda r, l: jnp.concatenate([r[None], l], axis=0)  # noqa: E731  (unit axis first)
     params = as_varying({"root": root.params, "layers": layers.params})
     params = with_replica_dim(params)  # restore the local replica dim
@@ -142,7 +153,7 @@ def sync_metrics(unit: dict) -> dict:  # keys: SYNC_METRICS but "inner_reset" (r
 # ----------------------------------------------------------------------------- after a sync
 
 
-def reset_nonfinite_workers(opt_state, metrics: dict, opt_specs):
+def reset_nonfinite_workers(opt_state, metrics: dict, opt_specs, norm_axes=SHARD):
     """After a sync: a worker whose pseudo gradient (any unit) or inner optimizer state is
     non-finite was flagged and rolled back to θ̄, but its AdamW moments would stay NaN and make
     every later local step NaN. Its per-worker optimizer leaves are zeroed (the shared step
@@ -151,14 +162,14 @@ def reset_nonfinite_workers(opt_state, metrics: dict, opt_specs):
     which workers were reset, identical everywhere). ``opt_specs``: the inner optimizer state's
     specs (a leaf whose first axis is ``replica`` is per worker)."""
     g_ok = jnp.all(jnp.isfinite(metrics["unit_pseudo_grad_norm"][:, jax.lax.axis_index(REPLICA)]))
-    specs = opt_specs
+    specs = opt_specs  # ``norm_axes``: the axes a worker's blocks are split over (the reduction's)
 
     def per_worker(spec, x) -> bool:  # a leaf with the worker axis (AdamW's μ, ν), not the shared count
         return bool(spec) and spec[0] == REPLICA and jnp.issubdtype(x.dtype, jnp.inexact)
     leaves = [x for spec, x in zip(jax.tree.leaves(specs, is_leaf=_is_spec), jax.tree.leaves(opt_state))
               if per_worker(spec, x)]
     n_bad = sum((jnp.sum(~jnp.isfinite(x)) for x in leaves), jnp.int32(0))
-    bad = ~g_ok | (jax.lax.psum(n_bad, SHARD) > 0)
+    bad = ~g_ok | ((jax.lax.psum(n_bad, norm_axes) if norm_axes else n_bad) > 0)
     opt_state = jax.tree.map(lambda spec, x: jnp.where(bad, jnp.zeros_like(x), x) if per_worker(spec, x) else x,
                              specs, opt_state, is_leaf=_is_spec)
     return opt_state, replica_gather(bad) > 0.5
@@ -167,9 +178,9 @@ def reset_nonfinite_workers(opt_state, metrics: dict, opt_specs):
 def unit_sq_sums(tree) -> jax.Array:
     """[U]: this device's sum of squares of the root unit's blocks, then of each layer's."""
     root = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree["root"]))
-    layers = sum(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
-                 for x in jax.tree.leaves(tree["layers"]))
-    return jnp.concatenate([jnp.reshape(root, (1,)), layers])
+    layers = [jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
+              for x in jax.tree.leaves(tree["layers"])]
+    return jnp.concatenate([jnp.reshape(root, (1,))] + ([sum(layers)] if layers else []))
 
 
 __all__ = ["SYNC_METRICS", "SYNC_SCOPE", "local_blocks", "with_replica_dim", "with_value", "as_varying",

@@ -56,8 +56,7 @@ class Timed(RuleWrapper):
         mesh, s = cfg.mesh, cfg.sync
         require(s.fragments == 1, "sync.fragments",
                 f"staggered fragments follow the step count (every tau steps); method {s.method} syncs by wall clock")
-        if s.exchange:
-            Timed.validate_exchange(cfg)
+        if s.exchange:  # workers as separate programs: the exchange's rules (``rules.validate_exchange``)
             return
         require(mesh.processes == mesh.replica and mesh.replica > 1, "mesh.processes",
                 f"method {s.method} runs one process per worker: set mesh.processes=mesh.replica={mesh.replica} "
@@ -67,27 +66,6 @@ class Timed(RuleWrapper):
                 "copy between syncs); 'replica_shard' is for the lock-step methods")
         require(not s.cpu_offload, "sync.cpu_offload", f"not supported with method {s.method} (each worker's "
                 "state moves between its own mesh and the global one by reference)")
-
-    @staticmethod
-    def validate_exchange(cfg: Config) -> None:
-        """Workers as separate programs (``elastic/``): ``mesh.replica`` worker slots (each its rows of
-        the global batch), ``mesh.processes`` of them started by the launcher, the rest by hand."""
-        mesh, s = cfg.mesh, cfg.sync
-        require(1 <= mesh.processes <= mesh.replica, "mesh.processes",
-                f"with sync.exchange: the workers the launcher starts, 1..mesh.replica={mesh.replica} (the worker "
-                f"slots), got {mesh.processes}")
-        require(s.warmup_steps == 0, "sync.warmup_steps",
-                "must be 0 with sync.exchange: the synchronous warmup is a collective across all workers, which the "
-                f"exchange exists to avoid (a fault in it stops everyone); got {s.warmup_steps}")
-        require(cfg.max_seconds == 0, "max_seconds", "not with sync.exchange: stop a worker with a signal (the "
-                "others go on), the run ends at its token budget (steps x mesh.replica)")
-        require(s.compress in ("none", "topk2", "topk4"), "sync.compress",
-                "with sync.exchange a post is float32 (none) or the sparse wire's packed rows (topk2, topk4; "
-                "elastic/packed.py); int8 / bf16 posts are not built (in-program int8 at N >= 3 requantizes the "
-                f"reduced chunk, which has no counterpart when every worker sums the posts itself), got {s.compress}")
-        require(s.outer_sharding == "shard" and not s.cpu_offload, "sync.outer_sharding",
-                "with sync.exchange θ̄ and the outer state live in each worker's host memory (leave sync.outer_sharding"
-                "=shard, sync.cpu_offload=false)")
 
 
 __all__ = ["Timed"]

@@ -60,7 +60,8 @@ class WholeModelSync(SyncRule):
     def after_step(self, params, outer, opt_state, spec: SyncSpec, shares=None, span: Span | None = None,
                    residual=None):
         params, outer, metrics, residual = sync_whole(params, outer, spec, shares, span, residual)
-        opt_state, metrics["inner_reset"] = reset_nonfinite_workers(opt_state, metrics, spec.inner_opt_specs)
+        opt_state, metrics["inner_reset"] = reset_nonfinite_workers(opt_state, metrics, spec.inner_opt_specs,
+                                                                    spec.reduction.norm_axes)
         return params, outer, opt_state, metrics, residual
 
     def flush(self, params, outer, spec: SyncSpec, residual=None):

@@ -1,0 +1,268 @@
+"""One sync rule, two drivers (issue 56, items 3 and 5): the rule objects of the registry
+(``rule.py``) run in the trainer's programs (``StepPrograms.sync_fn``: ``shard_map`` over the
+(replica, shard) mesh, FSDP blocks) and in the public API (``LocalSGD.sync`` / ``flush``: the workers
+a ``vmap`` over ``replica``), built from one method name and the same sync fields
+(``from_method``). On the same posts (every worker's params, θ̄, the outer momentum, CO2's
+pseudo gradients in flight) both give the NumPy reference's θ̄, momentum and workers:
+
+- diloco, post_local_sgd, edit (penalty: weights softmax(−g/T), per-unit clip; fresh detectors fed),
+  through ``test_edit_sync.np_sync`` (Algorithm 2 written from EDIT.md);
+- co2: the flush (θ̄ − η(μm + mean pending / Λ)) and, in the API, one round (the new pending is
+  θ̄ − θ_i), written here from CO2.md;
+- a lossy wire with error feedback (int8, topk2) on EDiT: trainer and API equal to each other,
+  residuals included, and within the wire's error of the uncompressed reference;
+- a rule written in this file (the coordinate-wise median of the pseudo gradients), registered
+  with one line, runs in both drivers and equals NumPy's median.
+
+The exchange (``elastic/``), the third driver, runs the same ``stacked.workers_sync`` as the API for
+its float32 rounds (``test_elastic.py``: against the collective meeting and NumPy; DiLoCo and EDiT
+by step count); its packed (topk) rounds still have their own copy of the penalty and outer step.
+Two workers, tiny shapes: a few seconds per case.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from edit_jax.localsgd import api, methods
+from edit_jax.localsgd.outer import sgd_trace, with_sgd_trace
+from edit_jax.localsgd.programs import StepPrograms
+from edit_jax.localsgd.sharding import REPLICA, gather_workers
+from edit_jax.localsgd.sync import local_blocks, reset_nonfinite_workers, sync_metrics, unit_sq_sums, \
+    with_replica_dim, as_varying
+from edit_jax.localsgd.whole_model import WholeModelSync
+from edit_jax.runtime.mesh import make_mesh
+from edit_jax.validate import load_config
+from tests.test_edit_sync import TINY, Ref, np_sync
+
+N = 2
+BASE = ["data.seq_len=16", "batch_size=4", "steps=20", "model.n_layers=2", "sync.anomaly_warmup=3",
+        "sync.warmup_steps=0", f"mesh.replica={N}"]
+# Each method with non-default constants, so that each one matters.
+FIELDS = {
+    "diloco": dict(outer_lr=0.6, outer_momentum=0.8),
+    "post_local_sgd": {},
+    "edit": dict(outer_lr=0.7, outer_momentum=0.8, temperature=0.05, clip_threshold=0.5),
+    "co2": dict(outer_lr=0.5, outer_momentum=0.7, co2_gap_penalty=2.0),
+}
+
+
+def _trainer(method: str, shard: int, **fields) -> StepPrograms:
+    cfg = load_config(TINY, BASE + [f"mesh.shard={shard}", f"sync.method={method}"]
+                      + [f"sync.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items()])
+    return StepPrograms.for_config(cfg, make_mesh(cfg.mesh, jax.devices()[:N * shard]))
+
+
+def _posts(m: StepPrograms, seed: int = 0):
+    """The trainer's state with every worker moved off θ̄ by its own amount (worker 1 twice as far),
+    a non-zero outer momentum and, for CO2, pseudo gradients in flight."""
+    rng = np.random.default_rng(seed)
+    state = jax.device_get(m.init_state(0))
+    theta = state.outer.params
+    away = lambda scale: jax.tree.map(  # noqa: E731
+        lambda t: np.stack([t - s * 0.05 * rng.standard_normal(t.shape) for s in scale]).astype(np.float32), theta)
+    outer = state.outer.with_trace(jax.tree.map(lambda t: (0.02 * rng.standard_normal(t.shape)).astype(np.float32),
+                                                theta))
+    if outer.extra is not None and "pending" in outer.extra:
+        outer = outer.replace(extra={**outer.extra, "pending": away([0.5, 1.5])})
+    return state.replace(params=away([1.0, 2.0]), outer=outer)
+
+
+def _api(method: str, m: StepPrograms, posts, rule=None) -> tuple[api.LocalSGD, api.LocalSGDState]:
+    """``LocalSGD`` with ``from_method(method, same fields)`` on the same devices, holding the posts."""
+    rule = rule or api.from_method(method, **FIELDS.get(method, {}))
+    trainer = api.LocalSGD(rule, jax.make_mesh((N,), (REPLICA,), devices=jax.devices()[:N]), tau=1,
+                           loss_fn=lambda *a: None, optimizer=optax.adam(0.0), donate=False)
+    theta = posts.outer.params
+    state = trainer.init(theta)
+    if rule.layerwise:
+        outer_opt = posts.outer.opt_state
+    else:  # the whole pytree is one unit: its momentum is the units' trace as one tree
+        outer_opt = with_sgd_trace(state.outer_opt_state, posts.outer.trace)
+    extra = posts.outer.extra
+    if extra is not None and not rule.layerwise:
+        extra = {k: {"root": v, "layers": {}} for k, v in extra.items()}
+    return trainer, state._replace(params=posts.params, outer_params=theta, outer_opt_state=outer_opt, extra=extra)
+
+
+def _close(got, want, what, rtol=2e-5, atol=2e-6):
+    assert jax.tree.structure(got) == jax.tree.structure(want), what
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=rtol, atol=atol,
+                                   err_msg=f"{what}{jax.tree_util.keystr(path)}")
+
+
+def _ref(m: StepPrograms) -> Ref:
+    s = m.cfg.sync  # normalised: what the method fixes, as it took effect
+    return Ref(anomaly=s.anomaly, alpha=s.anomaly_alpha, k=s.anomaly_warmup, delta=s.anomaly_threshold,
+               weighting=s.weighting, temperature=s.temperature, clip=s.clip, phi=s.clip_threshold,
+               lr=s.outer_lr, mu=s.outer_momentum)
+
+
+# ============================================================================= the paper's rules
+
+
+@pytest.mark.parametrize("method", ["diloco", "post_local_sgd", "edit"])
+def test_each_rule_gives_the_reference_in_the_trainer_and_the_api(method):
+    m = _trainer(method, shard=2, **FIELDS[method])
+    posts = _posts(m)
+    det = tuple(np.asarray(x) for x in (posts.outer.detector.mean, posts.outer.detector.m2,
+                                         posts.outer.detector.count, posts.outer.detector.window))
+    theta, trace, _, workers, info = np_sync(posts.outer.params, posts.outer.trace, posts.params, det, _ref(m))
+    if method == "edit":  # the penalty matters here: unequal weights, and a unit clipped
+        assert np.ptp(info["w"]) > 0.1 and info["clip"].min() < 1.0, info
+
+    synced, figures = jax.device_get(m.sync_fn()(jax.device_put(posts, m.state_shardings)))
+    _close(synced.outer.params, theta, f"{method} trainer θ̄")
+    _close(synced.outer.trace, trace, f"{method} trainer momentum")
+    _close(synced.params, workers, f"{method} trainer workers")
+
+    trainer, state = _api(method, m, posts)
+    assert trainer.rule.sync == m.plan.rule  # the same rule object, built from the same fields
+    new, figures = jax.device_get(trainer.sync(state))
+    _close(new.outer_params, theta, f"{method} API θ̄")
+    _close(sgd_trace(new.outer_opt_state) if not trainer.rule.layerwise else
+           {u: sgd_trace(new.outer_opt_state[u]) for u in ("root", "layers")}, trace, f"{method} API momentum")
+    _close(new.params, workers, f"{method} API workers")
+    if method == "edit":  # per unit, as the trainer's
+        np.testing.assert_allclose(np.asarray(figures["unit_weight"]), info["w"], atol=1e-5)
+    assert not np.asarray(figures["inner_reset"]).any() and not bool(figures["sync_refused"])
+
+
+def test_the_named_constructors_are_the_method_table_rows():
+    assert api.diloco(0.6, 0.8) == api.from_method("diloco", outer_lr=0.6, outer_momentum=0.8)
+    assert api.post_local_sgd() == api.from_method("post_local_sgd")
+    assert api.co2(0.5, 0.7, gap_penalty=2.0) == api.from_method("co2", **FIELDS["co2"])
+    assert api.edit().sync == api.from_method("edit").sync
+
+
+def test_co2_flush_and_round_give_the_reference_in_both_drivers():
+    """CO2.md: the flush lands the last round's all-reduce, θ̄' = θ̄ − η(μm + mean_i pending_i / Λ)
+    (heavy ball, no Nesterov); a round does the same and then sends θ̄ − θ_i (the new pending)."""
+    f = FIELDS["co2"]
+    m = _trainer("co2", shard=2, **f)
+    posts = _posts(m)
+    lr, mu, lam = f["outer_lr"], f["outer_momentum"], f["co2_gap_penalty"]
+    f64 = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t)  # noqa: E731
+    theta, m0, pending, workers = (f64(x) for x in (posts.outer.params, posts.outer.trace, posts.outer.extra["pending"],
+                                                    posts.params))
+    trace = jax.tree.map(lambda b, p: mu * b + p.mean(0) / lam, m0, pending)
+    want = jax.tree.map(lambda t, b: t - lr * b, theta, trace)
+
+    synced, _ = jax.device_get(m.sync_fn()(jax.device_put(posts, m.state_shardings)))
+    _close(synced.outer.params, want, "co2 trainer θ̄")
+    _close(synced.outer.trace, trace, "co2 trainer momentum")
+    _close(synced.outer.extra["pending"], pending, "co2 trainer pending (kept by a flush)")
+
+    trainer, state = _api("co2", m, posts)
+    flushed, _ = jax.device_get(trainer.flush(state))
+    _close(flushed.outer_params, want, "co2 API θ̄ (flush)")
+    _close(flushed.params, jax.tree.map(lambda w: np.broadcast_to(w, (N,) + w.shape), want), "co2 API workers")
+    rounded, figures = jax.device_get(trainer.sync(state))
+    _close(rounded.outer_params, want, "co2 API θ̄ (round)")
+    _close(rounded.extra["pending"]["root"], jax.tree.map(lambda t, w: t[None] - w, theta, workers),
+           "co2 API new pending θ̄ − θ_i")
+    np.testing.assert_allclose(np.asarray(figures["pseudo_grad_norm"]),  # the norms of what was in flight
+                               [np.sqrt(sum(np.sum(x[i] ** 2) for x in jax.tree.leaves(pending))) for i in range(N)],
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("wire", ["int8", "topk2"])
+def test_a_lossy_wire_with_error_feedback_is_the_same_in_both_drivers(wire):
+    """The compressed wrapper around EDiT's rule: one shard per worker, so both drivers cut the
+    same flat units into the same chunks; θ̄, momentum and every worker's residual agree."""
+    fields = dict(FIELDS["edit"], compress=wire, error_feedback=True)
+    m = _trainer("edit", shard=1, **fields)
+    posts = _posts(m)
+    synced, _ = jax.device_get(m.sync_fn()(jax.device_put(posts, m.state_shardings)))
+    trainer, state = _api("edit", m, posts, rule=api.from_method("edit", **fields))
+    assert trainer.rule.sync == m.plan.rule and trainer.rule.sync.codec.kind == wire
+    new, _ = jax.device_get(trainer.sync(state))
+    _close(new.outer_params, synced.outer.params, f"{wire}: θ̄ API vs trainer", rtol=1e-5, atol=1e-6)
+    _close(new.extra["residual"], synced.outer.extra["residual"], f"{wire}: residual API vs trainer",
+           rtol=1e-5, atol=1e-6)
+    assert max(float(np.abs(x).max()) for x in jax.tree.leaves(new.extra["residual"])) > 0  # the wire lost some
+    # Within the wire's error of the float32 sync.
+    plain, _ = jax.device_get(_api("edit", m, posts)[0].sync(_api("edit", m, posts)[1]))
+    err = [float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(new.outer_params),
+                                                      jax.tree.leaves(plain.outer_params))]
+    moved = [float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(plain.outer_params),
+                                                        jax.tree.leaves(posts.outer.params))]
+    assert max(err) < max(moved), (err, moved)
+
+
+def test_the_api_refuses_what_one_program_cannot_run():
+    with pytest.raises(ValueError, match="one process per worker"):
+        api.from_method("a_edit")
+    with pytest.raises(ValueError, match="every step"):
+        api.from_method("baseline")
+    with pytest.raises(ValueError, match="sync.fragments"):
+        api.from_method("edit", fragments=2)
+    with pytest.raises(ValueError, match="sync.co2_gap_penalty"):
+        api.from_method("diloco", co2_gap_penalty=3.0)  # CO2's own field on another method
+    with pytest.raises(ValueError, match="unknown sync field"):
+        api.from_method("edit", outer_lrr=0.1)
+    with pytest.raises(ValueError, match="sync.error_feedback"):
+        api.compressed(api.diloco(), "topk2", error_feedback=False)
+    with pytest.raises(ValueError, match="wire"):
+        api.compressed(api.diloco(), "topk3")
+
+
+# ============================================================================= a rule of one's own
+
+
+class MedianSync(WholeModelSync):
+    """θ̄ takes the outer step on the coordinate-wise median of the workers' pseudo gradients (robust
+    to one worker gone astray). Written against the protocol only: ``after_step`` and ``flush``."""
+
+    name = "median"
+
+    def flush(self, params, outer, spec, residual=None):
+        delta = jax.tree.map(lambda t, x: t - x.astype(jnp.float32), outer.params, local_blocks(params))
+        med = jax.tree.map(lambda d: jnp.median(gather_workers(d), axis=0), delta)
+        new_outer, new_opt = {}, {}
+        for u, update in (("root", spec.opt.update), ("layers", jax.vmap(spec.opt.update))):
+            if not jax.tree.leaves(med[u]):  # the API's whole-model view: any pytree is the root
+                new_outer[u], new_opt[u] = outer.params[u], outer.opt_state[u]
+                continue
+            step, new_opt[u] = update(med[u], outer.opt_state[u], outer.params[u])
+            new_outer[u] = optax.apply_updates(outer.params[u], step)
+        sq = unit_sq_sums(delta)
+        g = jnp.sqrt(jax.lax.psum(sq, spec.reduction.norm_axes) if spec.reduction.norm_axes else sq)
+        g_all = gather_workers(g, axis=1)  # [U, N], identical on every worker
+        unit = {"pseudo_grad_norm": g_all, "weight": jnp.full_like(g_all, 1.0 / spec.n_workers),
+                "flagged": jnp.zeros(g_all.shape, bool), "clip_factor": jnp.ones(g_all.shape[:1]),
+                "update_norm": jnp.zeros(g_all.shape[:1])}
+        new_params = jax.tree.map(lambda o, p: o.astype(p.dtype), with_replica_dim(as_varying(new_outer)), params)
+        return new_params, outer.replace(params=new_outer, opt_state=new_opt, syncs=outer.syncs + 1), \
+            sync_metrics(unit), residual
+
+    def after_step(self, params, outer, opt_state, spec, shares=None, span=None, residual=None):
+        params, outer, metrics, residual = self.flush(params, outer, spec, residual)
+        opt_state, metrics["inner_reset"] = reset_nonfinite_workers(opt_state, metrics, spec.inner_opt_specs,
+                                                                    spec.reduction.norm_axes)
+        return params, outer, opt_state, metrics, residual
+
+
+def test_a_rule_written_here_registers_with_one_line_and_runs_in_both_drivers(monkeypatch):
+    monkeypatch.setitem(methods.METHODS, "median", methods.Method("median", "the median pseudo gradient",
+                                                                  rule=MedianSync.build))
+    m = _trainer("median", shard=2, outer_lr=0.6, outer_momentum=0.8)
+    posts = _posts(m)
+    assert isinstance(m.plan.rule, MedianSync)
+    f64 = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t)  # noqa: E731
+    theta, trace0, workers = f64(posts.outer.params), f64(posts.outer.trace), f64(posts.params)
+    med = jax.tree.map(lambda t, w: np.median(t[None] - w, axis=0), theta, workers)
+    trace = jax.tree.map(lambda b, d: 0.8 * b + d, trace0, med)  # Nesterov, as DiLoCo's outer step
+    want = jax.tree.map(lambda t, d, b: t - 0.6 * (d + 0.8 * b), theta, med, trace)
+
+    synced, _ = jax.device_get(m.sync_fn()(jax.device_put(posts, m.state_shardings)))
+    _close(synced.outer.params, want, "median trainer θ̄")
+    trainer, state = _api("median", m, posts, rule=api.from_method("median", outer_lr=0.6, outer_momentum=0.8))
+    new, figures = jax.device_get(trainer.sync(state))
+    _close(new.outer_params, want, "median API θ̄")
+    assert np.asarray(figures["unit_pseudo_grad_norm"]).shape == (1, N)  # the API's one unit
