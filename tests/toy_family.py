@@ -1,0 +1,53 @@
+"""A model family written outside the library, for ``test_model_family.py``: what a new family is
+(``models/family.py``'s contract), nothing of the Llama family's. A residual MLP over each token's
+embedding (a bigram model with layers): root ``{"embed": [V, d], "head": [d, V]}``, layers
+``{"w_in": [L, d, f], "w_out": [L, f, d]}`` stacked, every unit through the hook, the layers in a
+scan (segment by segment for the streaming sync)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from edit_jax.config import ModelConfig
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
+    k = jax.random.split(key, 4)
+    d, f, v, n = cfg.d_model, cfg.ffn_dim, cfg.vocab_size, cfg.n_layers
+    return {"root": {"embed": 0.02 * jax.random.normal(k[0], (v, d)), "head": 0.02 * jax.random.normal(k[1], (d, v))},
+            "layers": {"w_in": jax.random.normal(k[2], (n, d, f)) / d ** 0.5,
+                       "w_out": jnp.zeros((n, f, d), jnp.float32)}}
+
+
+def forward(cfg: ModelConfig, params: dict, tokens: jax.Array, hook, hook_xs=None, layer_segments=None):
+    xs = hook_xs if hook_xs is not None else {"root": None, "layers": None}
+    root, root_ys = hook(params["root"], xs["root"], "root")
+    x = jnp.take(root["embed"], tokens, axis=0)
+
+    def layer(x, unit):
+        p, unit_xs = unit
+        p, ys = hook(p, unit_xs, "layer")
+        return x + jnp.tanh(x @ p["w_in"]) @ p["w_out"], ys
+
+    segments = layer_segments if layer_segments is not None else [(cfg.n_layers, xs["layers"])]
+    layer_ys, start = [], 0
+    for n, seg_xs in segments:
+        if n == 0:
+            layer_ys.append(None)
+            continue
+        seg = jax.tree.map(lambda p: p[start:start + n], params["layers"])  # noqa: B023
+        x, ys = jax.lax.scan(layer, x, (seg, seg_xs))
+        layer_ys.append(ys)
+        start += n
+    return x @ root["head"], {"root": root_ys, "layers": layer_ys[0] if layer_segments is None else layer_ys}
+
+
+def token_loss_sum(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    del seq_len
+    return 6.0 * (cfg.d_model * cfg.vocab_size + 2 * cfg.n_layers * cfg.d_model * cfg.ffn_dim)
