@@ -65,6 +65,8 @@ _API = {
     "OuterSpec": "edit_jax.localsgd.api",
     "identity_hook": "edit_jax.localsgd.api",
     "LayerStack": "edit_jax.localsgd.layer_stack",
+    "save_local_sgd": "edit_jax.rundir.localsgd_checkpoint",
+    "restore_local_sgd": "edit_jax.rundir.localsgd_checkpoint",
 }
 
 __all__ = ["__version__", *_API]
