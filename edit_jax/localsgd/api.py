@@ -53,11 +53,12 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from edit_jax.localsgd.api_checks import NonFiniteWatch, checked_step_output, refuse_nonfinite_sync, \
-    stacked_layer_count
+from edit_jax.localsgd.api_checks import NonFiniteWatch, base_key, check_ys, checked_step_output, \
+    refuse_nonfinite_sync, stacked_layer_count
 from edit_jax.localsgd.api_rules import LocalSGDRule, co2, compressed, diloco, edit, from_method, post_local_sgd
+from edit_jax.localsgd.nnx_model import NNXModel, transformation
 from edit_jax.localsgd.outer_spec import OuterSpec, Penalty
-from edit_jax.localsgd.outer import Detector, UnitSync, make_outer_optimizer
+from edit_jax.localsgd.outer import Detector, make_outer_optimizer
 from edit_jax.localsgd.rule import SyncSpec
 from edit_jax.localsgd.sharding import REPLICA  # the mesh axis the workers live on
 from edit_jax.localsgd.stacked import WORKERS, as_units, of_units, workers_sync
@@ -131,16 +132,44 @@ class LocalSGD:
         self.n = int(self.mesh.shape[REPLICA])
         self.batch_axes = tuple(a for a in self.mesh.axis_names if a != REPLICA and self.mesh.shape[a] > 1)
         self.outer_opt = make_outer_optimizer(rule.outer)
-        self.key = _base_key(seed)  # None: no key is passed
+        self.key = base_key(seed)  # None: no key is passed
         self._programs: dict[Any, Callable] = {}
         self._nonfinite = NonFiniteWatch(rule.name)  # says when a sync was refused (θ̄ non-finite)
+        self.nnx: NNXModel | None = None  # for_nnx: the NNX model's graph and RNG streams
+
+    @classmethod
+    def for_nnx(cls, rule: LocalSGDRule, mesh: Mesh, tau: int, model, optimizer, loss_fn: Callable, *,
+                seed: int | jax.Array | None = None, donate: bool = True) -> "LocalSGD":
+        """A Flax NNX ``model`` (an ``nnx.Module``) trained with ``optimizer`` (optax, or an
+        ``nnx.Optimizer``: its ``tx``) on ``loss_fn(model, batch) -> loss | (loss, metrics)``: its
+        ``nnx.Param`` state is the params (``init()`` takes them from the model), its RNG streams
+        reseeded per worker and step from ``seed`` (``nnx_model.py``); ``to_nnx(state)`` is the
+        module at θ̄. Whole-model rules."""
+        if rule.layerwise:
+            raise ValueError(f"rule {rule.name!r}: syncs inside the forward; for an NNX model use a whole-model rule "
+                             "(diloco(), edit(layerwise=False), co2(), ...): the layer-wise hook is placed in "
+                             "linen models (LayerStack) only")
+        wrapped = NNXModel(model)
+        trainer = cls(rule, mesh, tau, loss_fn=wrapped.loss_fn(loss_fn), optimizer=transformation(optimizer),
+                      seed=seed, donate=donate)
+        trainer.nnx = wrapped
+        return trainer
+
+    def to_nnx(self, state: LocalSGDState):
+        """The NNX module at θ̄ (``for_nnx`` trainers)."""
+        return self.nnx.merge(state.outer_params)
 
     # -- the public calls --------------------------------------------------------------------------
 
-    def init(self, params: Any, opt_state: Any = None) -> LocalSGDState:
+    def init(self, params: Any = None, opt_state: Any = None) -> LocalSGDState:
         """The state of N workers that all start from ``params`` (one copy, any pytree; layer-wise
         rules: ``{"root": ..., "layers": ...}``), with ``opt_state`` (one copy; default
-        ``optimizer.init(params)``). θ̄ = ``params`` in float32, a fresh outer state, zero detectors."""
+        ``optimizer.init(params)``). θ̄ = ``params`` in float32, a fresh outer state, zero detectors.
+        ``for_nnx``: ``params`` default to the model's."""
+        if params is None:
+            if getattr(self, "nnx", None) is None:
+                raise ValueError("params: required (only a for_nnx trainer takes them from its model)")
+            params = self.nnx.params
         if opt_state is None:
             if self.optimizer is None:
                 raise ValueError("opt_state: required with inner_step (there is no optimizer to init it)")
@@ -281,7 +310,7 @@ class LocalSGD:
         (value, (ys, user)), grads = jax.value_and_grad(loss, has_aux=True)(params)
         synced = None
         if hook_xs is not None:
-            _check_ys(ys)
+            check_ys(ys)
             synced, outer, opt_state, figures, _ = self.rule.sync.assemble(
                 with_replica_dim(params), outer, with_replica_dim(opt_state), ys, spec)
             params = jax.tree.map(lambda s, p: s.astype(p.dtype), local_blocks(synced), params)
@@ -388,29 +417,6 @@ class LocalSGD:
                 spec = P(REPLICA, self.batch_axes)
             return jax.device_put(x, NamedSharding(self.mesh, spec))
         return jax.tree_util.tree_map_with_path(put, batch)
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def _base_key(seed):
-    """``seed`` as a JAX key (an int, a typed key or a raw uint32[2] key), or None."""
-    if seed is None:
-        return None
-    if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-        return jax.random.key(int(seed))
-    if isinstance(seed, jax.Array) and (jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) or seed.shape == (2,)):
-        return seed
-    raise ValueError(f"seed: expected an int or a JAX random key, got {seed!r}")
-
-
-def _check_ys(ys) -> None:
-    ok = isinstance(ys, dict) and isinstance(ys.get("root"), UnitSync) and isinstance(ys.get("layers"), UnitSync)
-    if not ok:
-        raise ValueError("loss_fn: on a sync step the forward must pass every unit through hook(unit, unit_xs, "
-                         "which) (the root, then each layer inside its scan) and loss_fn must return the forward's "
-                         f"ys laid out {{'root': ..., 'layers': ...}}; got ys={type(ys).__name__} "
-                         "(models.family.ScannedModel)")
 
 
 __all__ = ["LocalSGD", "LocalSGDRule", "LocalSGDState", "diloco", "post_local_sgd", "edit", "co2", "compressed",

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from edit_jax.localsgd.outer import UnitSync
+
 
 def _paths(tree: Any) -> list[str]:
     return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
@@ -136,5 +138,26 @@ class NonFiniteWatch:
                       "restarts from it; lower the learning rate if it happens again.", RuntimeWarning, stacklevel=3)
 
 
+def base_key(seed):
+    """``seed`` as a JAX key (an int, a typed key or a raw uint32[2] key), or None."""
+    if seed is None:
+        return None
+    if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+        return jax.random.key(int(seed))
+    if isinstance(seed, jax.Array) and (jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) or seed.shape == (2,)):
+        return seed
+    raise ValueError(f"seed: expected an int or a JAX random key, got {seed!r}")
+
+
+def check_ys(ys) -> None:
+    """The ys of a forward that synced: every unit's ``UnitSync``, laid out as root and layers."""
+    ok = isinstance(ys, dict) and isinstance(ys.get("root"), UnitSync) and isinstance(ys.get("layers"), UnitSync)
+    if not ok:
+        raise ValueError("loss_fn: on a sync step the forward must pass every unit through hook(unit, unit_xs, "
+                         "which) (the root, then each layer inside its scan) and loss_fn must return the forward's "
+                         f"ys laid out {{'root': ..., 'layers': ...}}; got ys={type(ys).__name__} "
+                         "(models.family.ScannedModel)")
+
+
 __all__ = ["checked_step_output", "stacked_layer_count", "all_finite", "zero_inexact", "refuse_nonfinite_sync",
-           "NonFiniteWatch"]
+           "NonFiniteWatch", "base_key", "check_ys"]
