@@ -313,11 +313,12 @@ def api_page() -> str:
         out.append(f"```python\n{_signature(name, obj)}\n```\n\n{_doc(obj)}\n")
         if inspect.isclass(obj) and not issubclass(obj, BaseException):
             for m, member in inspect.getmembers(obj):
-                if m.startswith("_") or not (inspect.isfunction(member) or isinstance(member, property)):
+                if m.startswith("_") or not (inspect.isfunction(member) or inspect.ismethod(member)
+                                             or isinstance(member, property)):
                     continue
                 if m in ("count", "index") or not inspect.getdoc(member):
                     continue
-                sig = _signature(m, member) if inspect.isfunction(member) else m
+                sig = _signature(m, member) if inspect.isfunction(member) or inspect.ismethod(member) else m
                 out.append(f"\n### `{name}.{m}`\n\n```python\n{sig}\n```\n\n{_doc(member)}\n")
     return "".join(out)
 
