@@ -275,6 +275,43 @@ def test_co2_and_a_lossy_wire_take_any_pytree(rule):
     assert not bool(metrics["sync"]["sync_refused"]) and metrics["sync"]["pseudo_grad_norm"].shape == (N,)
 
 
+@pytest.mark.parametrize("rule", ["diloco", "edit"])
+def test_a_synchronous_warmup_averages_gradients_then_hands_theta_to_local_sgd(rule):
+    """W steps of the workers' mean gradient (identical workers whatever their batches, each step
+    the optimizer on the mean of the per-worker gradients, by hand), then θ̄ = those params and the
+    rule's schedule from W."""
+    tx, w, tau = optax.sgd(0.1), 3, 2
+    made = diloco() if rule == "diloco" else edit()
+    loss = (lambda p, b, hook, xs: (_linear_loss(p, b), None)) if rule == "diloco" else _scanned_loss
+    params = _linear_params() if rule == "diloco" else _scanned_params()
+    trainer = LocalSGD(made, _mesh(), tau, loss_fn=loss, optimizer=tx, warmup_steps=w, donate=False)
+    kinds = [trainer.kind_at(k) for k in range(w + 2 * tau + 1)]
+    sync = "local_then_sync" if rule == "diloco" else "sync_forward"
+    assert kinds[:w] == ["hsdp"] * w and kinds[w + (1 if rule == "diloco" else 2)] == sync, kinds
+    state = trainer.init(params)
+    batch = _linear_batch if rule == "diloco" else (lambda k: {"x": _linear_batch(k)["x"],
+                                                                "y": _linear_batch(k)["y"][..., :1]})
+    for k in range(w):
+        before = jax.tree.map(lambda x: np.asarray(x[0], np.float64), state.params)
+        b = batch(k)
+        grads = [jax.grad(lambda p: loss(p, jax.tree.map(lambda x: x[i], b), identity_hook, None)[0])(
+            jax.tree.map(lambda x: x[0], state.params)) for i in range(N)]
+        mean = jax.tree.map(lambda *g: np.mean([np.asarray(x, np.float64) for x in g], axis=0), *grads)
+        state, _ = trainer.step(state, b)
+        _close(jax.tree.map(lambda x: x[0], state.params), jax.tree.map(lambda p, g: p - 0.1 * g, before, mean),
+               f"warmup step {k}", rtol=1e-5, atol=1e-6)
+        for i in range(1, N):  # every worker the same params
+            for x in jax.tree.leaves(state.params):
+                np.testing.assert_array_equal(np.asarray(x[i]), np.asarray(x[0]))
+    at_w = jax.tree.map(lambda x: np.asarray(x[0], np.float32), state.params)
+    state, metrics = trainer.step(state, batch(w))  # the first local step: θ̄ set from the warmup
+    _close(state.outer_params, at_w, "θ̄ at W", rtol=0, atol=0)
+    assert "sync" not in metrics
+    for k in range(w + 1, w + 2 * tau + 1):
+        state, metrics = trainer.step(state, batch(k))
+        assert ("sync" in metrics) == (kinds[k] == sync), k
+
+
 # ============================================================================= EDiT, layer-wise
 
 

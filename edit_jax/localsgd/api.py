@@ -43,7 +43,6 @@ to the θ_i it was given (docs/api.md, "Why layer-wise rules take loss_fn and op
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -53,8 +52,8 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from edit_jax.localsgd.api_checks import NonFiniteWatch, base_key, check_ys, checked_step_output, \
-    refuse_nonfinite_sync, stacked_layer_count
+from edit_jax.localsgd.api_checks import NonFiniteWatch, base_key, check_ys, checked_step_output, per_worker, \
+    put_batch, refuse_nonfinite_sync, stacked_layer_count
 from edit_jax.localsgd.api_rules import LocalSGDRule, co2, compressed, diloco, edit, from_method, post_local_sgd
 from edit_jax.localsgd.nnx_model import NNXModel, transformation
 from edit_jax.localsgd.outer_spec import OuterSpec, Penalty
@@ -66,7 +65,7 @@ from edit_jax.localsgd.state import OuterState
 from edit_jax.localsgd.sync import local_blocks, with_replica_dim
 from edit_jax.models.family import HOOK_SAVED
 
-LOCAL, SYNC_FORWARD, LOCAL_THEN_SYNC = "local", "sync_forward", "local_then_sync"
+LOCAL, SYNC_FORWARD, LOCAL_THEN_SYNC, HSDP = "local", "sync_forward", "local_then_sync", "hsdp"
 
 
 # ----------------------------------------------------------------------------- state
@@ -105,11 +104,13 @@ class LocalSGD:
     ``loss_fn`` may return ``(loss, ys, metrics)``: a dict of the user's scalars, returned by
     ``step`` per worker (``averaged``: their means). ``seed`` (an int or a JAX key): ``inner_step`` / ``loss_fn``
     get a random key as one more, last argument (dropout), a different one per worker and step.
-    ``donate``: each step consumes the state it is given (its buffers are reused)."""
+    ``donate``: each step consumes the state it is given (its buffers are reused). ``warmup_steps``:
+    W synchronous steps first (every step the workers' mean gradient, ``loss_fn`` only), then θ̄ =
+    the workers' params and the rule's schedule counted from W (EDIT.md's warmup)."""
 
     def __init__(self, rule: LocalSGDRule, mesh: Mesh, tau: int, inner_step: Callable | None = None, *,
                  loss_fn: Callable | None = None, optimizer: optax.GradientTransformation | None = None,
-                 seed: int | jax.Array | None = None, donate: bool = True):
+                 seed: int | jax.Array | None = None, donate: bool = True, warmup_steps: int = 0):
         if not isinstance(rule, LocalSGDRule):
             raise ValueError("rule: expected a LocalSGDRule (diloco(), post_local_sgd(), edit(), co2(), "
                              f"compressed(...), from_method(...)), got {rule!r}")
@@ -124,10 +125,15 @@ class LocalSGD:
             raise ValueError(f"inner_step: rule {rule.name!r} syncs inside the forward, so its inner update must "
                              "apply to the synced params: give loss_fn(params, batch, hook, hook_xs) -> (loss, ys) "
                              "and optimizer instead (docs/api.md)")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps: expected an integer >= 0, got {warmup_steps!r}")
+        if warmup_steps and inner_step is not None:
+            raise ValueError("warmup_steps: the synchronous warmup averages the workers' gradients every step, "
+                             "which an opaque inner_step does not expose: give loss_fn and optimizer instead")
         # The workers' psum runs inside vmap; JAX's Explicit mesh axes reject it, so the programs
         # run on the same devices with Auto axes (GSPMD propagates the sharding).
         self.mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-        self.rule, self.tau, self.donate = rule, int(tau), donate
+        self.rule, self.tau, self.donate, self.warmup = rule, int(tau), donate, int(warmup_steps)
         self.inner_step, self.loss_fn, self.optimizer = inner_step, loss_fn, optimizer
         self.n = int(self.mesh.shape[REPLICA])
         self.batch_axes = tuple(a for a in self.mesh.axis_names if a != REPLICA and self.mesh.shape[a] > 1)
@@ -202,8 +208,11 @@ class LocalSGD:
         k = int(state.step)
         kind = self.kind_at(k)
         self._nonfinite.check()  # the last sync's, read one call late (no wait on the device)
-        new, metrics = self._run(SYNC_FORWARD if kind == SYNC_FORWARD else LOCAL, state._replace(step=None),
-                                 self._put_batch(batch), np.int32(k))
+        state = state._replace(step=None)
+        if self.warmup and k == self.warmup:  # the first local step: θ̄ = the workers' (identical) params
+            state = self._run("init_outer", state)
+        new, metrics = self._run(kind if kind in (SYNC_FORWARD, HSDP) else LOCAL, state, self._put_batch(batch),
+                                 np.int32(k))
         if kind == LOCAL_THEN_SYNC:  # a second, small program: the sync alone (as ``sync``)
             new, metrics["sync"] = self._run("sync", new)
         if "sync" in metrics:
@@ -235,19 +244,18 @@ class LocalSGD:
         return new._replace(step=state.step), metrics
 
     def kind_at(self, k: int) -> str:
-        """The program of 0-based step ``k``: "local", "local_then_sync" or "sync_forward"."""
+        """The program of 0-based step ``k``: "hsdp" (the warmup: gradients averaged over the
+        workers), "local", "local_then_sync" or "sync_forward" (counted from the warmup's end)."""
+        if k < self.warmup:
+            return HSDP
+        k -= self.warmup
         if self.rule.layerwise:
             return SYNC_FORWARD if k > 0 and k % self.tau == 0 else LOCAL
         return LOCAL_THEN_SYNC if (k + 1) % self.tau == 0 else LOCAL
 
     def per_worker(self, batch: Any) -> Any:
         """A global batch [N * B, ...] as the stacked one [N, B, ...]: worker i gets rows [iB, (i+1)B)."""
-        def split(x):
-            if np.ndim(x) < 1 or np.shape(x)[0] % self.n:
-                raise ValueError(f"batch: a global batch's leading dim must be a multiple of the {self.n} workers, "
-                                 f"got shape {np.shape(x)}")
-            return x.reshape((self.n, np.shape(x)[0] // self.n) + tuple(np.shape(x)[1:]))
-        return jax.tree.map(split, batch)
+        return per_worker(self.n, batch)
 
     # -- programs ----------------------------------------------------------------------------------
 
@@ -265,9 +273,10 @@ class LocalSGD:
         key = (kind, jax.tree.structure(state))
         if key not in self._programs:
             body = {LOCAL: self._local, SYNC_FORWARD: self._sync_forward, "sync": self._sync_now,
-                    "flush": lambda state: self._sync_now(state, flush=True)}[kind]
-            self._programs[key] = jax.jit(body, donate_argnums=(0,) if self.donate else (),
-                                          out_shardings=(self._shardings(state), None))
+                    HSDP: lambda state, batch, k: self._local(state, batch, k, average=True),
+                    "flush": lambda state: self._sync_now(state, flush=True), "init_outer": self._init_outer}[kind]
+            shardings = self._shardings(state) if kind == "init_outer" else (self._shardings(state), None)
+            self._programs[key] = jax.jit(body, donate_argnums=(0,) if self.donate else (), out_shardings=shardings)
         return self._programs[key]
 
     def _run(self, kind: str, state: LocalSGDState, *args):
@@ -286,14 +295,15 @@ class LocalSGD:
             return ()
         return (jax.random.fold_in(jax.random.fold_in(self.key, k), jax.lax.axis_index(REPLICA)),)
 
-    def _worker_step(self, params, opt_state, batch, k):
+    def _worker_step(self, params, opt_state, batch, k, average: bool = False):
         if self.inner_step is not None:
             out = self.inner_step(params, opt_state, batch, *self._key_args(k))
             return checked_step_output(out, params, opt_state)
-        params, opt_state, metrics, _ = self._loss_step(params, opt_state, batch, identity_hook, None, k)
+        params, opt_state, metrics, _ = self._loss_step(params, opt_state, batch, identity_hook, None, k,
+                                                        average=average)
         return params, opt_state, metrics
 
-    def _loss_step(self, params, opt_state, batch, hook, hook_xs, k, outer=None, spec=None):
+    def _loss_step(self, params, opt_state, batch, hook, hook_xs, k, outer=None, spec=None, average=False):
         """One worker's step from ``loss_fn``; with a sync in the forward (``hook_xs``: the rule's
         per-unit inputs, ``outer`` this worker's view of the outer state), the rule assembles the
         synced state (``SyncRule.assemble``: the params are θ̄, a worker gone non-finite restarts
@@ -308,6 +318,8 @@ class LocalSGD:
                                  + (f" of {len(out)}" if isinstance(out, tuple) else ""))
             return out[0], (out[1], out[2] if len(out) == 3 else {})
         (value, (ys, user)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        if average:  # the synchronous warmup: every worker applies the workers' mean gradient
+            grads = jax.lax.pmean(grads, REPLICA)
         synced = None
         if hook_xs is not None:
             check_ys(ys)
@@ -320,10 +332,21 @@ class LocalSGD:
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
         return params, opt_state, {**user, "loss": value, "grad_norm": grad_norm}, synced
 
-    def _local(self, state: LocalSGDState, batch, k):
-        params, opt_state, metrics = self._workers(self._worker_step, state.params, state.opt_state, batch, k,
-                                                   in_axes=(0, 0, 0, None))
+    def _local(self, state: LocalSGDState, batch, k, average: bool = False):
+        step = lambda p, o, b, k: self._worker_step(p, o, b, k, average)  # noqa: E731
+        params, opt_state, metrics = self._workers(step, state.params, state.opt_state, batch, k, in_axes=(0, 0, 0, None))
         return state._replace(params=params, opt_state=opt_state), {"inner": metrics}
+
+    def _init_outer(self, state: LocalSGDState) -> LocalSGDState:
+        """After the warmup: θ̄ = the workers' params (identical: every step averaged the gradients),
+        a fresh outer optimizer state, zero detectors, the rule's own state reset (EDIT.md, k = W)."""
+        theta = jax.tree.map(lambda x: x[0].astype(jnp.float32), state.params)
+        opt = self.outer_opt
+        outer_state = {"root": opt.init(theta["root"]), "layers": jax.vmap(opt.init)(theta["layers"])} \
+            if self.rule.layerwise else opt.init(theta)
+        extra = self.rule.sync.reset_extra(state.extra) if state.extra is not None else None
+        return state._replace(outer_params=theta, outer_opt_state=outer_state, extra=extra,
+                              detector=jax.tree.map(jnp.zeros_like, state.detector))
 
     # -- the rule's sync, every worker in a vmap over ``replica`` ------------------------------------
     # The registry's rule (``rule.py``) runs as in the trainer's programs, on one worker's values
@@ -401,22 +424,7 @@ class LocalSGD:
                              each(state.detector, per_worker), None, each(state.extra, per_worker))
 
     def _put_batch(self, batch):
-        size = math.prod(self.mesh.shape[a] for a in self.batch_axes)
-
-        def put(path, x):
-            shape = np.shape(x)
-            where = jax.tree_util.keystr(path) or "batch"
-            if len(shape) < 1 or shape[0] != self.n:
-                raise ValueError(f"batch: {where} must be stacked per worker, [N={self.n}, ...] (see per_worker), "
-                                 f"got shape {shape}")
-            spec = P(REPLICA)
-            if self.batch_axes and len(shape) >= 2:
-                if shape[1] % size:
-                    raise ValueError(f"batch: {where}'s per-worker batch dim ({shape[1]}) must be divisible by the "
-                                     f"mesh's {'x'.join(self.batch_axes)} size {size}, got shape {shape}")
-                spec = P(REPLICA, self.batch_axes)
-            return jax.device_put(x, NamedSharding(self.mesh, spec))
-        return jax.tree_util.tree_map_with_path(put, batch)
+        return put_batch(self.mesh, self.n, self.batch_axes, batch)
 
 
 __all__ = ["LocalSGD", "LocalSGDRule", "LocalSGDState", "diloco", "post_local_sgd", "edit", "co2", "compressed",

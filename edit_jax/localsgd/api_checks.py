@@ -10,14 +10,17 @@ long, far from the cause. These checks run while tracing (once per program), on 
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from edit_jax.localsgd.outer import UnitSync
+from edit_jax.localsgd.sharding import REPLICA
 
 
 def _paths(tree: Any) -> list[str]:
@@ -159,5 +162,36 @@ def check_ys(ys) -> None:
                          "(models.family.ScannedModel)")
 
 
+def per_worker(n: int, batch: Any) -> Any:
+    """A global batch [N * B, ...] as the stacked one [N, B, ...]: worker i gets rows [iB, (i+1)B)."""
+    def split(x):
+        if np.ndim(x) < 1 or np.shape(x)[0] % n:
+            raise ValueError(f"batch: a global batch's leading dim must be a multiple of the {n} workers, "
+                             f"got shape {np.shape(x)}")
+        return x.reshape((n, np.shape(x)[0] // n) + tuple(np.shape(x)[1:]))
+    return jax.tree.map(split, batch)
+
+
+def put_batch(mesh, n: int, batch_axes: tuple, batch: Any) -> Any:
+    """A batch stacked per worker [N, B, ...] on ``mesh``: workers over ``replica``, each worker's
+    rows over ``batch_axes``; a leaf of another layout is a ValueError naming it."""
+    size = math.prod(mesh.shape[a] for a in batch_axes)
+
+    def put(path, x):
+        shape = np.shape(x)
+        where = jax.tree_util.keystr(path) or "batch"
+        if len(shape) < 1 or shape[0] != n:
+            raise ValueError(f"batch: {where} must be stacked per worker, [N={n}, ...] (see per_worker), "
+                             f"got shape {shape}")
+        spec = P(REPLICA)
+        if batch_axes and len(shape) >= 2:
+            if shape[1] % size:
+                raise ValueError(f"batch: {where}'s per-worker batch dim ({shape[1]}) must be divisible by the "
+                                 f"mesh's {'x'.join(batch_axes)} size {size}, got shape {shape}")
+            spec = P(REPLICA, batch_axes)
+        return jax.device_put(x, NamedSharding(mesh, spec))
+    return jax.tree_util.tree_map_with_path(put, batch)
+
+
 __all__ = ["checked_step_output", "stacked_layer_count", "all_finite", "zero_inexact", "refuse_nonfinite_sync",
-           "NonFiniteWatch", "base_key", "check_ys"]
+           "NonFiniteWatch", "base_key", "check_ys", "per_worker", "put_batch"]
