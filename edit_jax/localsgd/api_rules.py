@@ -33,7 +33,7 @@ from edit_jax.localsgd.whole_model import WholeModelSync
 @dataclass(frozen=True)
 class LocalSGDRule:
     """What a sync does: ``sync`` the registry's rule (where it runs: inside the forward, unit by
-    unit, when ``sync.in_forward``; else after the step, the whole params as one unit), the
+    unit, when the rule says ``in_forward``; else after the step, the whole params as one unit), the
     pseudo-gradient ``penalty`` (``Penalty.off()``: the plain mean) and the ``outer`` optimizer."""
 
     name: str
