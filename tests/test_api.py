@@ -261,6 +261,8 @@ def test_co2_and_a_lossy_wire_take_any_pytree(rule):
     def step(p, s, batch):  # every leaf moves by the worker's own amount
         return jax.tree.map(lambda x: x + (batch.mean() * 0.01).astype(x.dtype), p), s, {}
 
+    one_stage("default" if rule == "co2" else "3.12", f"{rule} on any pytree", 7,
+              other="the other rule on any pytree")
     made = edit_jax.co2() if rule == "co2" else edit_jax.compressed(diloco(), "int8")
     trainer = LocalSGD(made, _mesh(), 2, inner_step=step, donate=False)
     state = trainer.init(params, ())
@@ -280,6 +282,8 @@ def test_a_synchronous_warmup_averages_gradients_then_hands_theta_to_local_sgd(r
     """W steps of the workers' mean gradient (identical workers whatever their batches, each step
     the optimizer on the mean of the per-worker gradients, by hand), then θ̄ = those params and the
     rule's schedule from W."""
+    one_stage("default" if rule == "diloco" else "3.12", f"the warmup with {rule}", 15,
+              other=f"the warmup with {'edit' if rule == 'diloco' else 'diloco'}")
     tx, w, tau = optax.sgd(0.1), 3, 2
     made = diloco() if rule == "diloco" else edit()
     loss = (lambda p, b, hook, xs: (_linear_loss(p, b), None)) if rule == "diloco" else _scanned_loss

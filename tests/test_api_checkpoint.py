@@ -16,6 +16,7 @@ import edit_jax
 from edit_jax.localsgd.api import LocalSGD
 from edit_jax.rundir.checkpoint import CheckpointError, UnreadableCheckpointError
 from tests.helpers import damage_checkpoint_arrays
+from tests.stages import one_stage
 from tests.test_api import N, _linear_batch, _linear_params, _linear_step, _mesh, _scanned_loss, _scanned_params
 
 
@@ -31,6 +32,8 @@ def _equal(a, b):
 
 
 def test_a_resumed_loop_continues_exactly_and_a_damaged_checkpoint_is_reported(tmp_path):
+    one_stage("3.12", "the API's exact resume of DiLoCo + int8, a damaged checkpoint", 20,
+              other="test_model_family (a family of one's own, stopped and resumed)")
     tx = optax.adam(0.05)
     rule = edit_jax.compressed(edit_jax.diloco(), "int8")
     make = lambda: LocalSGD(rule, _mesh(), 2, inner_step=_linear_step(tx))  # noqa: E731

@@ -12,10 +12,13 @@ import numpy as np
 from edit_jax.models import family
 from edit_jax.training.train import train
 from edit_jax.validate import load_config
+from tests.stages import one_stage
 from tests.test_edit_sync import TINY
 
 
 def test_a_family_of_ones_own_trains_with_every_guarantee(tmp_path, monkeypatch):
+    one_stage("default", "a model family of one's own, trained, stopped and resumed", 30,
+              other="test_api_checkpoint's exact resume of DiLoCo + int8")
     monkeypatch.setitem(family.FAMILIES, "toy", "tests.toy_family")  # the one line
     cfg = load_config(TINY, ["model.family=toy", "model.n_layers=2", "mesh.replica=2", "mesh.shard=2",
                              "sync.method=edit", "sync.warmup_steps=2", "sync.tau=3", "steps=14", "batch_size=8",

@@ -37,6 +37,7 @@ from edit_jax.localsgd.sync import local_blocks, reset_nonfinite_workers, sync_m
 from edit_jax.localsgd.whole_model import WholeModelSync
 from edit_jax.runtime.mesh import make_mesh
 from edit_jax.validate import load_config
+from tests.stages import one_stage
 from tests.test_edit_sync import TINY, Ref, np_sync
 
 N = 2
@@ -175,6 +176,8 @@ def test_co2_flush_and_round_give_the_reference_in_both_drivers():
 def test_a_lossy_wire_with_error_feedback_is_the_same_in_both_drivers(wire):
     """The compressed wrapper around EDiT's rule: one shard per worker, so both drivers cut the
     same flat units into the same chunks; θ̄, momentum and every worker's residual agree."""
+    one_stage("default" if wire == "int8" else "3.12", f"EDiT on {wire} in both drivers", 11,
+              other=f"the same on {'topk2' if wire == 'int8' else 'int8'}")
     fields = dict(FIELDS["edit"], compress=wire, error_feedback=True)
     m = _trainer("edit", shard=1, **fields)
     posts = _posts(m)
