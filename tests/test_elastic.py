@@ -295,7 +295,9 @@ def test_lock_step_rules_meet_through_the_exchange_every_tau_steps(tmp_path, met
     assert all(s % 3 == 0 and s > 0 for r in rounds for s in r["steps"]), [r["steps"] for r in rounds]
     assert sum(sum(r["steps"]) for r in rounds) >= 24
     both = [r for r in rounds if r["members"] == [0, 1]]
-    assert both, rounds
+    # A round waits for a worker a round behind (rounds close on posts, not on the clock): after the
+    # first (a worker still compiling is not announced yet) both are in nearly every round.
+    assert rounds[-1]["members"] == [0, 1] and len(both) >= len(rounds) - 2, [r["members"] for r in rounds]
     if method == "diloco":  # no penalty and no step shares: the plain mean
         assert all(r["weight"] == [0.5, 0.5] for r in both), [r["weight"] for r in both]
     assert all(abs(sum(r["weight"]) - 1.0) < 1e-6 and r["outer_update_norm"] > 0 for r in both)

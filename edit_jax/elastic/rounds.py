@@ -340,22 +340,26 @@ def announced(ex: Exchange) -> dict[int, int]:
     return out
 
 
-def expected(ex: Exchange, r: int) -> list[int]:
+def expected(ex: Exchange, r: int, behind: int = 0) -> list[int]:
     """Who round r waits for: the workers whose newest announcement names round r (each worker
     announces the round it will post at next whenever it joins or applies a round, so a worker
-    that died is awaited by one round at most, for ``sync.grace`` seconds)."""
-    return sorted(w for w, at in announced(ex).items() if at == r)
+    that died is awaited by one round at most, for ``sync.grace`` seconds). ``behind``: also those
+    whose announcement names one of the ``behind`` rounds before (a lock-step rule's rounds close
+    on posts, not on the clock: a worker a round behind, catching up, would otherwise never be
+    awaited by a faster one and post late to every round)."""
+    return sorted(w for w, at in announced(ex).items() if r - behind <= at <= r)
 
 
 def collect(ex: Exchange, r: int, closer: int, by_grace: bool, base_hash: str, check: PostCheck | None = None,
-            version: int = 0, redone: str = "", only: list[int] | None = None) -> Manifest | None:
+            version: int = 0, redone: str = "", only: list[int] | None = None, behind: int = 0) -> Manifest | None:
     """Close round r if it may close now (everyone expected posted, or ``by_grace``): create the
     manifest naming the posts that pass ``check`` (the others listed with why, ``rejected``);
     returns the manifest that exists (ours or another closer's), or None (still open, or no post
     passed yet). ``version`` > 0: redo the round (``read_manifest``), ``redone`` saying why, from
     the posts in ``only`` (the earlier version's members: a post that came after it closed was
-    late, and its worker carried its steps into its next post; None: any, the earlier unreadable)."""
-    have, want = posted(ex, r), expected(ex, r)
+    late, and its worker carried its steps into its next post; None: any, the earlier unreadable).
+    ``behind``: ``expected``'s (1 for a lock-step rule's rounds)."""
+    have, want = posted(ex, r), expected(ex, r, behind)
     if only is not None:
         have = [w for w in have if w in only]
     everyone = set(want) <= set(have)  # (a slot whose post was left out cannot post again this round)

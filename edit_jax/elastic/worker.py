@@ -304,7 +304,7 @@ class ElasticWorker(LocalTraining, RoundRecovery):
             if m is not None:
                 return m
             m = R.collect(self.ex, r, self.me, time.monotonic() - posted_at >= self.cfg.sync.grace, shared.digest(),
-                          self.check)
+                          self.check, behind=0 if self.plan.rule.asynchronous else 1)
             if m is not None:
                 return m
             time.sleep(poll)
