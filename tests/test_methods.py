@@ -71,7 +71,8 @@ def test_the_rule_of_a_row_decides_its_timing_and_owns_its_hyperparameters(monke
     # message names them from the table, the registered one included.
     base = ["mesh.replica=2", "mesh.shard=1", "mesh.processes=2", "sync.exchange=/nowhere", "sync.warmup_steps=0"]
     assert load_config(os.path.join(REPO, "configs/tiny.py"), ["method=diloco", *base]).sync.method == "diloco"
-    with pytest.raises(ConfigError, match="sync.exchange.*method post_local_sgd . diloco . edit . a_edit . timed_diloco"):
+    names = "post_local_sgd . diloco . edit . a_edit . timed_diloco"
+    with pytest.raises(ConfigError, match=f"sync.exchange.*method {names}"):
         load_config(os.path.join(REPO, "configs/tiny.py"), ["method=co2", *base])
 
 
