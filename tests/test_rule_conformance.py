@@ -109,6 +109,8 @@ def _ref(m: StepPrograms) -> Ref:
 
 @pytest.mark.parametrize("method", ["diloco", "post_local_sgd", "edit"])
 def test_each_rule_gives_the_reference_in_the_trainer_and_the_api(method):
+    if method == "post_local_sgd":  # DiLoCo's sync at lr 1, momentum 0: once per CI run
+        one_stage("3.12", "Post Local SGD in both drivers", 5)
     m = _trainer(method, shard=2, **FIELDS[method])
     posts = _posts(m)
     det = tuple(np.asarray(x) for x in (posts.outer.detector.mean, posts.outer.detector.m2,
