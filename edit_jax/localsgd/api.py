@@ -43,6 +43,7 @@ to the θ_i it was given (docs/api.md, "Why layer-wise rules take loss_fn and op
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -61,7 +62,7 @@ from edit_jax.localsgd.outer import Detector, make_outer_optimizer
 from edit_jax.localsgd.rule import SyncSpec
 from edit_jax.localsgd.sharding import REPLICA  # the mesh axis the workers live on
 from edit_jax.localsgd.stacked import WORKERS, as_units, of_units, workers_sync
-from edit_jax.localsgd.state import OuterState
+from edit_jax.localsgd.state import OuterState, init_outer_opt_state
 from edit_jax.localsgd.sync import local_blocks, with_replica_dim
 from edit_jax.models.family import HOOK_SAVED
 
@@ -173,7 +174,7 @@ class LocalSGD:
         ``optimizer.init(params)``). θ̄ = ``params`` in float32, a fresh outer state, zero detectors.
         ``for_nnx``: ``params`` default to the model's."""
         if params is None:
-            if getattr(self, "nnx", None) is None:
+            if self.nnx is None:
                 raise ValueError("params: required (only a for_nnx trainer takes them from its model)")
             params = self.nnx.params
         if opt_state is None:
@@ -181,16 +182,11 @@ class LocalSGD:
                 raise ValueError("opt_state: required with inner_step (there is no optimizer to init it)")
             opt_state = self.optimizer.init(params)
         n_units = 1 + stacked_layer_count(params, self.rule.name) if self.rule.layerwise else 1
-        outer_opt = self.outer_opt
 
         def build(params, opt_state):
             stack = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (self.n,) + jnp.shape(x)), t)  # noqa: E731
             theta = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
-            if self.rule.layerwise:
-                outer_state = {"root": outer_opt.init(theta["root"]),
-                               "layers": jax.vmap(outer_opt.init)(theta["layers"])}  # one per layer
-            else:
-                outer_state = outer_opt.init(theta)
+            outer_state = self._fresh_outer_state(theta)
             det = Detector.zeros((self.n, n_units), max(2, self.rule.penalty.warmup))
             workers = stack(params)
             extra = self.rule.sync.init_extra(self._as_units(workers))  # the rule's own, per worker
@@ -333,17 +329,20 @@ class LocalSGD:
         return params, opt_state, {**user, "loss": value, "grad_norm": grad_norm}, synced
 
     def _local(self, state: LocalSGDState, batch, k, average: bool = False):
-        step = lambda p, o, b, k: self._worker_step(p, o, b, k, average)  # noqa: E731
-        params, opt_state, metrics = self._workers(step, state.params, state.opt_state, batch, k, in_axes=(0, 0, 0, None))
+        params, opt_state, metrics = self._workers(partial(self._worker_step, average=average), state.params,
+                                                   state.opt_state, batch, k, in_axes=(0, 0, 0, None))
         return state._replace(params=params, opt_state=opt_state), {"inner": metrics}
+
+    def _fresh_outer_state(self, theta):
+        """The outer optimizer's state of θ̄: per unit for layer-wise rules (the trainer's
+        ``init_outer_opt_state``: the layers' stacked), else of the whole pytree."""
+        return init_outer_opt_state(self.outer_opt, theta) if self.rule.layerwise else self.outer_opt.init(theta)
 
     def _init_outer(self, state: LocalSGDState) -> LocalSGDState:
         """After the warmup: θ̄ = the workers' params (identical: every step averaged the gradients),
         a fresh outer optimizer state, zero detectors, the rule's own state reset (EDIT.md, k = W)."""
         theta = jax.tree.map(lambda x: x[0].astype(jnp.float32), state.params)
-        opt = self.outer_opt
-        outer_state = {"root": opt.init(theta["root"]), "layers": jax.vmap(opt.init)(theta["layers"])} \
-            if self.rule.layerwise else opt.init(theta)
+        outer_state = self._fresh_outer_state(theta)
         extra = self.rule.sync.reset_extra(state.extra) if state.extra is not None else None
         return state._replace(outer_params=theta, outer_opt_state=outer_state, extra=extra,
                               detector=jax.tree.map(jnp.zeros_like, state.detector))

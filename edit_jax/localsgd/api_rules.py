@@ -30,6 +30,10 @@ from edit_jax.localsgd.stale import StaleSync
 from edit_jax.localsgd.whole_model import WholeModelSync
 
 
+_BY_WALL_CLOCK = ("{what}: syncs by wall clock with every worker at its own pace, which needs one process per worker "
+                  "(edit-jax train, or the exchange: docs/guides/elastic.md); in one program use edit()")
+
+
 @dataclass(frozen=True)
 class LocalSGDRule:
     """What a sync does: ``sync`` the registry's rule (where it runs: inside the forward, unit by
@@ -45,9 +49,7 @@ class LocalSGDRule:
         if not isinstance(self.sync, SyncRule) or not self.sync.keeps_outer:
             raise ValueError(f"sync: expected a sync rule that keeps θ̄ (rule.py), got {self.sync!r}")
         if self.sync.asynchronous:
-            raise ValueError(f"rule {self.name!r}: syncs by wall clock with every worker at its own pace, which "
-                             "needs one process per worker (edit-jax train, or the exchange: docs/guides/elastic.md); "
-                             "in one program use edit()")
+            raise ValueError(_BY_WALL_CLOCK.format(what=f"rule {self.name!r}"))
         if self.penalty.anomaly and self.penalty.warmup < 2:
             raise ValueError(f"penalty.warmup: must be >= 2 (the z-score window needs an unbiased std), "
                              f"got {self.penalty.warmup}")
@@ -129,10 +131,8 @@ def from_method(method: str, **sync_fields) -> LocalSGDRule:
     if not methods.keeps_outer(method):
         raise ValueError(f"method {method!r}: syncs gradients every step (no local steps to wrap); use "
                          "your own jax.jit step with a mean over the workers")
-    if methods.method(method).rule(cfg.sync).asynchronous:
-        raise ValueError(f"method {method!r}: syncs by wall clock with every worker at its own pace, which needs "
-                         "one process per worker (edit-jax train, or the exchange: docs/guides/elastic.md); in one "
-                         "program use edit()")
+    if methods.method(method).rule(cfg.sync).asynchronous:  # (before rules.validate: its mesh.processes rule)
+        raise ValueError(_BY_WALL_CLOCK.format(what=f"method {method!r}"))
     methods.validate(cfg)
     rules.validate(cfg)
     plan = methods.plan_for(cfg).plan

@@ -47,10 +47,10 @@ def validate_exchange(cfg: Config, rule: SyncRule) -> None:
     Post Local SGD). A rule with state of its own per worker in the round (CO2's pseudo gradients in
     flight) is not built for it."""
     mesh, s = cfg.mesh, cfg.sync
-    exchangeable = " | ".join(name for name, m in METHODS.items()
-                              if m.rule(SyncConfig()).keeps_outer and not _holds(m.rule(SyncConfig()), StaleSync))
-    require(rule.keeps_outer and not _holds(rule, StaleSync), "sync.exchange",
-            f"workers meeting through an exchange run method {exchangeable}, got method={s.method}")
+    def exchangeable(r: SyncRule) -> bool:
+        return r.keeps_outer and not _holds(r, StaleSync)
+    require(exchangeable(rule), "sync.exchange",
+            f"workers meeting through an exchange run method {_methods_of(exchangeable)}, got method={s.method}")
     require(1 <= mesh.processes <= mesh.replica, "mesh.processes",
             f"with sync.exchange: the workers the launcher starts, 1..mesh.replica={mesh.replica} (the worker "
             f"slots), got {mesh.processes}")
