@@ -39,6 +39,7 @@ from edit_jax.localsgd.sharding import REPLICA
 from edit_jax.runtime.mesh import make_mesh
 from edit_jax.tools import hlo
 from edit_jax.validate import load_config
+from tests.stages import one_stage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "tiny.py")
@@ -623,6 +624,7 @@ def _run(m: StepPrograms, state, kinds, batch_seeds):
 def test_edit_with_one_replica_equals_adamw():
     """N = 1, τ = 1, η_out = 1, μ_out = 0, no penalty: every sync sets θ̄ to the worker's params and
     changes nothing, so EDiT is plain AdamW (the Baseline on a 1 x S mesh)."""
+    one_stage("default", "EDiT on one replica against AdamW", 30, other="test_step_program's scan_unroll")
     common = [*BASE, "mesh.replica=1", "mesh.shard=2"]
     edit_cfg = _cfg(*common, "sync.method=edit", "sync.tau=1", "sync.outer_lr=1.0", "sync.outer_momentum=0.0",
                     "sync.anomaly=false", "sync.weighting=false", "sync.clip=false")

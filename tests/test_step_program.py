@@ -12,6 +12,7 @@ from edit_jax.localsgd.methods import plan_for
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.training.evaluate import Evaluator
 from tests.helpers import mesh_for, random_batch, tiny_config
+from tests.stages import one_stage
 
 
 def _buffers(tree):
@@ -58,6 +59,7 @@ def test_scan_unroll_changes_no_number(kind="sync_forward"):
     """Three steps with the layer stack as a 3-layer loop and fully unrolled: same losses, params
     and outer state up to float32 round-off (XLA fuses the unrolled layers differently; AdamW's
     division by sqrt(v) magnifies a last-bit difference in a near-zero gradient to ~5e-6)."""
+    one_stage("3.12", "the unrolled layer loop", 27, other="test_edit_sync's one-replica AdamW")
     results = []
     for unroll in (1, 3):
         cfg = tiny_config(2, 2, method="edit", model={"n_layers": 3, "scan_unroll": unroll})

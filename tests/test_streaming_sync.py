@@ -36,6 +36,7 @@ from edit_jax.localsgd.sharding import REPLICA, SHARD
 from edit_jax.localsgd.state import state_shapes
 from edit_jax.runtime.mesh import make_mesh
 from edit_jax.tools import hlo
+from tests.stages import one_stage
 from test_edit_sync import (BASE, BASE4, PERM, Ref, _assert_det_close, _assert_tree_close, _batch, _cfg,
                             _crafted_state, _det_tuple, _host, _put, _ref_of, _unit, np_detector_feed,
                             np_detector_flags, np_sync)
@@ -171,6 +172,8 @@ def test_staggered_steps_match_numpy_reference(method):
     [local, sync@1, local, sync@0, local] for DiLoCo (sync after the step). The reference runs the
     machinery's plain local step and the due group's sync in NumPy; params, AdamW state, θ̄, trace,
     detectors and the sync metrics must agree, and the units outside the group stay untouched."""
+    one_stage("3.12" if method == "edit" else "default", f"the staggered {method} steps", 30,
+              other="the other method's")
     extra = [] if method == "edit" else ["sync.layerwise=false", "sync.anomaly=false", "sync.weighting=false",
                                          "sync.clip=false"]
     cfg = _cfg(*EDIT4, f"sync.method={method}", *extra, "sync.tau=4", "sync.fragments=2")
@@ -442,6 +445,8 @@ def test_compressed_sync_matches_numpy_reference(compress):
     quantization); θ̄, trace and θ_i equal the NumPy Algorithm 2 whose average goes through the
     same per-device block quantization (all-to-all pattern at N = 4). The HLO carries the payload
     in s8 (int8) or u16 (bf16 bits) across `replica` and no float32 tensor."""
+    one_stage("default" if compress == "int8" else "3.12", f"the {compress} sync against NumPy", 27,
+              other="the other codec's")
     cfg = _cfg(*EDIT4, f"sync.compress={compress}", "sync.tau=4", "sync.fragments=2")
     m = StepPrograms.for_config(cfg, _mesh(cfg))
     start = _crafted_state(m, _host(m.init_state(0)))
