@@ -67,7 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--every", type=int, default=10, help="save: checkpoint_every")
     p.add_argument("--method", default=None,
                    help="save: sync.method, default baseline (one kind of step, so step times compare like with "
-                        "like); kill: default edit (lockstep: its losses must equal the fault-free run's)")
+                        "like); kill: default edit (lockstep: its losses must equal the fault-free run's); "
+                        "live: default a_edit (a lock-step method through the exchange posts every --tau steps)")
     p.add_argument("--run-root", default=os.path.join(common.REPO, "runs", "bench_faults"))
     bench_kill.add_args(p)
     bench_live.add_args(p)
@@ -307,6 +308,7 @@ def main(argv=None):
     # (kill --smoke: baseline, one training program to compile in each of its six worker processes)
     args.kill_config, args.kill_method = args.config or "configs/tiny.py", args.method or (
         "baseline" if args.smoke else "edit")
+    args.live_method = args.method or "a_edit"  # live: A-EDiT, or a lock-step method posting every --tau steps
     args.config, args.method = args.config or "configs/demo.py", args.method or "baseline"
     result = {"env": common.env_info(), "args": {k: v for k, v in vars(args).items() if k not in ("child", "programs_child")}}
     for part in args.part.split(","):

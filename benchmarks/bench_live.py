@@ -1,6 +1,9 @@
-"""``bench_faults.py --part live``: exchange-mode A-EDiT that never stops (issue 38, item 7).
+"""``bench_faults.py --part live``: exchange-mode A-EDiT that never stops (issue 38, item 7), or a
+lock-step method through the exchange (``--method diloco --tau 300``: each worker posts every ``--tau``
+of its steps; issue 56).
 
     python benchmarks/bench_faults.py --part live --duration 600 --mtbf 30      # the issue's run
+    python benchmarks/bench_faults.py --part live --method diloco --tau 300     # DiLoCo, the same faults
     python benchmarks/bench_faults.py --part live --smoke                        # CI: the same path, tiny
 
 ``--config`` (default tiny), one CPU device per worker, ``--live-workers`` + 1 worker slots
@@ -56,6 +59,9 @@ FIT_ROUNDS = 20  # the val loss at equal tokens, also from a line through a run'
 def add_args(p) -> None:
     p.add_argument("--live-workers", type=int, default=4, help="live: the launcher's workers (a joiner makes +1)")
     p.add_argument("--tau-time", type=float, default=5.0, help="live: sync.tau_time (s of local steps per round)")
+    p.add_argument("--tau", type=int, default=300,
+                   help="live, with a lock-step --method (diloco, edit, post_local_sgd): sync.tau, the steps each "
+                        "worker posts after (300: about tau_time's 5 s of tiny steps on these cores)")
     p.add_argument("--grace", type=float, default=3.0, help="live: sync.grace (s a round waits for late posts)")
     p.add_argument("--progress-every", type=float, default=1.0,
                    help="live: sync.progress_every (s between saves of a worker's unposted steps; 0: off)")
@@ -73,7 +79,9 @@ def add_args(p) -> None:
 def overrides(args, ex: str) -> list[str]:
     w = args.live_workers
     slots = w + 1
-    return [f"sync.exchange={ex}", "sync.method=a_edit", "sync.warmup_steps=0", f"mesh.replica={slots}",
+    method = getattr(args, "live_method", "a_edit")
+    timing = [] if method == "a_edit" else [f"sync.tau={args.tau}"]
+    return [f"sync.exchange={ex}", f"sync.method={method}", *timing, "sync.warmup_steps=0", f"mesh.replica={slots}",
             "mesh.shard=1", f"mesh.processes={w}", f"batch_size={4 * slots}", f"sync.tau_time={args.tau_time}",
             f"sync.grace={args.grace}", f"sync.progress_every={args.progress_every}",
             f"sync.carried_weight={args.carried_weight}", "steps=100000000", "optim.decay_steps=100000", "log_every=20",
@@ -391,6 +399,9 @@ def analyse(t0, events, manifests, records, posts, lines, tokens_per_step, bin_s
             "tokens_per_s": tokens / span, "tokens_per_s_window": window,
             "window_s": [round(origin, 2), round(span, 2)],
             "rounds_without_record": [r["round"] for r in rounds if r["tokens"] is None],
+            # Every worker compares its θ̄ with the hash in each round's manifest (the closer's) before it applies
+            # the round; one that differs takes the closer's published state and records it (a worker.py resync).
+            "theta_resyncs": sum(1 for r in records if "theta_resync" in r),
             "left_out": short, "left_out_by_cause": by(short), "late_posts": late, "late_by_cause": by(late),
             "rounds_leaving_out_a_live_worker": len({x["round"] for x in short if x["cause"] == "live"}),
             "live_steps_dropped": sum(x["steps"] for x in late if x["cause"] == "live" and x["how"] == "drop"),
@@ -521,7 +532,8 @@ def plot(out: dict, path: str) -> str:
     ax.set_ylabel(f"tokens/s ({out['live']['bin_s']:g} s bins)")
     bx.set_ylabel("round members")
     bx.set_xlabel("s since the run's first round (red: SIGKILL, grey: SIGSTOP, green: a worker started by hand)")
-    ax.set_title(f"exchange-mode A-EDiT, {out['config']}: {out['workers']} workers + a joiner, tau_time "
+    ax.set_title(f"exchange-mode {out.get('method', 'a_edit')}, {out['config']}: {out['workers']} workers + a joiner, "
+                 f"{'tau_time' if out.get('tau') is None else 'tau ' + str(out['tau']) + ' steps, tau_time'} "
                  f"{out['tau_time']:g} s, grace {out['grace']:g} s; live / fault-free = {out['ratio']:.3f}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -583,9 +595,12 @@ def part_live(args) -> dict:
         args.live_workers, args.tau_time, args.grace, args.stop_s, args.eval_every = 2, 1.0, 1.0, 1.5, 50
         args.eval_batches = 1
         args.duration = 3.0
+        args.tau = min(args.tau, 10)  # (a lock-step method: rounds of about a second of one-layer steps)
     cfg = load_config(args.kill_config, overrides(args, "x"))
     per_step = cfg.batch_size // cfg.mesh.replica * cfg.data.seq_len
-    out = {"config": args.kill_config, "workers": args.live_workers, "slots": args.live_workers + 1,
+    out = {"config": args.kill_config, "method": args.live_method,
+           "tau": None if args.live_method == "a_edit" else args.tau, "workers": args.live_workers,
+           "slots": args.live_workers + 1,
            "tau_time": args.tau_time, "grace": args.grace, "mtbf_s": args.mtbf_live, "duration_s": args.duration,
            "stop_s": args.stop_s, "eval_every": args.eval_every, "tokens_per_step": per_step,
            "progress_every": args.progress_every, "carried_weight": args.carried_weight}
@@ -642,7 +657,9 @@ def _print(out: dict) -> None:
                             f"{st['target_tally']} {_num(interp):+.4f}, a line "
                             f"through each run's last {FIT_ROUNDS} rounds {_num(st['rel_diff_fit']):+.4f}; at "
                             "the last common multiple of "
-                            f"eval_every ({ce['multiple']}): {ce.get('rel_diff', float('nan')):+.4f}")
+                            f"eval_every ({ce['multiple']}): {ce.get('rel_diff', float('nan')):+.4f}; rounds "
+                            f"without a record {len(lv['rounds_without_record'])}, θ̄ resyncs (a worker's θ̄ not "
+                            f"the closer's) {lv.get('theta_resyncs', 0)}")
     if "abba" in out:
         a, sb = out["abba"], out["states_b"]
         print("live, ABBA (fault-free, live, live, fault-free): tokens/s from round 1 " +

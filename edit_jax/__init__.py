@@ -53,6 +53,7 @@ _API = {
     "set_cpu_device_count": "edit_jax.runtime.mesh",
     # DiLoCo / EDiT around your own model, optimizer and loop (docs/api.md)
     "LocalSGD": "edit_jax.localsgd.api",
+    "scan_blocks": "edit_jax.localsgd.nnx_model",
     "LocalSGDState": "edit_jax.localsgd.api",
     "LocalSGDRule": "edit_jax.localsgd.api",
     "diloco": "edit_jax.localsgd.api",

@@ -16,6 +16,7 @@ from flax import nnx
 
 import edit_jax
 from edit_jax.localsgd.api import LocalSGD
+from edit_jax.localsgd.outer_spec import Penalty
 from tests.test_api import N, _mesh
 
 
@@ -79,7 +80,119 @@ def test_what_a_functional_step_cannot_keep_is_refused():
     model = Regressor(nnx.Rngs(0, dropout=1), norm=nnx.BatchNorm(16, rngs=nnx.Rngs(2)))
     with pytest.raises(ValueError, match="BatchStat"):
         LocalSGD.for_nnx(edit_jax.diloco(), _mesh(), 4, model, optax.adam(0.01), _loss)
-    with pytest.raises(ValueError, match="whole-model rule"):
+    with pytest.raises(ValueError, match="blocks: rule 'edit'"):
         LocalSGD.for_nnx(edit_jax.edit(), _mesh(), 4, Regressor(nnx.Rngs(0)), optax.adam(0.01), _loss)
+    with pytest.raises(ValueError, match="no attribute 'l3'"):
+        LocalSGD.for_nnx(edit_jax.edit(), _mesh(), 4, Regressor(nnx.Rngs(0)), optax.adam(0.01), _loss, blocks="l3")
+    with pytest.raises(ValueError, match=r"model.l1: every nnx.Param must be stacked"):
+        LocalSGD.for_nnx(edit_jax.edit(), _mesh(), 4, Regressor(nnx.Rngs(0)), optax.adam(0.01), _loss, blocks="l1")
     with pytest.raises(ValueError, match="optimizer"):
         LocalSGD.for_nnx(edit_jax.diloco(), _mesh(), 4, Regressor(nnx.Rngs(0)), "adam", _loss)
+
+
+# ----------------------------------------------------------------------------- layer-wise rules
+
+V, D, L = 16, 8, 3
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, dropout: float):
+        self.lin = nnx.Linear(D, D, rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, h):
+        return h + self.drop(jnp.tanh(self.lin(h)))
+
+
+class StackedLM(nnx.Module):
+    """Root modules and L blocks built under nnx.vmap (a dropout stream per layer), run with
+    edit_jax.scan_blocks: what a layer-wise rule needs of an NNX model."""
+
+    def __init__(self, rngs: nnx.Rngs, dropout: float = 0.0, runs: int = 1):
+        self.embed = nnx.Embed(V, D, rngs=rngs)
+        make = nnx.split_rngs(splits=L)(nnx.vmap(lambda r: Block(r, dropout), in_axes=0, out_axes=0))
+        self.blocks = make(rngs)
+        self.head = nnx.Linear(D, V, rngs=rngs)
+        self.runs = runs
+
+    def __call__(self, tokens):
+        h = self.embed(tokens)
+        for _ in range(self.runs):
+            h = edit_jax.scan_blocks(self.blocks, h)
+        return self.head(h)
+
+
+def _ce(logits, y):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def _lm_loss(model, batch):
+    return _ce(model(batch["x"]), batch["y"])
+
+
+def _by_hand(params, batch, hook, hook_xs):
+    """The same model's forward in plain JAX on the {"root", "layers"} layout, the hook placed by
+    hand (root first, each layer inside the scan): the reference for the library's placement."""
+    xs = hook_xs if hook_xs is not None else {"root": None, "layers": None}
+    root, root_ys = hook(params["root"], xs["root"], "root")
+
+    def layer(h, unit):
+        p, x = unit
+        p, ys = hook(p, x, "layer")
+        return h + jnp.tanh(h @ p["lin"]["kernel"][...] + p["lin"]["bias"][...]), ys
+
+    h, layer_ys = jax.lax.scan(layer, root["embed"]["embedding"][...][batch["x"]], (params["layers"], xs["layers"]))
+    logits = h @ root["head"]["kernel"][...] + root["head"]["bias"][...]
+    return _ce(logits, batch["y"]), {"root": root_ys, "layers": layer_ys}
+
+
+def _lm_batch(k):
+    rng = np.random.default_rng(k)
+    x = rng.integers(0, V, size=(N, 4, 6)).astype(np.int32)
+    return {"x": x, "y": (x * 3 + 1) % V}
+
+
+def _run(trainer, state, steps):
+    losses = []
+    for k in range(steps):
+        state, metrics = trainer.step(state, _lm_batch(k))
+        losses.append(np.asarray(metrics["inner"]["loss"]))
+    return state, np.stack(losses)
+
+
+def test_layerwise_edit_on_nnx_equals_the_hook_placed_by_hand():
+    """EDiT (layer-wise, tau 3, two syncs in the forward) on an NNX model with stacked blocks equals
+    the same rule on the same params through loss_fn with the hook placed by hand: the library
+    places it on the root and on every layer. Every unit's θ̄ moved at the syncs."""
+    rule = edit_jax.edit(penalty=Penalty(clip_threshold=0.05))  # a clip that binds: the units' norms matter
+    model = StackedLM(nnx.Rngs(0))
+    nnx_trainer = LocalSGD.for_nnx(rule, _mesh(), 3, model, optax.adam(0.05), _lm_loss, blocks="blocks")
+    state0 = nnx_trainer.init()
+    assert set(state0.outer_params) == {"root", "layers"} and sorted(state0.outer_params["root"]) == ["embed", "head"]
+    by_hand = LocalSGD(rule, _mesh(), 3, loss_fn=_by_hand, optimizer=optax.adam(0.05))
+    a, la = _run(nnx_trainer, state0, 7)
+    b, lb = _run(by_hand, by_hand.init(jax.tree.map(np.asarray, nnx_trainer.nnx.params)), 7)
+    np.testing.assert_allclose(la, lb, rtol=1e-6)
+    for x, y in zip(jax.tree.leaves(a.outer_params), jax.tree.leaves(b.outer_params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+    moved = [not np.allclose(np.asarray(x), np.asarray(y)) for x, y in
+             zip(jax.tree.leaves(nnx_trainer.nnx.params), jax.tree.leaves(a.outer_params))]
+    assert all(moved), moved
+    assert la[-1].mean() < la[0].mean()
+    back = nnx_trainer.to_nnx(a)  # the module at θ̄, its blocks run by a plain scan
+    assert isinstance(back, StackedLM) and np.isfinite(float(_lm_loss(back, jax.tree.map(lambda x: x[0],
+                                                                                        _lm_batch(9)))))
+
+
+def test_layerwise_nnx_with_dropout_per_layer_and_a_forward_that_scans_twice():
+    """Dropout streams stacked over the blocks are reseeded per worker and step (a key per layer);
+    a forward that runs scan_blocks twice is refused, naming it."""
+    model = StackedLM(nnx.Rngs(0, dropout=1), dropout=0.3)
+    trainer = LocalSGD.for_nnx(edit_jax.edit(), _mesh(), 2, model, optax.adam(0.05), _lm_loss, blocks="blocks",
+                               seed=0)
+    _, losses = _run(trainer, trainer.init(), 3)
+    assert np.all(np.isfinite(losses)) and len({round(float(x), 6) for x in losses[0]}) == N
+    twice = LocalSGD.for_nnx(edit_jax.edit(), _mesh(), 2, StackedLM(nnx.Rngs(0), runs=2), optax.adam(0.05),
+                             _lm_loss, blocks="blocks")
+    with pytest.raises(ValueError, match=r"scan_blocks\(self.blocks, x\) once; it ran it 2 times"):
+        twice.step(twice.init(), _lm_batch(0))

@@ -146,17 +146,19 @@ class LocalSGD:
 
     @classmethod
     def for_nnx(cls, rule: LocalSGDRule, mesh: Mesh, tau: int, model, optimizer, loss_fn: Callable, *,
-                seed: int | jax.Array | None = None, donate: bool = True) -> "LocalSGD":
+                blocks: str | None = None, seed: int | jax.Array | None = None, donate: bool = True) -> "LocalSGD":
         """A Flax NNX ``model`` (an ``nnx.Module``) trained with ``optimizer`` (optax, or an
         ``nnx.Optimizer``: its ``tx``) on ``loss_fn(model, batch) -> loss | (loss, metrics)``: its
         ``nnx.Param`` state is the params (``init()`` takes them from the model), its RNG streams
         reseeded per worker and step from ``seed`` (``nnx_model.py``); ``to_nnx(state)`` is the
-        module at θ̄. Whole-model rules."""
-        if rule.layerwise:
-            raise ValueError(f"rule {rule.name!r}: syncs inside the forward; for an NNX model use a whole-model rule "
-                             "(diloco(), edit(layerwise=False), co2(), ...): the layer-wise hook is placed in "
-                             "linen models (LayerStack) only")
-        wrapped = NNXModel(model)
+        module at θ̄. Layer-wise rules need ``blocks``: the attribute holding the stacked blocks
+        (built under ``nnx.vmap``), which the model runs with ``edit_jax.scan_blocks``."""
+        if rule.layerwise and blocks is None:
+            raise ValueError(f"blocks: rule {rule.name!r} syncs each block inside the forward; name the model's "
+                             "attribute holding its stacked blocks (built under nnx.vmap, run with "
+                             "edit_jax.scan_blocks(self.blocks, x)), or use a whole-model rule (diloco(), "
+                             "edit(layerwise=False), co2(), ...)")
+        wrapped = NNXModel(model, blocks if rule.layerwise else None)
         trainer = cls(rule, mesh, tau, loss_fn=wrapped.loss_fn(loss_fn), optimizer=transformation(optimizer),
                       seed=seed, donate=donate)
         trainer.nnx = wrapped
