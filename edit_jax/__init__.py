@@ -67,6 +67,7 @@ _API = {
     "identity_hook": "edit_jax.localsgd.api",
     "LayerStack": "edit_jax.localsgd.layer_stack",
     "save_local_sgd": "edit_jax.rundir.localsgd_checkpoint",
+    "LocalSGDRecords": "edit_jax.rundir.localsgd_records",
     "restore_local_sgd": "edit_jax.rundir.localsgd_checkpoint",
 }
 
