@@ -22,7 +22,7 @@ c. Inner-step (local) and sync-step (sync_forward, local_then_sync) time relativ
    hsdp step on the same mesh, interleaved repetitions, medians.
 d. Validation loss after the same number of steps (= tokens) for Baseline, Post Local SGD, DiLoCo
    and EDiT: ``train()`` on the config (default configs/demo.py) with method=..., same W and tau.
-e. Streaming and compressed sync (EDiT): for sync.fragments F in {1, 2, 4} and sync.compress in
+e. Streaming and compressed sync (EDiT): for sync.fragments F in {1, 2, 4} and sync.wire.kind in
    {none, bf16, int8} (plus int8 with error feedback at F = 1), the bytes crossing ``replica`` of
    every sync program (one per fragment group) read from the compiled HLO as in a, the peak (the
    largest single sync step), bytes per token over a tau window, and the validation loss after
@@ -501,8 +501,8 @@ def section_d(ctx: Ctx) -> dict:
 def _stream_overrides(row: str, tau: int) -> list[str]:
     f, comp = row.split(":")
     comp, ef = (comp[:-3], True) if comp.endswith("+ef") else (comp, False)
-    return ["sync.method=edit", f"sync.tau={tau}", f"sync.fragments={f}", f"sync.compress={comp}",
-            f"sync.error_feedback={str(ef).lower()}"]
+    return ["sync.method=edit", f"sync.tau={tau}", f"sync.fragments={f}", f"sync.wire.kind={comp}",
+            f"sync.wire.error_feedback={str(ef).lower()}"]
 
 
 def section_e(ctx: Ctx) -> dict:

@@ -3,7 +3,7 @@
     python benchmarks/bench_sparse_wire.py [--compress none,int8,topk4,topk2] [--repeats 5] [overrides]
 
 On the demo config (``configs/demo.py``, its 2 x 4 CPU-emulated mesh) it compiles the EDiT step
-programs once per ``sync.compress`` (with error feedback for the lossy ones) and times, median
+programs once per ``sync.wire.kind`` (with error feedback for the lossy ones) and times, median
 of ``--repeats`` after a warm-up: the local step, the sync step (``sync_forward``: the layer-wise
 sync inside the forward, then the step) and the whole-model sync alone (``sync_fn``). The cost of
 a compression is its sync step minus the uncompressed one (the exchange itself is a memcpy between
@@ -51,8 +51,9 @@ def bench(compress: str, overrides: list[str], repeats: int) -> dict:
     from edit_jax.runtime.mesh import make_mesh
     from edit_jax.validate import load_config
 
-    ef = [] if compress == "none" else ["sync.error_feedback=true"]
-    cfg = load_config(os.path.join(REPO, "configs", "demo.py"), ["sync.method=edit", f"sync.compress={compress}", *ef, *overrides])
+    ef = [] if compress == "none" else ["sync.wire.error_feedback=true"]
+    cfg = load_config(os.path.join(REPO, "configs", "demo.py"),
+                      ["sync.method=edit", f"sync.wire.kind={compress}", *ef, *overrides])
     m = StepPrograms.for_config(cfg, make_mesh(cfg.mesh, jax.devices()[: cfg.mesh.replica * cfg.mesh.shard]))
     state = m.init_state(0)
     rng = np.random.default_rng(0)

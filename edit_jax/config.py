@@ -113,6 +113,18 @@ class OptimConfig:
 
 
 @dataclass
+class WireConfig:
+    """How the pseudo gradients cross ``replica`` (``sync.wire``): one ``codec.Codec`` is built from it."""
+
+    kind: str = "none"  # "none" (float32) | "bf16" | "int8" | "topk2" | "topk4" (compress.py, sparse.py)
+    error_feedback: bool = False  # carry each worker's compression residual to its next sync
+    decay: float = 1.0  # beta in (0, 1]: the residual enters the next sync as beta * e
+    residual_dtype: str = "float32"  # the stored residual: float32 | bfloat16 (half the memory; math in float32)
+    chunk: int = 4096  # topk*: values per chunk (<= 4096: 12-bit indices)
+    k: int = 64  # topk*: values sent per chunk (a multiple of 4)
+
+
+@dataclass
 class SyncConfig:
     """How replicas meet. ``method`` picks a row of the method table (``methods.py``), which may
     fix some of these fields; the run's ``config.json`` records them as they took effect."""
@@ -138,12 +150,6 @@ class SyncConfig:
     cpu_offload: bool = False  # keep outer state in host memory
     per_unit_metrics: bool = False  # log per-unit pseudo-gradient norms at each sync
     fragments: int = 1  # F: units split into F contiguous groups, synced on staggered steps (streaming)
-    compress: str = "none"  # "none" | "bf16" | "int8" | "topk2" | "topk4" (sparse.py): Δ's form crossing `replica`
-    error_feedback: bool = False  # carry each worker's compression residual to its next sync
-    ef_decay: float = 1.0  # beta in (0, 1]: the residual enters the next sync as beta * e
-    ef_dtype: str = "float32"  # the stored residual: float32 | bfloat16 (half the memory; math in float32)
-    sparse_chunk: int = 4096  # topk*: values per chunk (<= 4096: 12-bit indices)
-    sparse_k: int = 64  # topk*: values sent per chunk (a multiple of 4)
     # A-EDiT (a_edit, a process per worker): a sync is due tau_time s after the last; skipped under min_total_steps.
     tau_time: float = 600.0
     min_total_steps: int = 1
@@ -160,6 +166,7 @@ class SyncConfig:
     # CO2: the staleness-gap penalty Lambda (a constant, as in the released code).
     co2_gap_penalty: float = 1.0
     co2_momentum_clip: float = 0.0  # phi > 0 clamps the stored outer momentum to [-phi, phi] element-wise (0: off)
+    wire: WireConfig = field(default_factory=WireConfig)  # the form Δ crosses `replica` in (localsgd/codec.py)
 
 
 @dataclass
@@ -319,7 +326,8 @@ def to_dict(cfg) -> dict:
 
 
 def from_dict(d: dict, cls=Config, prefix: str = "") -> Any:
-    """Builds a config from a (JSON) dict, checking keys and types; errors name the key."""
+    """Builds a config from a (JSON) dict, checking keys and types; errors name the key. (A dict
+    written before some keys moved into sections: ``config_renames.upgrade`` it first.)"""
     if not isinstance(d, dict):
         raise ConfigError(f"config section '{prefix or '<root>'}': expected a mapping, got {type(d).__name__}")
     types_ = _field_types(cls)
@@ -357,7 +365,8 @@ def dumps(cfg: Config) -> str:
     return json.dumps(to_dict(cfg), indent=2)
 
 
-__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "DebugConfig", "LogConfig",
+__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "WireConfig",
+           "DebugConfig", "LogConfig",
            "TrainConfig", "SpikeConfig", "ConfigError", "apply_overrides", "require", "to_dict",
            "from_dict", "dumps"]
 

@@ -51,7 +51,8 @@ def check_fields(cfg: Config) -> None:
     require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", f"must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
     for key, val, allowed in [("model.compute_dtype", m.compute_dtype, ("float32", "bfloat16", "float16")),
                               ("model.remat_saves", m.remat_saves, ("nothing", "dots", "dots_attention")),
-                              ("model.attention", m.attention, ("auto", "xla", "cudnn")), ("sync.compress", s.compress, COMPRESS),
+                              ("model.attention", m.attention, ("auto", "xla", "cudnn")),
+                              ("sync.wire.kind", s.wire.kind, COMPRESS),
                               ("sync.outer_sharding", s.outer_sharding, ("shard", "replica_shard"))]:
         require(val in allowed, key, f"expected one of {', '.join(allowed)}, got {val!r}")
     require(m.attention != "cudnn" or m.compute_dtype in ("bfloat16", "float16"), "model.attention",
@@ -90,8 +91,8 @@ def check_fields(cfg: Config) -> None:
     require(s.fragments <= 1 + m.n_layers, "sync.fragments",
             f"must be <= the number of units (1 + model.n_layers = {1 + m.n_layers}), got {s.fragments}")
     _check_compile_cache(cfg.train.compile_cache)
-    require(s.compress == "none" or s.outer_sharding == "shard", "sync.compress",
-            f"{s.compress!r} needs sync.outer_sharding='shard' (with 'replica_shard' the exchange moves θ_i, not "
+    require(s.wire.kind == "none" or s.outer_sharding == "shard", "sync.wire.kind",
+            f"{s.wire.kind!r} needs sync.outer_sharding='shard' (with 'replica_shard' the exchange moves θ_i, not "
             "the pseudo gradient)")
 
 

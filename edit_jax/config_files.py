@@ -16,6 +16,7 @@ import json
 import os
 
 from edit_jax.config import Config, ConfigError, apply_overrides, from_dict
+from edit_jax.config_renames import hint_for, override, upgrade
 
 
 def read_config(path: str | None, overrides: list[str] = ()) -> Config:
@@ -26,7 +27,7 @@ def read_config(path: str | None, overrides: list[str] = ()) -> Config:
     else:
         path = _resolve_config_path(path)
         cfg = _load_json(path) if path.endswith(".json") else _load_file(path)
-    return apply_overrides(cfg, list(overrides))
+    return apply_overrides(cfg, [override(item) for item in overrides])  # a key that moved: its new name
 
 
 def _resolve_config_path(path: str) -> str:
@@ -66,7 +67,7 @@ def _load_json(path: str) -> Config:
         raise ConfigError(f"config file {path!r} is not valid JSON ({e}); expected a config as written to "
                           "RUN_DIR/config.json") from e
     try:
-        return from_dict(d)
+        return from_dict(upgrade(d, what=f"config file {path!r}"))
     except ConfigError as e:
         raise ConfigError(f"config file {path!r}: {e}") from e
 
@@ -94,7 +95,8 @@ def _load_file(path: str) -> Config:
         raise ConfigError(f"config file {path!r}: get_config() called {_exit_call(e)} "
                           "(expected it to return a Config)") from e
     except Exception as e:  # noqa: BLE001 - the user's code: report it with its file
-        raise ConfigError(f"config file {path!r}: get_config() raised {type(e).__name__}: {e}") from e
+        hint = hint_for(str(e)) if isinstance(e, TypeError) else ""  # an old keyword: its new key
+        raise ConfigError(f"config file {path!r}: get_config() raised {type(e).__name__}: {e}{hint}") from e
     if not isinstance(cfg, Config):
         raise ConfigError(f"config file {path!r}: get_config() returned {type(cfg).__name__}, expected edit_jax.config.Config")
     return cfg

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edit_jax.config import ConfigError
+from edit_jax.config import ConfigError, WireConfig
 from edit_jax.localsgd.methods import OuterSpec, plan_for
 from edit_jax.localsgd.stale import StaleSync
 from edit_jax.localsgd.outer import make_outer_optimizer, sgd_trace, stale_outer_step
@@ -213,7 +213,7 @@ def test_co2_fixes_heavy_ball_and_no_penalty():
     ({"co2_gap_penalty": 0.0}, "sync.co2_gap_penalty"),
     ({"co2_momentum_clip": -1.0}, "sync.co2_momentum_clip"),
     ({"fragments": 2}, "sync.fragments"),
-    ({"compress": "int8"}, "sync.compress"),
+    ({"wire": WireConfig(kind="int8")}, "sync.wire.kind"),
     ({"outer_sharding": "replica_shard"}, "sync.outer_sharding"),
 ])
 def test_co2_bad_settings_name_the_key(sync, key):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edit_jax.config import SyncConfig
+from edit_jax.config import SyncConfig, WireConfig
 from edit_jax.localsgd import compress, sparse
 from edit_jax.localsgd.codec import NONE, Codec
 
@@ -39,16 +39,19 @@ def test_name_is_the_wire_name_and_reads_back(codec, name):
 
 
 def test_from_sync_builds_the_same_codec_from_the_config_or_a_saved_dict():
-    s = SyncConfig(compress="topk2", sparse_chunk=256, sparse_k=16, error_feedback=True, ef_decay=0.5,
-                   ef_dtype="bfloat16")
+    s = SyncConfig(wire=WireConfig(kind="topk2", chunk=256, k=16, error_feedback=True, decay=0.5,
+                                   residual_dtype="bfloat16"))
     c = Codec.from_sync(s)
     assert c == Codec("topk2", 256, 16, 0.5, True, "bfloat16") and c.name == "topk2;chunk=256;k=16;decay=0.5"
+    assert Codec.from_sync({"wire": {"kind": "topk2", "chunk": 256, "k": 16, "error_feedback": True, "decay": 0.5,
+                                     "residual_dtype": "bfloat16"}}) == c
+    # A checkpoint written before the sync.wire section: its flat keys, read as the section's.
     assert Codec.from_sync({"compress": "topk2", "sparse_chunk": 256, "sparse_k": 16, "error_feedback": True,
                             "ef_decay": 0.5, "ef_dtype": "bfloat16"}) == c
     # A config written before the compression fields existed: the defaults.
     assert Codec.from_sync({"method": "edit"}) == NONE
     # chunk and k mean nothing to a dense kind: the codec (and its name) ignores them.
-    assert Codec.from_sync(SyncConfig(compress="int8", sparse_chunk=256, sparse_k=16)) == Codec("int8")
+    assert Codec.from_sync(SyncConfig(wire=WireConfig(kind="int8", chunk=256, k=16))) == Codec("int8")
 
 
 def test_layout_and_state():
@@ -127,15 +130,15 @@ def test_resume_under_another_wire():
     Any other change (kind, chunk, k, β, the residual's dtype) is said in one line: the residual is
     the part of Δ not sent yet, laid out like the params whatever the wire, so it carries over."""
     topk2 = Codec("topk2", 256, 16, error_feedback=True)
-    assert topk2.resume_refusal(Codec("topk2")) == ["sync.error_feedback: checkpoint False, config True"]
-    assert Codec("topk2").resume_refusal(topk2) == ["sync.error_feedback: checkpoint True, config False"]
+    assert topk2.resume_refusal(Codec("topk2")) == ["sync.wire.error_feedback: checkpoint False, config True"]
+    assert Codec("topk2").resume_refusal(topk2) == ["sync.wire.error_feedback: checkpoint True, config False"]
     assert topk2.resume_change(topk2) is None and topk2.resume_refusal(topk2) == []
     topk4 = Codec("topk4", error_feedback=True, ef_dtype="bfloat16")
     assert topk4.resume_refusal(topk2) == []
     assert topk4.resume_change(topk2) == (
-        "the wire changed (sync.compress with its options: checkpoint 'topk2;chunk=256;k=16', config 'topk4'; "
-        "sync.ef_dtype: checkpoint float32, config bfloat16): the saved error-feedback residual carries over "
-        "(stored as bfloat16)")
+        "the wire changed (sync.wire.kind with its options: checkpoint 'topk2;chunk=256;k=16', config 'topk4'; "
+        "sync.wire.residual_dtype: checkpoint float32, config bfloat16): the saved error-feedback residual carries "
+        "over (stored as bfloat16)")
     assert "starts at zero" in topk4.resume_change(topk2, residual_kept=False)
     assert Codec("bf16").resume_change(Codec("int8")).endswith("no residual is carried")
 

@@ -70,3 +70,41 @@ def test_config_file_calling_sys_exit_is_a_config_error(tmp_path, where):
     path.write_text(body)
     with pytest.raises(ConfigError, match=rf"config file '{path}'.*sys\.exit\(7\)"):
         load_config(str(path), [])
+
+
+def test_keys_that_moved_into_a_section_are_read_as_their_new_key(tmp_path, capsys):
+    """sync.compress (and the other five wire fields) moved into sync.wire: a command line, a run
+    dir's config.json and a checkpoint's config written with the flat keys are read as the new ones,
+    one line saying so; a Python config passing the old keyword fails naming the new key."""
+    import json
+
+    from edit_jax import config_renames
+    from edit_jax.localsgd.codec import Codec
+
+    config_renames._TOLD.clear()
+    cfg = load_config(None, ["sync.compress=int8", "sync.error_feedback=true", "sync.ef_decay=0.5"])
+    assert (cfg.sync.wire.kind, cfg.sync.wire.error_feedback, cfg.sync.wire.decay) == ("int8", True, 0.5)
+    err = capsys.readouterr().err
+    assert "config key 'sync.compress' is now 'sync.wire.kind'" in err and err.count("\n") == 3
+    load_config(None, ["sync.compress=bf16", "sync.error_feedback=true"])
+    assert capsys.readouterr().err == ""  # once per key and process
+
+    old = to_dict(Config())  # a config.json of the version before the section: the flat keys
+    wire = old["sync"].pop("wire")
+    old["sync"].update(compress="topk2", error_feedback=True, ef_decay=wire["decay"], ef_dtype="float32",
+                       sparse_chunk=1024, sparse_k=32)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(old))
+    cfg = load_config(str(path), ["sync.method=edit"])
+    assert (cfg.sync.wire.kind, cfg.sync.wire.chunk, cfg.sync.wire.k) == ("topk2", 1024, 32)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sync.sparse_chunk -> sync.wire.chunk" in err, err
+    assert Codec.from_sync(old["sync"]) == Codec.from_sync(cfg.sync)  # a checkpoint's saved config
+    both = {**old, "sync": {**old["sync"], "wire": {"kind": "int8"}}}  # both names: the new one kept
+    assert from_dict(config_renames.upgrade(both, config_renames.quiet)).sync.wire.kind == "int8"
+
+    py = tmp_path / "old.py"
+    py.write_text("from edit_jax.config import Config, SyncConfig\n\n\ndef get_config():\n"
+                  "    return Config(sync=SyncConfig(compress='int8'))\n")
+    with pytest.raises(ConfigError, match=r"'sync.compress' is now 'sync.wire.kind': pass wire=WireConfig\(kind="):
+        load_config(str(py))

@@ -44,10 +44,14 @@ def test_generated_reference_pages_are_current(page):
 
 
 def test_config_page_lists_every_field_of_the_dataclasses():
+    from edit_jax.config_renames import RENAMED
+
     with open(os.path.join(gen_docs.OUT, "config.md")) as f:
-        listed = re.findall(r"^\| `([a-z0-9_.]+)` \|", f.read(), flags=re.M)
+        fields, moved = f.read().split("\n## Keys that moved into a section\n")
+    listed = re.findall(r"^\| `([a-z0-9_.]+)` \|", fields, flags=re.M)
     assert sorted(listed) == sorted(key for key, *_ in gen_docs.config_fields())
     assert len(listed) == len(set(listed))
+    assert dict(re.findall(r"^\| `([a-z0-9_.]+)` \| `([a-z0-9_.]+)` \|", moved, flags=re.M)) == RENAMED
 
 
 def test_readme_lists_what_export_writes():

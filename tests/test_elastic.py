@@ -463,12 +463,13 @@ def test_plot_shows_membership(tmp_path):
 
 
 @pytest.mark.parametrize("override, key", [
-    ("sync.warmup_steps=4", "sync.warmup_steps"), ("sync.compress=int8", "sync.compress"),
+    ("sync.warmup_steps=4", "sync.warmup_steps"), ("sync.wire.kind=int8", "sync.wire.kind"),
     ("mesh.processes=3", "mesh.processes"), ("sync.grace=0", "sync.grace"), ("sync.late_posts=keep", "sync.late_posts"),
     ("sync.progress_every=-1", "sync.progress_every"),
     ("max_seconds=60", "max_seconds"), ("sync.method=co2", "sync.exchange"),
     ("sync.method=baseline", "sync.exchange"), ("sync.method=edit sync.fragments=2", "sync.fragments"),
-    ("sync.compress=topk2 sync.error_feedback=true sync.ef_dtype=bfloat16", "sync.ef_dtype")])
+    ("sync.wire.kind=topk2 sync.wire.error_feedback=true sync.wire.residual_dtype=bfloat16",
+     "sync.wire.residual_dtype")])
 def test_exchange_config_errors_name_the_field(tmp_path, override, key):
     from edit_jax.validate import ConfigError
 

@@ -75,7 +75,7 @@ def _one_line(text: str) -> str:
 @pytest.mark.parametrize("override, named", [
     ("model.ffn_dim=192", "model.ffn_dim (the run's 128, this 192)"),
     ("mesh.replica=4", "mesh.replica (the run's 2, this 4)"),
-    ("sync.compress=topk2 sync.error_feedback=true", "sync.compress (the run's 'none', this 'topk2')")])
+    ("sync.wire.kind=topk2 sync.wire.error_feedback=true", "sync.wire.kind (the run's 'none', this 'topk2')")])
 def test_refused_worker_writes_nothing(finished, override, named):
     """A worker of another model, slot count or wire: exit 2 (the launcher does not restart it), one
     line naming the field and both values, and the run dir and the exchange byte for byte as they were

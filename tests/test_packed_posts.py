@@ -235,9 +235,9 @@ def test_config_exchange_with_sparse_posts():
     from edit_jax.validate import ConfigError
 
     for kind in ("topk2", "topk4"):
-        assert _config(f"sync.compress={kind}", "sync.error_feedback=true").sync.compress == kind
-    with pytest.raises(ConfigError, match=r"sync\.error_feedback"):
-        _config("sync.compress=topk2")
+        assert _config(f"sync.wire.kind={kind}", "sync.wire.error_feedback=true").sync.wire.kind == kind
+    with pytest.raises(ConfigError, match=r"sync\.wire\.error_feedback"):
+        _config("sync.wire.kind=topk2")
     for kind in ("int8", "bf16"):
-        with pytest.raises(ConfigError, match=r"sync\.compress.*int8 / bf16 posts are not built"):
-            _config(f"sync.compress={kind}", "sync.error_feedback=true")
+        with pytest.raises(ConfigError, match=r"sync\.wire\.kind.*int8 / bf16 posts are not built"):
+            _config(f"sync.wire.kind={kind}", "sync.wire.error_feedback=true")

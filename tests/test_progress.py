@@ -129,7 +129,7 @@ def test_saved_residual_of_a_packed_wire_resumes(tmp_path):
     from edit_jax.runtime.compile_cache import compile_cache
 
     ex, run = str(tmp_path / "ex"), str(tmp_path / "run")
-    cfg = _config(ex, "sync.progress_every=0.05", "sync.compress=topk2", "sync.error_feedback=true")
+    cfg = _config(ex, "sync.progress_every=0.05", "sync.wire.kind=topk2", "sync.wire.error_feedback=true")
     with compile_cache(os.environ.get("EDIT_JAX_COMPILE_CACHE")):
         w, shared, local = _started(cfg, run)
         zeros = PK.zero_residual(shared.theta, w.plan.layerwise, w.codec)

@@ -22,6 +22,8 @@ Two workers, tiny shapes: a few seconds per case.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +38,7 @@ from edit_jax.localsgd.sync import local_blocks, reset_nonfinite_workers, sync_m
     with_replica_dim, as_varying
 from edit_jax.localsgd.whole_model import WholeModelSync
 from edit_jax.runtime.mesh import make_mesh
+from edit_jax.config import WireConfig
 from edit_jax.validate import load_config
 from tests.stages import one_stage
 from tests.test_edit_sync import TINY, Ref, np_sync
@@ -53,8 +56,10 @@ FIELDS = {
 
 
 def _trainer(method: str, shard: int, **fields) -> StepPrograms:
+    flat = {f"wire.{k}": v for k, v in dataclasses.asdict(fields.pop("wire")).items()} if "wire" in fields else {}
     cfg = load_config(TINY, BASE + [f"mesh.shard={shard}", f"sync.method={method}"]
-                      + [f"sync.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items()])
+                      + [f"sync.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                         for k, v in {**fields, **flat}.items()])
     return StepPrograms.for_config(cfg, make_mesh(cfg.mesh, jax.devices()[:N * shard]))
 
 
@@ -180,7 +185,7 @@ def test_a_lossy_wire_with_error_feedback_is_the_same_in_both_drivers(wire):
     same flat units into the same chunks; θ̄, momentum and every worker's residual agree."""
     one_stage("default" if wire == "int8" else "3.12", f"EDiT on {wire} in both drivers", 11,
               other=f"the same on {'topk2' if wire == 'int8' else 'int8'}")
-    fields = dict(FIELDS["edit"], compress=wire, error_feedback=True)
+    fields = dict(FIELDS["edit"], wire=WireConfig(kind=wire, error_feedback=True))
     m = _trainer("edit", shard=1, **fields)
     posts = _posts(m)
     synced, _ = jax.device_get(m.sync_fn()(jax.device_put(posts, m.state_shardings)))
@@ -211,7 +216,7 @@ def test_the_api_refuses_what_one_program_cannot_run():
         api.from_method("diloco", co2_gap_penalty=3.0)  # CO2's own field on another method
     with pytest.raises(ValueError, match="unknown sync field"):
         api.from_method("edit", outer_lrr=0.1)
-    with pytest.raises(ValueError, match="sync.error_feedback"):
+    with pytest.raises(ValueError, match="sync.wire.error_feedback"):
         api.compressed(api.diloco(), "topk2", error_feedback=False)
     with pytest.raises(ValueError, match="wire"):
         api.compressed(api.diloco(), "topk3")

@@ -182,7 +182,7 @@ def test_exchange_and_residual_match_numpy(n, wire):
 # ============================================================================= the sync on the tiny config
 
 
-TOPK2 = [*EDIT4, "sync.compress=topk2", "sync.error_feedback=true"]
+TOPK2 = [*EDIT4, "sync.wire.kind=topk2", "sync.wire.error_feedback=true"]
 
 
 @pytest.fixture(scope="module")
@@ -271,12 +271,13 @@ def test_hlo_replica_collectives_are_the_packed_bytes(topk2):
 
 
 @pytest.mark.parametrize("overrides,key", [
-    (["sync.compress=topk2"], "sync.error_feedback"),  # top-k without a residual
-    (["sync.compress=topk2", "sync.error_feedback=true", "sync.sparse_k=30"], "sync.sparse_k"),
-    (["sync.compress=topk4", "sync.error_feedback=true", "sync.sparse_chunk=8192"], "sync.sparse_chunk"),
-    (["sync.compress=int8", "sync.error_feedback=true", "sync.ef_decay=0"], "sync.ef_decay"),
-    (["sync.compress=topk2", "sync.error_feedback=true", "sync.ef_dtype=float16"], "sync.ef_dtype"),
-    (["sync.compress=int8", "sync.ef_dtype=bfloat16"], "sync.ef_dtype"),  # no residual to store
+    (["sync.wire.kind=topk2"], "sync.wire.error_feedback"),  # top-k without a residual
+    (["sync.wire.kind=topk2", "sync.wire.error_feedback=true", "sync.wire.k=30"], "sync.wire.k"),
+    (["sync.wire.kind=topk4", "sync.wire.error_feedback=true", "sync.wire.chunk=8192"], "sync.wire.chunk"),
+    (["sync.wire.kind=int8", "sync.wire.error_feedback=true", "sync.wire.decay=0"], "sync.wire.decay"),
+    (["sync.wire.kind=topk2", "sync.wire.error_feedback=true", "sync.wire.residual_dtype=float16"],
+     "sync.wire.residual_dtype"),
+    (["sync.wire.kind=int8", "sync.wire.residual_dtype=bfloat16"], "sync.wire.residual_dtype"),  # no residual to store
 ])
 def test_config_errors_name_the_field(overrides, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):
@@ -284,7 +285,7 @@ def test_config_errors_name_the_field(overrides, key):
 
 
 def test_bfloat16_residual_is_the_float32_one_rounded_once(tmp_path, topk2):
-    """sync.ef_dtype=bfloat16: the state holds the residual in bfloat16 and the sync computes in
+    """sync.wire.residual_dtype=bfloat16: the state holds the residual in bfloat16 and the sync computes in
     float32. From the same state (a residual exactly representable in bfloat16), θ̄, trace, params
     and detectors equal the float32 residual's sync bit for bit, and the new residual is the
     float32 sync's rounded to bfloat16 once. A float32 run's checkpoint resumes into bfloat16 (cast)."""
@@ -292,7 +293,7 @@ def test_bfloat16_residual_is_the_float32_one_rounded_once(tmp_path, topk2):
     from edit_jax.training.resume import restore
 
     cfg, m, start = topk2
-    half = StepPrograms.for_config(_cfg(*TOPK2, "sync.ef_dtype=bfloat16"), _mesh(cfg))
+    half = StepPrograms.for_config(_cfg(*TOPK2, "sync.wire.residual_dtype=bfloat16"), _mesh(cfg))
     assert {x.dtype for x in jax.tree.leaves(half.abstract_state().outer.extra["residual"])} == {jnp.dtype(jnp.bfloat16)}
     rng = np.random.default_rng(5)
     res16 = jax.tree.map(lambda x: jnp.asarray(1e-3 * rng.standard_normal(x.shape), jnp.bfloat16),
@@ -310,7 +311,8 @@ def test_bfloat16_residual_is_the_float32_one_rounded_once(tmp_path, topk2):
     ck = Checkpointer(str(tmp_path), 2)
     try:
         ck.save(1, _put(m, full), {"position": 0}, cfg)
-        restored, _ = restore(ck, 1, _cfg(*TOPK2, "sync.ef_dtype=bfloat16"), half)  # verified as written, then cast
+        # verified as written, then cast
+        restored, _ = restore(ck, 1, _cfg(*TOPK2, "sync.wire.residual_dtype=bfloat16"), half)
     finally:
         ck.close()
     for a, b in zip(jax.tree.leaves(full.outer.extra["residual"]), jax.tree.leaves(_host(restored).outer.extra["residual"])):
@@ -328,18 +330,18 @@ def test_a_compression_change_on_resume_is_said_or_refused(tmp_path, topk2):
     rng = np.random.default_rng(7)
     saved = start.replace(outer=start.outer.replace(extra={"residual": jax.tree.map(
         lambda x: rng.standard_normal(x.shape).astype(np.float32), start.outer.extra["residual"])}))
-    topk4 = _cfg(*EDIT4, "sync.compress=topk4", "sync.error_feedback=true", "sync.sparse_chunk=1024")
+    topk4 = _cfg(*EDIT4, "sync.wire.kind=topk4", "sync.wire.error_feedback=true", "sync.wire.chunk=1024")
     said = []
     ck = Checkpointer(str(tmp_path), 2)
     try:
         ck.save(1, _put(m, saved), {"position": 0}, cfg)
         restored, _, step = restore_verified(ck, topk4, StepPrograms.for_config(topk4, _mesh(topk4)), said.append, None)
-        with pytest.raises(CheckpointError, match=r"\(sync\.error_feedback: checkpoint True, config False\)"):
-            ck.check_compatible(ck.read_meta(1), _cfg(*EDIT4, "sync.compress=int8"), 1)
+        with pytest.raises(CheckpointError, match=r"\(sync\.wire\.error_feedback: checkpoint True, config False\)"):
+            ck.check_compatible(ck.read_meta(1), _cfg(*EDIT4, "sync.wire.kind=int8"), 1)
     finally:
         ck.close()
     assert step == 1 and said == [
-        "edit-jax: checkpoint 1: the wire changed (sync.compress with its options: checkpoint 'topk2', config "
+        "edit-jax: checkpoint 1: the wire changed (sync.wire.kind with its options: checkpoint 'topk2', config "
         "'topk4;chunk=1024'): the saved error-feedback residual carries over (stored as float32)"]
     _assert_tree_close(_host(restored.outer.extra["residual"]), saved.outer.extra["residual"], "residual", rtol=0, atol=0)
 

@@ -117,9 +117,9 @@ def test_staggered_schedule(method):
     (["sync.tau=6", "sync.fragments=4"], "sync.fragments"),
     (["sync.tau=8", "sync.fragments=8"], "sync.fragments"),  # 3 layers: 4 units < 8
     (["sync.fragments=0"], "sync.fragments"),
-    (["sync.compress=fp8"], "sync.compress"),
-    (["sync.error_feedback=true"], "sync.error_feedback"),
-    (["sync.compress=int8", "sync.outer_sharding=replica_shard"], "sync.compress"),
+    (["sync.wire.kind=fp8"], "sync.wire.kind"),
+    (["sync.wire.error_feedback=true"], "sync.wire.error_feedback"),
+    (["sync.wire.kind=int8", "sync.outer_sharding=replica_shard"], "sync.wire.kind"),
 ])
 def test_config_errors_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):
@@ -130,7 +130,7 @@ def test_defaults_keep_the_state_structure():
     """fragments=1, compress=none: no residual in the state (checkpoints keep their structure)."""
     cfg = _cfg(*BASE4, "sync.method=edit")
     assert state_shapes(cfg).outer.extra is None
-    ef = state_shapes(_cfg(*BASE4, "sync.method=edit", "sync.compress=int8", "sync.error_feedback=true"))
+    ef = state_shapes(_cfg(*BASE4, "sync.method=edit", "sync.wire.kind=int8", "sync.wire.error_feedback=true"))
     assert jax.tree.structure(ef.outer.extra["residual"]) == jax.tree.structure(ef.params)
     assert [x.shape for x in jax.tree.leaves(ef.outer.extra["residual"])] == [x.shape for x in jax.tree.leaves(ef.params)]
 
@@ -447,7 +447,7 @@ def test_compressed_sync_matches_numpy_reference(compress):
     in s8 (int8) or u16 (bf16 bits) across `replica` and no float32 tensor."""
     one_stage("default" if compress == "int8" else "3.12", f"the {compress} sync against NumPy", 27,
               other="the other codec's")
-    cfg = _cfg(*EDIT4, f"sync.compress={compress}", "sync.tau=4", "sync.fragments=2")
+    cfg = _cfg(*EDIT4, f"sync.wire.kind={compress}", "sync.tau=4", "sync.fragments=2")
     m = StepPrograms.for_config(cfg, _mesh(cfg))
     start = _crafted_state(m, _host(m.init_state(0)))
     r = _ref_of(cfg)
@@ -490,10 +490,10 @@ def test_compressed_sync_matches_numpy_reference(compress):
 
 
 def test_error_feedback_state_through_the_machinery():
-    """With sync.error_feedback the state holds each worker's residual (sharded like the params);
+    """With sync.wire.error_feedback the state holds each worker's residual (sharded like the params);
     after a sync it is the part of Δ_i the int8 exchange dropped: Δ_i − deq(q(Δ_i)) on each device
     block, non-zero, smaller than half a quantum; a flagged worker's residual is 0."""
-    cfg = _cfg(*EDIT4, "sync.compress=int8", "sync.error_feedback=true")
+    cfg = _cfg(*EDIT4, "sync.wire.kind=int8", "sync.wire.error_feedback=true")
     m = StepPrograms.for_config(cfg, _mesh(cfg))
     start = _crafted_state(m, _host(m.init_state(0)))
     assert start.outer.extra["residual"] is not None
@@ -524,7 +524,7 @@ def test_error_feedback_residual_is_checkpointed(tmp_path):
     off is refused naming the key (the state's structure differs)."""
     from edit_jax.rundir.checkpoint import Checkpointer, CheckpointError
 
-    cfg = _cfg(*BASE4, "sync.method=edit", "sync.compress=int8", "sync.error_feedback=true")
+    cfg = _cfg(*BASE4, "sync.method=edit", "sync.wire.kind=int8", "sync.wire.error_feedback=true")
     m = StepPrograms.for_config(cfg, _mesh(cfg))
     host = _host(m.init_state(0))
     rng = np.random.default_rng(5)
@@ -534,8 +534,8 @@ def test_error_feedback_residual_is_checkpointed(tmp_path):
     try:
         ck.save(3, _put(m, host), {"position": 0}, cfg)
         ck.check_compatible(ck.read_meta(3), cfg, 3)
-        with pytest.raises(CheckpointError, match="sync.error_feedback"):
-            ck.check_compatible(ck.read_meta(3), _cfg(*BASE4, "sync.method=edit", "sync.compress=int8"), 3)
+        with pytest.raises(CheckpointError, match="sync.wire.error_feedback"):
+            ck.check_compatible(ck.read_meta(3), _cfg(*BASE4, "sync.method=edit", "sync.wire.kind=int8"), 3)
         restored, _ = ck.restore(3, m.abstract_state())
         _assert_tree_close(_host(restored.outer.extra["residual"]), host.outer.extra["residual"], "residual", rtol=0, atol=0)
     finally:

@@ -10,6 +10,7 @@ The layer stack is a real loop here (``scan_unroll=1``): unrolled, XLA's CSE mer
 import jax
 import numpy as np
 
+from edit_jax.config import WireConfig
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import BATCH_SPEC, named
 from edit_jax.tools import hlo
@@ -46,7 +47,8 @@ def test_sync_step_sends_one_all_reduce_of_the_model_with_remat_and_accumulation
 
 
 def test_compressed_fragment_crosses_once_per_unit_with_remat():
-    cfg = tiny_config(2, 2, method="edit", sync={"warmup_steps": 1, "tau": 4, "fragments": 2, "compress": "int8"},
+    cfg = tiny_config(2, 2, method="edit", sync={"warmup_steps": 1, "tau": 4, "fragments": 2,
+                                                  "wire": WireConfig(kind="int8")},
                       model=REMAT_LOOP)
     m = StepPrograms.for_config(cfg, mesh_for(cfg))
     root_in, lo, hi = m._span(m.schedule.kind(cfg.sync.warmup_steps + cfg.sync.tau))

@@ -304,12 +304,13 @@ def _resumes_like_the_old_code(tmp_path, fixture: str):
     import shutil
 
     from edit_jax.config import from_dict
+    from edit_jax.config_renames import quiet, upgrade
 
     run = tmp_path / "run"
     shutil.copytree(os.path.join(fixture, "checkpoints"), run / "checkpoints")
     with open(os.path.join(fixture, "expected.json")) as f:
         expected = json.load(f)
-    cfg = from_dict(expected["config"])
+    cfg = from_dict(upgrade(expected["config"], quiet))  # (older fixtures: keys since moved into sections)
     # the same text wherever the tests run from
     cfg.data.paths = (os.path.join(REPO, "tests", "fixtures", "legacy_edit_run", "corpus.txt"),)
     result = train(cfg, str(run), progress=False, devices=jax.devices()[:4])

@@ -153,6 +153,9 @@ def check_key(token: str, keys: set[str]) -> str | None:
         return None if any(k.startswith(prefix) for k in keys) else f"config section {key} does not exist"
     if key in keys or any(k.startswith(key + ".") for k in keys):
         return None
+    from edit_jax.config_renames import RENAMED
+    if key in RENAMED:
+        return None  # a key that moved into a section: still read (translated), as the notes' older commands use it
     if key.endswith((".py", ".json", ".md", ".safetensors")):
         return None  # a file name such as model.safetensors, not a key
     parts = key.split(".")

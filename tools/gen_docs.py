@@ -111,6 +111,12 @@ def config_page() -> str:
         shown = json.dumps(list(default) if isinstance(default, tuple) else default, ensure_ascii=False)
         out.append(f"| `{key}` | `{_cell(_type_name(cls, name))}` | `{_cell(shown)}` | "
                    f"{_cell(_rst_to_md(comments.get((cls.__name__, name), '')))} |\n")
+    from edit_jax.config_renames import RENAMED
+
+    out.append("\n## Keys that moved into a section\n\nStill read, on a command line or in a `config.json` (a run "
+               "dir's, a checkpoint's), as their new key, with one line saying so (`edit_jax/config_renames.py`).\n\n"
+               "| old key | new key |\n|---|---|\n")
+    out += [f"| `{old}` | `{new}` |\n" for old, new in RENAMED.items()]
     return "".join(out)
 
 

@@ -3,7 +3,7 @@ step's GPU program with and without the sparse wire.
 
     JAX_PLATFORMS=cpu python tools/dump_gpu_program.py configs/edit_7b.py none.txt
     JAX_PLATFORMS=cpu python tools/dump_gpu_program.py configs/edit_7b.py topk2.txt \\
-        sync.compress=topk2 sync.error_feedback=true
+        sync.wire.kind=topk2 sync.wire.error_feedback=true
     python tools/hlo_counts.py none.txt 32          # 32: the layer loop's trip count if XLA left it unknown
 
 Prints one JSON object: every instruction (fused bodies included); the *scheduled* ones, i.e. those

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from edit_jax.config import Config, ConfigError, dumps
+from edit_jax.config_renames import quiet, upgrade
 from edit_jax.localsgd.methods import normalise
 from edit_jax.rundir.records import replace_file
 from edit_jax.rundir.runlock import RunLock, check_writable, first_missing, remove_if_unused
@@ -72,7 +73,7 @@ def _read_run(ex, url: str) -> dict | None:
     except (UnicodeDecodeError, ValueError) as e:
         raise NotAdmitted(f"sync.exchange: {url}/{CONFIG_KEY} (the run's config) is unreadable ({e}); "
                           "restore it or start the run on a new exchange") from None
-    return run
+    return upgrade(run, quiet)  # a run begun before some keys moved into sections: compared as today's
 
 
 def admit(ex, cfg: Config, run_dir: str, say=print, *, owner: bool = False) -> Config:

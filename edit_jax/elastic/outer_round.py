@@ -11,7 +11,7 @@ Every round checks it (the manifest's hash); a worker whose host rounds differen
 closer's published state instead (``worker.py``, recorded as ``theta_resync``). The cost is
 host work on each worker: a few element-wise passes over the parameters per participant (norms,
 weights, the weighted sum, clip, Nesterov), against a ``tau_time`` of minutes (BUILD_NOTES 20).
-With a sparse ``sync.compress`` the posts are packed rows and true norms, and the step is
+With a sparse ``sync.wire.kind`` the posts are packed rows and true norms, and the step is
 ``packed.round_step`` (decode, then the same penalty, sum and outer step).
 """
 
@@ -178,7 +178,7 @@ class OuterRound:
                 raise ValueError(f"round {p.round}: worker {p.worker}'s packed post has rows "
                                  f"{[(a.shape, str(a.dtype)) for a in p.delta]} and norms {np.shape(p.norms)}, this "
                                  f"config's model needs {[(b.shape, str(b.dtype)) for b in want]} and ({units},) "
-                                 f"(sync.compress={self.codec.name})")
+                                 f"(sync.wire.kind={self.codec.name})")
         norms = np.stack([np.asarray(p.norms, np.float32) for p in posts])
         return [np.stack(rows) for rows in zip(*(p.delta for p in posts))], (norms,)
 

@@ -1,4 +1,4 @@
-"""Compressed posts (``sync.exchange`` with ``sync.compress = topk2 | topk4``; issues 38 and 39):
+"""Compressed posts (``sync.exchange`` with ``sync.wire.kind = topk2 | topk4``; issues 38 and 39):
 the post is the sparse wire's packed form, the same codec as the in-program exchange
 (``localsgd/sparse.py``: top-k per chunk, 2/4-bit levels, 12-bit indices, packed uint8).
 
@@ -65,7 +65,7 @@ def check_post(meta: dict, wire: Codec | str, what: str) -> int:
         raise ValueError(f"{what}: {e}; this worker reads {wire!r}") from None
     if not same:
         raise ValueError(f"{what}: the post carries {theirs!r} pseudo gradients, this worker reads {wire!r} "
-                         "(sync.compress, sync.sparse_chunk, sync.sparse_k): every worker of a run must use the same")
+                         "(sync.wire.kind, sync.wire.chunk, sync.wire.k): every worker of a run must use the same")
     return fmt
 
 

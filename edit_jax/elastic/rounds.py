@@ -7,7 +7,7 @@ anomaly detectors, the step tally) into round state r:
 1. each worker that applied round r - 1 trains for ``sync.tau_time`` seconds (a lock-step rule:
    ``sync.tau`` steps), then **posts**
    ``posts/rXXXXXXXX/wYYYY.npz``: its pseudo gradient Δ = θ̄_{r-1} − θ_i (every leaf, float32; with
-   a sparse ``sync.compress`` its packed rows and true norms, ``packed.py``), its steps since its
+   a sparse ``sync.wire.kind`` its packed rows and true norms, ``packed.py``), its steps since its
    last round (A-EDiT's step share), its data cursor, its loss;
 2. the round **closes** when every expected worker posted (those whose newest announcement,
    ``members/wYYYY.json``, names round r: a worker announces the round it will post at whenever it
@@ -135,7 +135,7 @@ class PostCheck:
     and what every reader checks of the manifests and states it reads (``run``, ``key``)."""
 
     run: str = ""  # the run id (run/start.json); "" for a run started before ids: not compared
-    wire: str = "none"  # the run's wire name (sync.compress with its options)
+    wire: str = "none"  # the run's wire name (sync.wire.kind with its options)
     shapes: list | None = None  # the post's arrays' shapes (Δ's leaves, or the packed rows); None: unchecked
     key: bytes | None = None  # the shared secret ($EDIT_JAX_EXCHANGE_KEY)
 

@@ -29,7 +29,7 @@ from dataclasses import replace
 import jax
 import numpy as np
 
-from edit_jax.config import Config, dumps
+from edit_jax.config import Config, WireConfig, dumps
 from edit_jax.data import check_model_vocab, load_corpus, make_train_stream, val_batches
 from edit_jax.elastic import packed as PK
 from edit_jax.elastic import progress as PG
@@ -87,7 +87,7 @@ class ElasticWorker(LocalTraining, RoundRecovery):
         self.plan = method_plan.plan
         lcfg = multihost.local_config(cfg)
         # Its own program only steps (the posts are encoded on the host): no residual buffer on its devices.
-        lcfg = replace(lcfg, sync=replace(lcfg.sync, compress="none", error_feedback=False, ef_decay=1.0))
+        lcfg = replace(lcfg, sync=replace(lcfg.sync, wire=WireConfig()))
         self.mesh = make_mesh(lcfg.mesh, jax.local_devices()[:cfg.mesh.shard])
         self.loc = StepPrograms.for_config(lcfg, self.mesh)
         self.exe = ExecutableStore.in_compile_cache(dumps(cfg))  # a restart loads its programs whole (no trace)

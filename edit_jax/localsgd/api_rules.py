@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from edit_jax.config import Config, SyncConfig
+from edit_jax.config import Config, SyncConfig, WireConfig
+from edit_jax.config_renames import RENAMED, new_key
 from edit_jax.localsgd import methods, rules
 from edit_jax.localsgd.codec import KINDS
 from edit_jax.localsgd.compressed import Compressed
@@ -95,7 +96,7 @@ def co2(outer_lr: float = 0.8, outer_momentum: float = 0.85, gap_penalty: float 
 def compressed(rule: LocalSGDRule, wire: str = "topk2", error_feedback: bool = True, decay: float = 1.0,
                **options) -> LocalSGDRule:
     """``rule`` with its pseudo gradients crossing the workers on a lossy ``wire`` ("bf16", "int8",
-    "topk2", "topk4"; ``options``: ``sparse_chunk``, ``sparse_k``, ``ef_dtype``), each worker's
+    "topk2", "topk4"; ``options``: ``chunk``, ``k``, ``residual_dtype``: ``sync.wire``'s), each worker's
     quantization error carried to its next sync (``error_feedback``, decayed by ``decay``)."""
     if not isinstance(rule, LocalSGDRule):
         raise ValueError(f"rule: expected a LocalSGDRule (diloco(), edit(), co2(), ...), got {rule!r}")
@@ -104,21 +105,30 @@ def compressed(rule: LocalSGDRule, wire: str = "topk2", error_feedback: bool = T
     if isinstance(rule.sync, StaleSync):
         raise ValueError("rule: co2 exchanges float32 pseudo gradients (its stale all-reduce is not built for a "
                          "lossy wire)")
-    bad = sorted(set(options) - {"sparse_chunk", "sparse_k", "ef_dtype"})
+    options = {_OLD_OPTIONS.get(k, k): v for k, v in options.items()}  # (the names before sync.wire)
+    bad = sorted(set(options) - {"chunk", "k", "residual_dtype"})
     if bad:
-        raise ValueError(f"compressed: unknown option(s) {bad}; expected sparse_chunk, sparse_k, ef_dtype")
-    s = SyncConfig(compress=wire, error_feedback=error_feedback, ef_decay=decay, **options)
+        raise ValueError(f"compressed: unknown option(s) {bad}; expected chunk, k, residual_dtype")
+    s = SyncConfig(wire=WireConfig(kind=wire, error_feedback=error_feedback, decay=decay, **options))
     Compressed.validate_fields(s)  # ConfigError (a ValueError) naming the field
     return dataclasses.replace(rule, name=f"{rule.name}+{wire}", sync=Compressed.of(rule.sync, s))
 
 
+_OLD_OPTIONS = {"sparse_chunk": "chunk", "sparse_k": "k", "ef_dtype": "residual_dtype"}
+
+
 def from_method(method: str, **sync_fields) -> LocalSGDRule:
     """The rule of ``METHODS[method]`` with ``sync_fields`` (``SyncConfig``'s fields: ``outer_lr``,
-    ``anomaly``, ``compress``, ``co2_gap_penalty``, ...), built as ``methods.plan_for`` builds the
+    ``anomaly``, ``wire=WireConfig(...)``, ``co2_gap_penalty``, ...; a field that moved into a
+    section, ``compress=`` say, is read as its new key), built as ``methods.plan_for`` builds the
     trainer's: the fields the method fixes take their fixed values, the rule's config rules run
     (a ``ConfigError`` naming ``sync.<field>``)."""
     if method not in methods.METHODS:
         raise ValueError(f"method: expected one of {', '.join(methods.METHODS)}, got {method!r}")
+    moved = {new_key(f"sync.{k}"): sync_fields.pop(k) for k in list(sync_fields) if f"sync.{k}" in RENAMED}
+    if moved:
+        wire = sync_fields.get("wire", WireConfig())
+        sync_fields["wire"] = dataclasses.replace(wire, **{k.rsplit(".", 1)[1]: v for k, v in moved.items()})
     fields = {f.name for f in dataclasses.fields(SyncConfig)}
     bad = sorted(set(sync_fields) - fields)
     if bad:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
-from edit_jax.config import SyncConfig
+from edit_jax.config import SyncConfig, WireConfig
+from edit_jax.config_renames import quiet, upgrade
 from edit_jax.localsgd import compress as dense
 from edit_jax.localsgd import sparse
 
@@ -30,10 +31,10 @@ DEFAULTS = {"chunk": sparse.CHUNK, "k": sparse.TOPK, "decay": 1.0}
 OPTIONS = {kind: ("chunk", "k", "decay") if kind in sparse.BITS else ("decay",) for kind in KINDS}
 # Bytes per value sent by the dense kinds (int8: one float32 scale per BLOCK values).
 DENSE_BYTES = {"none": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / dense.BLOCK}
-# The config field each part is read from (one place: the config's own section will rename them here).
-FIELDS = {"kind": "compress", "chunk": "sparse_chunk", "k": "sparse_k", "decay": "ef_decay",
-          "error_feedback": "error_feedback", "ef_dtype": "ef_dtype"}
-_SYNC_DEFAULTS = SyncConfig()
+# The field of the config's ``sync.wire`` section each part is read from.
+FIELDS = {"kind": "kind", "chunk": "chunk", "k": "k", "decay": "decay", "error_feedback": "error_feedback",
+          "ef_dtype": "residual_dtype"}
+_WIRE_DEFAULTS = WireConfig()
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,14 @@ class Codec:
 
     @staticmethod
     def from_sync(s: SyncConfig | Mapping) -> Codec:
-        """The codec of a sync config: a ``SyncConfig``, or a saved config's ``"sync"`` dict (a
-        field it lacks, written before the field existed, is the default)."""
-        get = (lambda f: s.get(f, getattr(_SYNC_DEFAULTS, f))) if isinstance(s, Mapping) else (lambda f: getattr(s, f))
+        """The codec of a sync config: a ``SyncConfig``, or a saved config's ``"sync"`` dict (its
+        ``wire`` section, or the flat keys written before the section existed; a field it lacks,
+        written before the field existed, is the default)."""
+        if isinstance(s, Mapping):
+            wire = upgrade({"sync": dict(s)}, quiet)["sync"].get("wire") or {}
+            get = lambda f: wire.get(f, getattr(_WIRE_DEFAULTS, f))  # noqa: E731
+        else:
+            get = lambda f: getattr(s.wire, f)  # noqa: E731
         o = {part: get(field) for part, field in FIELDS.items()}
         if o["kind"] not in sparse.BITS:  # chunk and k mean nothing to the dense kinds: one value per wire
             o["chunk"], o["k"] = DEFAULTS["chunk"], DEFAULTS["k"]
@@ -158,17 +164,17 @@ class Codec:
         turning error feedback on or off adds or drops the residual in the state."""
         if saved.error_feedback == self.error_feedback:
             return []
-        field = f"sync.{FIELDS['error_feedback']}"
+        field = f"sync.wire.{FIELDS['error_feedback']}"
         return [f"{field}: checkpoint {saved.error_feedback}, config {self.error_feedback}"]
 
     def resume_change(self, saved: Codec, residual_kept: bool = True) -> str | None:
         """One line on what changed on the wire since a checkpoint written with ``saved`` (None when
         nothing did), for one that may resume (``resume_refusal`` is empty). The residual is what
         the old wire left unsent, laid out like the params whatever the wire: it carries over."""
-        diffs = [f"sync.{FIELDS['kind']} with its options: checkpoint {saved.name!r}, config {self.name!r}"] \
+        diffs = [f"sync.wire.{FIELDS['kind']} with its options: checkpoint {saved.name!r}, config {self.name!r}"] \
             if saved.name != self.name else []
         if self.carries_residual and saved.ef_dtype != self.ef_dtype:
-            diffs.append(f"sync.{FIELDS['ef_dtype']}: checkpoint {saved.ef_dtype}, config {self.ef_dtype}")
+            diffs.append(f"sync.wire.{FIELDS['ef_dtype']}: checkpoint {saved.ef_dtype}, config {self.ef_dtype}")
         if not diffs:
             return None
         if not self.carries_residual:

@@ -1,4 +1,4 @@
-"""Compressed exchange of pseudo gradients across ``replica`` (``sync.compress``).
+"""Compressed exchange of pseudo gradients across ``replica`` (``sync.wire.kind``).
 
 What crosses the slow links at a sync is each worker's pseudo gradient Δ_i of one unit (its FSDP
 block on each device). With ``compress="bf16"`` or ``"int8"`` it crosses in that dtype; everything
@@ -29,12 +29,12 @@ The all-gather moves no more bytes for N <= 2 (equal at N = 2, with one quantiza
 all-to-all fewer for N >= 3; ``exchange_pattern(n)`` picks accordingly. int8 at N = 2 moves
 1.016 / 4 = 0.254 x the bytes of the float32 all-reduce, bf16 0.5 x.
 
-Error feedback (``sync.error_feedback``): each worker adds its residual e_i (what its last
+Error feedback (``sync.wire.error_feedback``): each worker adds its residual e_i (what its last
 quantization dropped) before quantizing, x_i = Δ_i + e_i, and keeps e_i <- x_i - deq(q(x_i)).
 Over syncs the worker's transmitted values then sum to Σ Δ_i − e_i (final): nothing is lost for
 good. The residual covers the per-worker quantization; the requantization of the reduced chunk in
 the all-to-all pattern (N >= 3) is shared by all workers and carries no residual. With
-``sync.ef_decay`` = β < 1 the residual enters as β·e_i. The exchange takes the wire as one value,
+``sync.wire.decay`` = β < 1 the residual enters as β·e_i. The exchange takes the wire as one value,
 ``codec.Codec`` (the kind, its options, β), which also encodes and decodes a block (with the kernels
 below).
 

@@ -1,5 +1,5 @@
-"""The compressed variant of any sync rule (``Compressed(rule)``; ``sync.compress``,
-``sync.error_feedback``): the pseudo gradients cross ``replica`` as bf16 or int8 (``compress.py``)
+"""The compressed variant of any sync rule (``Compressed(rule)``; ``sync.wire.kind``,
+``sync.wire.error_feedback``): the pseudo gradients cross ``replica`` as bf16 or int8 (``compress.py``)
 or sparse and 2/4-bit (``sparse.py``); everything before and after the exchange stays float32.
 
 The wrapper owns what compression adds and nothing else: the wire (its ``codec.Codec``, handed to
@@ -22,7 +22,7 @@ from edit_jax.localsgd.rule import RuleWrapper, Span, SyncRule, SyncSpec, worker
 from edit_jax.localsgd.sparse import BITS, CHUNK
 
 
-# The residual's stored dtype (sync.ef_dtype). bfloat16 halves error feedback's memory (at 7B a
+# The residual's stored dtype (sync.wire.residual_dtype). bfloat16 halves error feedback's memory (at 7B a
 # float32 residual is one more fp32 copy of a worker's params per device: +6.2% of the H100 peak,
 # BUILD_NOTES 18); the sync reads it into float32 and rounds the new residual once on store.
 EF_DTYPES = ("float32", "bfloat16")
@@ -44,23 +44,26 @@ class Compressed(RuleWrapper):
 
     @staticmethod
     def validate_fields(s: SyncConfig) -> None:
-        """The compression fields (whatever the method)."""
-        require(not s.error_feedback or s.compress != "none", "sync.error_feedback",
-                "needs a lossy sync.compress (bf16, int8, topk2, topk4); with compress=none there is no residual")
-        require(0.0 < s.ef_decay <= 1.0, "sync.ef_decay", f"must be in (0, 1], got {s.ef_decay}")
-        require(s.ef_decay == 1.0 or s.error_feedback, "sync.ef_decay", "decays the residual: needs sync.error_feedback=true")
-        require(s.ef_dtype in EF_DTYPES, "sync.ef_dtype", f"must be one of {', '.join(EF_DTYPES)}, got {s.ef_dtype!r}")
-        require(s.ef_dtype == "float32" or s.error_feedback, "sync.ef_dtype", "stores the residual: needs sync.error_feedback=true")
-        require(s.ef_dtype == "float32" or not s.exchange, "sync.ef_dtype",
+        """The ``sync.wire`` section (whatever the method)."""
+        w, ef = s.wire, "sync.wire.error_feedback"
+        require(not w.error_feedback or w.kind != "none", ef,
+                "needs a lossy sync.wire.kind (bf16, int8, topk2, topk4); with kind none there is no residual")
+        require(0.0 < w.decay <= 1.0, "sync.wire.decay", f"must be in (0, 1], got {w.decay}")
+        require(w.decay == 1.0 or w.error_feedback, "sync.wire.decay", f"decays the residual: needs {ef}=true")
+        require(w.residual_dtype in EF_DTYPES, "sync.wire.residual_dtype",
+                f"must be one of {', '.join(EF_DTYPES)}, got {w.residual_dtype!r}")
+        require(w.residual_dtype == "float32" or w.error_feedback, "sync.wire.residual_dtype",
+                f"stores the residual: needs {ef}=true")
+        require(w.residual_dtype == "float32" or not s.exchange, "sync.wire.residual_dtype",
                 "bfloat16 halves the device-resident residual of the in-program sync; exchange workers (sync.exchange) "
                 "keep theirs in host memory as float32, bit for bit the in-program float32 sync: leave it float32")
-        require(s.compress not in BITS or s.error_feedback, "sync.error_feedback",
-                f"sync.compress={s.compress} sends {s.sparse_k} of every {s.sparse_chunk} values: without the "
-                "residual the rest is lost for good; set sync.error_feedback=true")
-        require(0 < s.sparse_chunk <= CHUNK, "sync.sparse_chunk", f"must be in [1, {CHUNK}] (12-bit indices), got {s.sparse_chunk}")
-        require(0 < s.sparse_k <= s.sparse_chunk and s.sparse_k % 4 == 0, "sync.sparse_k",
+        require(w.kind not in BITS or w.error_feedback, ef,
+                f"sync.wire.kind={w.kind} sends {w.k} of every {w.chunk} values: without the "
+                f"residual the rest is lost for good; set {ef}=true")
+        require(0 < w.chunk <= CHUNK, "sync.wire.chunk", f"must be in [1, {CHUNK}] (12-bit indices), got {w.chunk}")
+        require(0 < w.k <= w.chunk and w.k % 4 == 0, "sync.wire.k",
                 f"must be a positive multiple of 4 (whole bytes of 2-bit codes and 12-bit index pairs) "
-                f"<= sync.sparse_chunk={s.sparse_chunk}, got {s.sparse_k}")
+                f"<= sync.wire.chunk={w.chunk}, got {w.k}")
 
     def _spec(self, spec: SyncSpec) -> SyncSpec:
         return dataclasses.replace(spec, codec=self.codec)

@@ -141,7 +141,7 @@ class Plan:
     """The static facts the compiled steps need, derived once from the (normalised) config."""
 
     method: str
-    rule: SyncRule  # the rule as it runs (compressed when sync.compress is set): ``rule.py``
+    rule: SyncRule  # the rule as it runs (compressed when sync.wire.kind is set): ``rule.py``
     layerwise: bool  # the rule syncs inside the forward, unit by unit (``rule.in_forward``)
     penalty: Penalty
     outer: OuterSpec  # with the rule's own part (CO2's momentum clamp: ``SyncRule.outer_spec``)
@@ -292,7 +292,7 @@ def plan_for(cfg: Config) -> MethodPlan:
     cfg, changed = normalise(cfg)
     m, s = method(cfg.sync.method), cfg.sync
     rule = m.rule(s)
-    if s.compress != "none" and rule.keeps_outer:
+    if s.wire.kind != "none" and rule.keeps_outer:
         rule = Compressed.of(rule, s)
     penalty = Penalty.from_config(s) if m.penalty else Penalty.off()
     outer = rule.outer_spec(OuterSpec(s.outer_optimizer, s.outer_lr, s.outer_momentum, s.nesterov, s.outer_b2))

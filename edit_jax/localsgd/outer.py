@@ -177,7 +177,7 @@ class UnitSync:
     opt_state: Any  # the unit's outer optimizer state after the step
     detector: Detector
     metrics: dict
-    residual: Any = None  # this worker's error-feedback residual of the unit (sync.error_feedback), else None
+    residual: Any = None  # this worker's error-feedback residual of the unit (sync.wire.error_feedback), else None
 
 
 def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: Penalty,
@@ -231,7 +231,7 @@ def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: P
             avg, new_residual = stacked_compressed_sum(delta, w_all, codec, residual)
         else:
             avg, new_residual = compressed_weighted_sum(delta, w_all, codec, residual)
-        if new_residual is not None:  # stored as it came (sync.ef_dtype), computed in float32
+        if new_residual is not None:  # stored as it came (sync.wire.residual_dtype), computed in float32
             new_residual = jax.tree.map(lambda n, e: n.astype(e.dtype), new_residual, stored)
     # 5.-6. clip, outer step.
     new_outer, new_opt_state, clip, avg_norm, update_norm = outer_step(avg, outer_params, opt_state,

@@ -9,7 +9,7 @@ Each kind of sync is one module of ``localsgd/`` holding one ``SyncRule`` subcla
 | ``layerwise.py``    | ``LayerwiseSync``    | EDiT                                     | inside the forward  |
 | ``stale.py``        | ``StaleSync``        | CO2                                      | after the step, one round stale |
 | ``timed.py``        | ``Timed(rule)``      | A-EDiT (``Timed(LayerwiseSync())``)      | as the rule, by wall clock, workers apart |
-| ``compressed.py``   | ``Compressed(rule)`` | any of them with ``sync.compress``       | as the rule it wraps |
+| ``compressed.py``   | ``Compressed(rule)`` | any of them with ``sync.wire.kind``       | as the rule it wraps |
 
 A rule owns:
 
@@ -29,7 +29,7 @@ A rule owns:
 
 A ``METHODS`` row (``methods.py``) names its rule's factory (``LayerwiseSync.build``,
 ``Timed.around(LayerwiseSync.build)``); ``methods.plan_for`` builds it and wraps it in
-``Compressed`` when ``sync.compress`` is set. ``programs.py`` calls the protocol declared on
+``Compressed`` when ``sync.wire.kind`` is set. ``programs.py`` calls the protocol declared on
 ``SyncRule``; no method flag is read outside ``methods.py`` and the rule modules.
 """
 

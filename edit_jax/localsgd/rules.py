@@ -60,10 +60,10 @@ def validate_exchange(cfg: Config, rule: SyncRule) -> None:
     require(s.fragments == 1, "sync.fragments", f"with sync.exchange a round syncs every unit; got {s.fragments}")
     require(cfg.max_seconds == 0, "max_seconds", "not with sync.exchange: stop a worker with a signal (the "
             "others go on), the run ends at its token budget (steps x mesh.replica)")
-    require(s.compress in ("none", "topk2", "topk4"), "sync.compress",
+    require(s.wire.kind in ("none", "topk2", "topk4"), "sync.wire.kind",
             "with sync.exchange a post is float32 (none) or the sparse wire's packed rows (topk2, topk4; "
             "elastic/packed.py); int8 / bf16 posts are not built (in-program int8 at N >= 3 requantizes the "
-            f"reduced chunk, which has no counterpart when every worker sums the posts itself), got {s.compress}")
+            f"reduced chunk, which has no counterpart when every worker sums the posts itself), got {s.wire.kind}")
     require(s.outer_sharding == "shard" and not s.cpu_offload, "sync.outer_sharding",
             "with sync.exchange θ̄ and the outer state live in each worker's host memory (leave sync.outer_sharding"
             "=shard, sync.cpu_offload=false)")

@@ -1,10 +1,10 @@
-"""Sparse low-bit pseudo gradients on the wire (``sync.compress = "topk2" | "topk4"``, issue 39).
+"""Sparse low-bit pseudo gradients on the wire (``sync.wire.kind = "topk2" | "topk4"``, issue 39).
 
 Each worker's pseudo gradient of one unit plus its error-feedback residual, x_i = Δ_i + β·e_i
 (this device's FSDP blocks, flattened as in ``compress.flatten_unit``), is zero-padded to a
-multiple of ``chunk`` (``sync.sparse_chunk``, default 4096) and cut into chunks. Per chunk:
+multiple of ``chunk`` (``sync.wire.chunk``, default 4096) and cut into chunks. Per chunk:
 
-- **top-k** (``sync.sparse_k``, default 64) by magnitude |x|. Ties: the lower index wins (the rule
+- **top-k** (``sync.wire.k``, default 64) by magnitude |x|. Ties: the lower index wins (the rule
   of ``jax.lax.top_k``); the kept entries are listed in descending |x|, ties by ascending index.
 - **scale** s = max |x| over the chunk (float32, = the largest kept magnitude); a zero chunk has s = 0.
 - **levels**, sign + magnitude, L = 2**(bits-1) magnitudes {1/L, 2/L, ..., 1}·s:
@@ -21,7 +21,7 @@ topk4 at the defaults (fp32: 32, int8: 8.1).
 
 The exchange: an all-gather of the packed rows over ``replica`` (the only payload crossing it),
 then every device decodes the N workers' rows (scatter into zero chunks) and sums them with the
-weights in float32. Error feedback keeps e_i <- x_i − decode(encode(x_i)) (β, ``sync.ef_decay``,
+weights in float32. Error feedback keeps e_i <- x_i − decode(encode(x_i)) (β, ``sync.wire.decay``,
 scales it at its next use). The options (chunk, k, β) travel in one value, ``codec.Codec``, whose
 ``name`` is the wire name (``"topk2"`` at the defaults, else ``"topk2;chunk=1024;k=32;decay=0.9"``).
 """

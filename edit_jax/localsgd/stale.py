@@ -106,8 +106,8 @@ class StaleSync(SyncRule):
         # CO2's stale sync is the whole model after the step, one all-reduce of the pending pseudo
         # gradients; the streaming, quantized and replica-sharded exchanges are not built for it.
         require(s.fragments == 1, "sync.fragments", f"method {s.method} syncs every unit together; got {s.fragments}")
-        require(s.compress == "none", "sync.compress",
-                f"method {s.method} exchanges float32 pseudo gradients; got {s.compress!r}")
+        require(s.wire.kind == "none", "sync.wire.kind",
+                f"method {s.method} exchanges float32 pseudo gradients; got {s.wire.kind!r}")
         require(s.outer_sharding == "shard", "sync.outer_sharding",
                 f"method {s.method} needs 'shard' (the outer state is not split over replica); "
                 f"got {s.outer_sharding!r}")

@@ -340,7 +340,7 @@ def as_format(state: TrainState, fmt: int, rule: SyncRule) -> TrainState:
 
 def with_residual_dtype(state: TrainState, dtype) -> TrainState:
     """``state`` (arrays or abstract ones, format 2 or 3) with its error-feedback residual in
-    ``dtype`` (``sync.ef_dtype``): a checkpoint is restored as it was written (its checksums are of
+    ``dtype`` (``sync.wire.residual_dtype``): a checkpoint is restored as it was written (its checksums are of
     those bytes), then cast to the config's dtype. No residual: ``state`` itself."""
     o, dtype = state.outer, jax.numpy.dtype(dtype)
 

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from edit_jax.config import Config, ConfigError, from_dict
+from edit_jax.config_renames import quiet, upgrade
 from edit_jax.data import DataError, make_tokenizer
 from edit_jax.localsgd.state import state_shapes, state_shapes_of_format
 from edit_jax.rundir.checkpoint import UnreadableCheckpointError, check_checksums
@@ -80,7 +81,7 @@ def load_exchange_state(run_dir: str) -> TrainedModel:
     path = os.path.join(run_dir, "exchange_state.npz")
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
-            cfg = from_dict(json.load(f))
+            cfg = from_dict(upgrade(json.load(f), quiet))  # (a run dir of an older version: its keys as today's)
         with open(path, "rb") as f:
             leaves, meta = unpack_arrays(f.read(), path)
     except (OSError, ValueError, KeyError, ConfigError) as e:
@@ -113,7 +114,7 @@ def load_trained(run_dir: str, step: int | None = None) -> TrainedModel:
     path = os.path.join(directory, str(step))
     try:
         meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(os.path.join(path, "meta"))
-        cfg = from_dict(meta["config"])
+        cfg = from_dict(upgrade(meta["config"], quiet))
     except (ConfigError, KeyError, TypeError) as e:
         raise TrainedModelError(f"checkpoint {path}: its stored config cannot be read: {e}") from e
     except Exception as e:  # noqa: BLE001 - orbax raises many types

@@ -10,7 +10,7 @@ array is allocated, so a 7B preset plans on a laptop. Per device it reports:
 - each step's compiled temporaries (``memory_analysis``) and FLOPs (``cost_analysis``);
 - bytes per collective and mesh axis per step, from the HLO (``edit_jax/tools/hlo.py``: ring bytes),
   and for the methods that sync the tau-window mean of the bytes crossing ``replica`` and a full
-  sync's bits per parameter (beside the figure the config's ``sync.compress`` implies);
+  sync's bits per parameter (beside the figure the config's ``sync.wire.kind`` implies);
 - an analytic estimate of a GPU's peak per step kind (``memory_estimate.gpu_estimate``, the
   formula in its docstring) beside the CPU backend's temporaries (which keep fp32 copies and have
   no fused attention), and the verdict: the state plus the largest step's estimate within
@@ -169,7 +169,7 @@ def plan(cfg, device_memory_gb: float = 80.0, target: GpuTarget | None = None, l
     }
     if cfg.sync.exchange:  # what is planned above is the in-program A-EDiT: say what the exchange's workers differ in
         out["exchange"] = {"url": cfg.sync.exchange, "devices_per_worker": s, "tau_time": cfg.sync.tau_time,
-                           "wire": cfg.sync.compress}
+                           "wire": cfg.sync.wire.kind}
     if target is not None:  # the verdict is XLA:GPU's own peak, not the estimate
         peak = max(v["xla_gpu"]["memory"]["peak_bytes"] for v in steps.values())
         out["target"] = {"name": target.name, "description": target.description, "memory_bytes": target.memory_bytes,

@@ -1,0 +1,102 @@
+"""Config keys that moved into a section, and how an old key is still read (by the readers of
+configs: ``config_files.py``, a checkpoint's and a run dir's readers; ``config.py`` stays a leaf).
+
+A config's fields are grouped in sections, one per concern (``sync.wire``: the codec). What a run
+wrote before a key moved keeps working: a command line or a ``config.json`` (a run dir's, or a
+checkpoint's metadata) with the flat key is read as the new one, and the reader is told once per
+key and process, one line naming the new name. A Python config file that passes an old keyword
+(``SyncConfig(compress="int8")``) fails with the new name in the message (``config_files.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+# old dotted key -> new dotted key (2026-11-28: the wire's six fields became the sync.wire section)
+RENAMED = {
+    "sync.compress": "sync.wire.kind",
+    "sync.error_feedback": "sync.wire.error_feedback",
+    "sync.ef_decay": "sync.wire.decay",
+    "sync.ef_dtype": "sync.wire.residual_dtype",
+    "sync.sparse_chunk": "sync.wire.chunk",
+    "sync.sparse_k": "sync.wire.k",
+}
+_TOLD: set[str] = set()
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def new_key(key: str, say: Callable[[str], None] | None = None) -> str:
+    """``key``, or its new name if it moved (said once per key and process)."""
+    new = RENAMED.get(key)
+    if new is None:
+        return key
+    if key not in _TOLD:
+        _TOLD.add(key)
+        (say or _say)(f"edit-jax: config key '{key}' is now '{new}' (read as that)")
+    return new
+
+
+def override(item: str) -> str:
+    """A ``key=value`` override with its key's new name, if it moved."""
+    key, eq, value = item.partition("=")
+    new = new_key(key.strip()) if eq else key
+    return f"{new}={value}" if eq and new != key.strip() else item
+
+
+def upgrade(d: dict, say: Callable[[str], None] | None = None, what: str = "a config") -> dict:
+    """A config dict (``config.json``'s, a checkpoint's ``meta["config"]``) with its moved keys in
+    their sections; a copy, the input untouched. One line says which keys were read under their
+    new names (``say``; None: stderr; ``what`` names the source). A dict holding a key under both
+    names keeps the new one."""
+    if not isinstance(d, dict):
+        return d
+    out, moved = _copy(d), []
+    for old, new in RENAMED.items():
+        *head, name = old.split(".")
+        parent = _walk(out, head)
+        if not isinstance(parent, dict) or name not in parent:
+            continue
+        *new_head, new_name = new.split(".")
+        target = out
+        for part in new_head:
+            target = target.setdefault(part, {}) if isinstance(target, dict) else None
+        if not isinstance(target, dict):
+            continue  # a malformed section: from_dict names it
+        target.setdefault(new_name, parent.pop(name))
+        moved.append(f"{old} -> {new}")
+    if moved:
+        (say or _say)(f"edit-jax: {what} written before its keys moved, read as today's: {', '.join(moved)}")
+    return out
+
+
+def quiet(_: str) -> None:
+    """A ``say`` for readers of internal metadata (a checkpoint's), where the line would be noise."""
+
+
+def _walk(d: dict, parts: list[str]):
+    for part in parts:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(part)
+    return d
+
+
+def _copy(d):
+    return {k: _copy(v) for k, v in d.items()} if isinstance(d, dict) else d
+
+
+def hint_for(message: str) -> str:
+    """For a Python config's TypeError naming an old keyword: the sentence naming its new key."""
+    for old, new in RENAMED.items():
+        if f"'{old.rsplit('.', 1)[1]}'" in message:
+            section, _, field = new.rpartition(".")
+            return (f" ('{old}' is now '{new}': pass {section.split('.')[-1]}="
+                    f"{section.split('.')[-1].capitalize()}Config({field}=...) from edit_jax.config)")
+    return ""
+
+
+__all__ = ["RENAMED", "new_key", "override", "upgrade", "quiet", "hint_for"]
