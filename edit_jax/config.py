@@ -125,6 +125,14 @@ class WireConfig:
 
 
 @dataclass
+class CO2Config:
+    """CO2's own hyperparameters (``sync.co2``; the stale rule, ``localsgd/stale.py``, reads them)."""
+
+    gap_penalty: float = 1.0  # Lambda: the staleness-gap penalty (a constant, as in the released code)
+    momentum_clip: float = 0.0  # phi > 0 clamps the stored outer momentum to [-phi, phi] element-wise (0: off)
+
+
+@dataclass
 class SyncConfig:
     """How replicas meet. ``method`` picks a row of the method table (``methods.py``), which may
     fix some of these fields; the run's ``config.json`` records them as they took effect."""
@@ -163,10 +171,8 @@ class SyncConfig:
     progress_every: float = 0.0
     exchange_patience: float = 300.0  # s an exchange operation retries through storage faults (backoff; 0: none), then exit 75
     carried_weight: float = 1.0  # w: a carried (stale) Δ re-based as θ̄ − w Δ, its steps at w in the step shares (1: as fresh)
-    # CO2: the staleness-gap penalty Lambda (a constant, as in the released code).
-    co2_gap_penalty: float = 1.0
-    co2_momentum_clip: float = 0.0  # phi > 0 clamps the stored outer momentum to [-phi, phi] element-wise (0: off)
     wire: WireConfig = field(default_factory=WireConfig)  # the form Δ crosses `replica` in (localsgd/codec.py)
+    co2: CO2Config = field(default_factory=CO2Config)  # CO2's own (method co2 only)
 
 
 @dataclass
@@ -365,7 +371,7 @@ def dumps(cfg: Config) -> str:
     return json.dumps(to_dict(cfg), indent=2)
 
 
-__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "WireConfig",
+__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "WireConfig", "CO2Config",
            "DebugConfig", "LogConfig",
            "TrainConfig", "SpikeConfig", "ConfigError", "apply_overrides", "require", "to_dict",
            "from_dict", "dumps"]

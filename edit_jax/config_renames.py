@@ -21,6 +21,9 @@ RENAMED = {
     "sync.ef_dtype": "sync.wire.residual_dtype",
     "sync.sparse_chunk": "sync.wire.chunk",
     "sync.sparse_k": "sync.wire.k",
+    # (the same day: CO2's own fields became its section)
+    "sync.co2_gap_penalty": "sync.co2.gap_penalty",
+    "sync.co2_momentum_clip": "sync.co2.momentum_clip",
 }
 _TOLD: set[str] = set()
 

@@ -11,7 +11,7 @@ rematerialised layers for GPU memory.
 
 from __future__ import annotations
 
-from edit_jax.config import Config, DataConfig, MeshConfig, OptimConfig, SyncConfig
+from edit_jax.config import CO2Config, Config, DataConfig, MeshConfig, OptimConfig, SyncConfig
 from edit_jax.localsgd.methods import sync_fields_for
 from edit_jax.models.llama import preset
 
@@ -26,7 +26,7 @@ def sync_for(method: str, **kw) -> SyncConfig:
 # CO2's outer settings where the EDiT paper does not give them (CO2.md section 3): the fairseq
 # default beta 0.5 for up to 64 GPUs, alpha 1.0, Lambda 1 (the released constant), and the GPT-2
 # script's momentum clip phi = 1.0.
-PAPER_OUTER = {"co2": dict(outer_lr=1.0, outer_momentum=0.5, co2_momentum_clip=1.0)}
+PAPER_OUTER = {"co2": dict(outer_lr=1.0, outer_momentum=0.5, co2=CO2Config(momentum_clip=1.0))}
 
 
 def paper(size: str, method: str = "edit") -> Config:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edit_jax.config import ConfigError, WireConfig
+from edit_jax.config import CO2Config, ConfigError, WireConfig
 from edit_jax.localsgd.methods import OuterSpec, plan_for
 from edit_jax.localsgd.stale import StaleSync
 from edit_jax.localsgd.outer import make_outer_optimizer, sgd_trace, stale_outer_step
@@ -94,7 +94,7 @@ def test_stale_outer_step_reproduces_the_worked_example():
 
 # ----------------------------------------------------------------------------- the compiled step
 
-CO2_SYNC = {"co2_momentum_clip": 3e-4, "co2_gap_penalty": 2.0, "outer_lr": 0.7, "outer_momentum": 0.5}
+CO2_SYNC = {"co2": CO2Config(momentum_clip=3e-4, gap_penalty=2.0), "outer_lr": 0.7, "outer_momentum": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +133,8 @@ def test_co2_steps_match_numpy(co2_2x2):
         m_old = {u: sgd_trace(before.outer.opt_state[u]) for u in ("root", "layers")}
         delta = jax.tree.map(lambda p: p.mean(axis=0), pend)  # the previous round's mean
         raw = jax.tree.map(lambda d, mo: BETA * mo + d / LAM, delta, m_old)
-        m_new = jax.tree.map(lambda r: np.clip(r, -CO2_SYNC["co2_momentum_clip"], CO2_SYNC["co2_momentum_clip"]), raw)
-        clamped += sum(int(np.sum(np.abs(r) > CO2_SYNC["co2_momentum_clip"])) for r in _leaves(raw))
+        m_new = jax.tree.map(lambda r: np.clip(r, -CO2_SYNC["co2"].momentum_clip, CO2_SYNC["co2"].momentum_clip), raw)
+        clamped += sum(int(np.sum(np.abs(r) > CO2_SYNC["co2"].momentum_clip)) for r in _leaves(raw))
         a_new = jax.tree.map(lambda x, mm: x - ALPHA * mm, a, m_new)
         pend_new = jax.tree.map(lambda x, xi: x[None] - xi, a, xs)
         got_m = {u: sgd_trace(got.outer.opt_state[u]) for u in ("root", "layers")}
@@ -159,7 +159,7 @@ def test_co2_evaluation_model_is_the_flush(co2_2x2):
     before = _f64(state)
     synced, _ = m.sync_fn()(state)
     delta = jax.tree.map(lambda p: p.mean(axis=0), before.outer.extra["pending"])
-    phi = CO2_SYNC["co2_momentum_clip"]
+    phi = CO2_SYNC["co2"].momentum_clip
     flush = {u: jax.tree.map(lambda x, d, mo: x - ALPHA * np.clip(BETA * mo + d / LAM, -phi, phi),
                              before.outer.params[u], delta[u], sgd_trace(before.outer.opt_state[u]))
              for u in ("root", "layers")}
@@ -210,8 +210,8 @@ def test_co2_fixes_heavy_ball_and_no_penalty():
 
 
 @pytest.mark.parametrize("sync, key", [
-    ({"co2_gap_penalty": 0.0}, "sync.co2_gap_penalty"),
-    ({"co2_momentum_clip": -1.0}, "sync.co2_momentum_clip"),
+    ({"co2": CO2Config(gap_penalty=0.0)}, "sync.co2.gap_penalty"),
+    ({"co2": CO2Config(momentum_clip=-1.0)}, "sync.co2.momentum_clip"),
     ({"fragments": 2}, "sync.fragments"),
     ({"wire": WireConfig(kind="int8")}, "sync.wire.kind"),
     ({"outer_sharding": "replica_shard"}, "sync.outer_sharding"),
@@ -222,7 +222,7 @@ def test_co2_bad_settings_name_the_key(sync, key):
 
 
 def test_co2_fields_rejected_for_other_methods():
-    with pytest.raises(ConfigError, match=r"sync\.co2_momentum_clip.*co2 only"):
-        tiny_config(2, 2, "diloco", sync={"co2_momentum_clip": 1.0})
-    cfg = tiny_config(2, 2, "co2", sync={"co2_momentum_clip": 1.0})
+    with pytest.raises(ConfigError, match=r"sync\.co2\.momentum_clip.*co2 only"):
+        tiny_config(2, 2, "diloco", sync={"co2": CO2Config(momentum_clip=1.0)})
+    cfg = tiny_config(2, 2, "co2", sync={"co2": CO2Config(momentum_clip=1.0)})
     validate(cfg)

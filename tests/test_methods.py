@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from edit_jax.config import ConfigError
+from edit_jax.config import CO2Config, ConfigError
 from edit_jax.config import MeshConfig
 from edit_jax.localsgd.methods import METHODS, OuterSpec, plan_for
 from edit_jax.localsgd.outer import Detector, Penalty, make_outer_optimizer, sync_unit
@@ -58,7 +58,7 @@ def test_the_rule_of_a_row_decides_its_timing_and_owns_its_hyperparameters(monke
         a, b = plan_for(cpu(name)).plan, plan_for(cpu(name)).plan
         assert a == b and hash(a.rule) == hash(b.rule) and a.rule is not b.rule, name
     assert plan_for(cpu("edit")).plan.rule != plan_for(cpu("a_edit")).plan.rule
-    co2 = plan_for(tiny_config(2, 2, "co2", sync={"co2_gap_penalty": 3.0, "co2_momentum_clip": 0.5})).plan
+    co2 = plan_for(tiny_config(2, 2, "co2", sync={"co2": CO2Config(gap_penalty=3.0, momentum_clip=0.5)})).plan
     assert (co2.rule.gap_penalty, co2.rule.momentum_clip, co2.outer.momentum_clip) == (3.0, 0.5, 0.5)  # the rule's
     monkeypatch.setitem(METHODS, "timed_diloco", Method("timed_diloco", "DiLoCo's sync by wall clock",
                                                         rule=Timed.around(WholeModelSync.build)))

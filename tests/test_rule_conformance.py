@@ -38,7 +38,7 @@ from edit_jax.localsgd.sync import local_blocks, reset_nonfinite_workers, sync_m
     with_replica_dim, as_varying
 from edit_jax.localsgd.whole_model import WholeModelSync
 from edit_jax.runtime.mesh import make_mesh
-from edit_jax.config import WireConfig
+from edit_jax.config import CO2Config, WireConfig
 from edit_jax.validate import load_config
 from tests.stages import one_stage
 from tests.test_edit_sync import TINY, Ref, np_sync
@@ -51,12 +51,13 @@ FIELDS = {
     "diloco": dict(outer_lr=0.6, outer_momentum=0.8),
     "post_local_sgd": {},
     "edit": dict(outer_lr=0.7, outer_momentum=0.8, temperature=0.05, clip_threshold=0.5),
-    "co2": dict(outer_lr=0.5, outer_momentum=0.7, co2_gap_penalty=2.0),
+    "co2": dict(outer_lr=0.5, outer_momentum=0.7, co2=CO2Config(gap_penalty=2.0)),
 }
 
 
 def _trainer(method: str, shard: int, **fields) -> StepPrograms:
-    flat = {f"wire.{k}": v for k, v in dataclasses.asdict(fields.pop("wire")).items()} if "wire" in fields else {}
+    flat = {f"{section}.{k}": v for section in ("wire", "co2") if section in fields
+            for k, v in dataclasses.asdict(fields.pop(section)).items()}
     cfg = load_config(TINY, BASE + [f"mesh.shard={shard}", f"sync.method={method}"]
                       + [f"sync.{k}={str(v).lower() if isinstance(v, bool) else v}"
                          for k, v in {**fields, **flat}.items()])
@@ -154,7 +155,7 @@ def test_co2_flush_and_round_give_the_reference_in_both_drivers():
     f = FIELDS["co2"]
     m = _trainer("co2", shard=2, **f)
     posts = _posts(m)
-    lr, mu, lam = f["outer_lr"], f["outer_momentum"], f["co2_gap_penalty"]
+    lr, mu, lam = f["outer_lr"], f["outer_momentum"], f["co2"].gap_penalty
     f64 = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t)  # noqa: E731
     theta, m0, pending, workers = (f64(x) for x in (posts.outer.params, posts.outer.trace, posts.outer.extra["pending"],
                                                     posts.params))
@@ -212,7 +213,7 @@ def test_the_api_refuses_what_one_program_cannot_run():
         api.from_method("baseline")
     with pytest.raises(ValueError, match="sync.fragments"):
         api.from_method("edit", fragments=2)
-    with pytest.raises(ValueError, match="sync.co2_gap_penalty"):
+    with pytest.raises(ValueError, match="sync.co2.gap_penalty"):
         api.from_method("diloco", co2_gap_penalty=3.0)  # CO2's own field on another method
     with pytest.raises(ValueError, match="unknown sync field"):
         api.from_method("edit", outer_lrr=0.1)

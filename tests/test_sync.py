@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from edit_jax.config import CO2Config
 from edit_jax.localsgd import layerwise, stale, sync, whole_model
 from edit_jax.localsgd.fragments import fragment_layers, fragment_of_unit
 from edit_jax.localsgd.methods import plan_for
@@ -210,7 +211,7 @@ def test_layerwise_sync_matches_numpy_and_the_whole_sync():
 # ============================================================================= CO2
 
 
-CO2_SYNC = {"co2_momentum_clip": 0.01, "co2_gap_penalty": 2.0, "outer_lr": 0.7, "outer_momentum": 0.5}
+CO2_SYNC = {"co2": CO2Config(momentum_clip=0.01, gap_penalty=2.0), "outer_lr": 0.7, "outer_momentum": 0.5}
 
 
 def test_sync_stale_is_one_round_stale():
@@ -220,8 +221,8 @@ def test_sync_stale_is_one_round_stale():
     and it restarts from a_{t+1}. The second sync applies the first sync's pendings, not its own
     round's; the flush applies the pending and keeps it."""
     layout = _layout(2, 2, "co2", sync=CO2_SYNC)
-    alpha, beta, lam, phi = (CO2_SYNC[k] for k in ("outer_lr", "outer_momentum", "co2_gap_penalty",
-                                                    "co2_momentum_clip"))
+    alpha, beta = CO2_SYNC["outer_lr"], CO2_SYNC["outer_momentum"]
+    lam, phi = CO2_SYNC["co2"].gap_penalty, CO2_SYNC["co2"].momentum_clip
     rng = np.random.default_rng(2)
     start = _host(layout.init_state(0))
 

@@ -274,7 +274,7 @@ def staleness_gap_penalty(avg: Any, lam: float) -> jax.Array:
     """CO2's staleness-gap penalty Lambda_t (the stale mean pseudo gradient is divided by it).
 
     The hook for an adaptive rule: CO2.md could not recover the paper's formula, and the released
-    code uses one constant (``co2_gap_penalty``, default 1), which is what this returns. A rule
+    code uses one constant (``sync.co2.gap_penalty``, default 1), which is what this returns. A rule
     computed from ``avg`` (the unit's stale mean pseudo gradient, this device's block) must return
     a scalar or a pytree like ``avg`` and use only collectives over ``shard`` (the unit's norm, say:
     ``shard_sq_norm``), so the exchange stays independent of the current round."""

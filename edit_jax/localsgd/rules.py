@@ -8,6 +8,8 @@ it, before JAX starts a backend. The rules themselves are the ``METHODS`` rows' 
 
 from __future__ import annotations
 
+import dataclasses
+
 from edit_jax.config import Config, SyncConfig, require
 from edit_jax.localsgd.compressed import Compressed
 from edit_jax.localsgd.methods import METHODS
@@ -15,7 +17,7 @@ from edit_jax.localsgd.rule import RuleWrapper, SyncRule
 from edit_jax.localsgd.stale import StaleSync
 from edit_jax.localsgd.timed import Timed
 
-OWNING = (StaleSync,)  # rules with fields of their own (``owned_fields``), used by no other rule
+OWNING = (StaleSync,)  # rules with a config section of their own (``owned_section``), used by no other rule
 
 
 def validate(cfg: Config) -> None:
@@ -30,10 +32,12 @@ def validate(cfg: Config) -> None:
     rule = m.rule(s)
     for owner in OWNING:
         if not _holds(rule, owner):
-            for key in owner.owned_fields:
-                require(getattr(s, key) == getattr(SyncConfig, key), f"sync.{key}",
+            section = getattr(s, owner.owned_section)
+            for f in dataclasses.fields(section):
+                value, default = getattr(section, f.name), getattr(type(section)(), f.name)
+                require(value == default, f"sync.{owner.owned_section}.{f.name}",
                         f"is used by method {_methods_of(lambda r: _holds(r, owner))} only (method is {s.method!r}); "
-                        f"got {getattr(s, key)}")
+                        f"got {value}")
     if s.exchange:
         validate_exchange(cfg, rule)
     rule.check_config(cfg)

@@ -95,7 +95,7 @@ class StaleSync(SyncRule):
 
     @classmethod
     def build(cls, sync: SyncConfig) -> StaleSync:
-        return cls(sync.co2_gap_penalty, sync.co2_momentum_clip)
+        return cls(sync.co2.gap_penalty, sync.co2.momentum_clip)
 
     def outer_spec(self, outer: OuterSpec) -> OuterSpec:
         return dataclasses.replace(outer, momentum_clip=self.momentum_clip)
@@ -112,16 +112,16 @@ class StaleSync(SyncRule):
                 f"method {s.method} needs 'shard' (the outer state is not split over replica); "
                 f"got {s.outer_sharding!r}")
 
-    # Its own fields: set away from their defaults for a method whose rule is another, a mistake
-    # (``rules.validate`` says so, naming the methods that use them).
-    owned_fields = ("co2_gap_penalty", "co2_momentum_clip")
+    # Its own config section: set away from its defaults for a method whose rule is another, a
+    # mistake (``rules.validate`` says so, naming the methods that use it).
+    owned_section = "co2"
 
     @staticmethod
     def validate_fields(s: SyncConfig) -> None:
-        """CO2's own fields' ranges, whatever the method."""
-        require(s.co2_gap_penalty > 0, "sync.co2_gap_penalty", f"must be positive, got {s.co2_gap_penalty}")
-        require(s.co2_momentum_clip >= 0, "sync.co2_momentum_clip",
-                f"must be >= 0 (0: off), got {s.co2_momentum_clip}")
+        """CO2's own section's ranges, whatever the method."""
+        require(s.co2.gap_penalty > 0, "sync.co2.gap_penalty", f"must be positive, got {s.co2.gap_penalty}")
+        require(s.co2.momentum_clip >= 0, "sync.co2.momentum_clip",
+                f"must be >= 0 (0: off), got {s.co2.momentum_clip}")
 
     # -- the in-flight pseudo gradients ----------------------------------------------------------
 
