@@ -105,6 +105,7 @@ class ElasticWorker(LocalTraining, RoundRecovery):
         self.target = cfg.steps * cfg.mesh.replica  # the token budget in inner steps of one worker's rows
         self.slow = parse_slowdown(cfg.debug.slowdown).get(worker, 1.0)
         self.stop, self.compiled = False, False
+        self.last_posted_at: float | None = None  # (monotonic) this worker's previous post: a round's length
         self._eval_fn = None  # compiled at the first evaluation
         self.t0 = self._start_time()
         self.log = worker_log(run_dir)  # whole lines, shared with the other workers
@@ -291,10 +292,24 @@ class ElasticWorker(LocalTraining, RoundRecovery):
             fresh = self.ex.create(key, data)
         return post, fresh, delta
 
+    def patience(self, posted_at: float) -> float:
+        """How long after its post this worker waits for the others before it closes the round
+        without them: ``sync.grace``; for a lock-step rule, plus this worker's last round (post to
+        post). Lock-step rounds close on posts: with the grace alone, a worker whose tau steps take
+        more than a grace longer (a restart compiling beside it, one resumed after a stop) posts to
+        a round already closed, carries its steps, and is late again at the next round: the fastest
+        worker ran alone for minutes under the kill loop (docs/benchmarks/elastic.md). Awaiting a
+        round's length more keeps a worker up to one round slower in every round."""
+        grace = self.cfg.sync.grace
+        if self.plan.rule.asynchronous or self.last_posted_at is None:
+            return grace
+        return grace + max(posted_at - self.last_posted_at, 0.0)
+
     def await_round(self, shared: R.RoundState) -> R.Manifest | None:
         """Round shared.round + 1's manifest: read, or written by this worker when the round is due
-        (everyone expected posted, or ``sync.grace`` seconds since this worker posted)."""
+        (everyone expected posted, or ``patience`` seconds since this worker posted)."""
         r, posted_at = shared.round + 1, time.monotonic()
+        patience, self.last_posted_at = self.patience(posted_at), posted_at
         poll = getattr(self.ex, "poll_s", POLL_S)  # object stores: fewer requests
         while not self.stop:
             try:
@@ -303,7 +318,7 @@ class ElasticWorker(LocalTraining, RoundRecovery):
                 return R.Manifest(r, [], "", -1, "published")
             if m is not None:
                 return m
-            m = R.collect(self.ex, r, self.me, time.monotonic() - posted_at >= self.cfg.sync.grace, shared.digest(),
+            m = R.collect(self.ex, r, self.me, time.monotonic() - posted_at >= patience, shared.digest(),
                           self.check, behind=0 if self.plan.rule.asynchronous else 1)
             if m is not None:
                 return m
