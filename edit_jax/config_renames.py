@@ -10,8 +10,11 @@ key and process, one line naming the new name. A Python config file that passes 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Callable
+
+from edit_jax.config import SyncConfig  # (config.py knows nothing of this module: no circle)
 
 # old dotted key -> new dotted key (2026-11-28: the wire's six fields became the sync.wire section)
 RENAMED = {
@@ -94,11 +97,15 @@ def _copy(d):
 
 def hint_for(message: str) -> str:
     """For a Python config's TypeError naming an old keyword: the sentence naming its new key."""
+    if "unexpected keyword argument" not in message:
+        return ""
+    sections = {f.name: f.default_factory.__name__ for f in dataclasses.fields(SyncConfig)
+                if f.default_factory is not dataclasses.MISSING}
     for old, new in RENAMED.items():
         if f"'{old.rsplit('.', 1)[1]}'" in message:
-            section, _, field = new.rpartition(".")
-            return (f" ('{old}' is now '{new}': pass {section.split('.')[-1]}="
-                    f"{section.split('.')[-1].capitalize()}Config({field}=...) from edit_jax.config)")
+            _, section, field = new.split(".")
+            return (f" ('{old}' is now '{new}': pass {section}={sections[section]}({field}=...) "
+                    "from edit_jax.config)")
     return ""
 
 

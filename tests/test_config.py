@@ -108,3 +108,6 @@ def test_keys_that_moved_into_a_section_are_read_as_their_new_key(tmp_path, caps
                   "    return Config(sync=SyncConfig(compress='int8'))\n")
     with pytest.raises(ConfigError, match=r"'sync.compress' is now 'sync.wire.kind': pass wire=WireConfig\(kind="):
         load_config(str(py))
+    py.write_text(py.read_text().replace("compress='int8'", "co2_gap_penalty=2.0"))
+    with pytest.raises(ConfigError, match=r"is now 'sync.co2.gap_penalty': pass co2=CO2Config\(gap_penalty="):
+        load_config(str(py))

@@ -33,11 +33,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from edit_jax.rundir.records import MetricsLog, replace_file, to_json
+from edit_jax.rundir.records import MetricsLog, replace_file, sync_fields
 
 CONFIG, METRICS = "config.json", "metrics.jsonl"
-# The sync's figures a record carries (the trainer's names: docs/reference/records.md).
-SYNC_NAMES = ("pseudo_grad_norm", "weight", "flagged", "clip_factor", "outer_update_norm", "inner_reset")
 
 
 def rule_config(trainer) -> dict:
@@ -105,7 +103,7 @@ class LocalSGDRecords:
         if metrics.get("sync"):
             figures = jax.device_get(metrics["sync"])
             self.log.write({"step": k, "sync": True, "time": rec["time"],
-                            **{name: to_json(figures[name]) for name in SYNC_NAMES if name in figures}})
+                            **sync_fields(figures, per_unit=False)})
         return rec
 
     def evaluation(self, state, val_loss: float) -> dict:
