@@ -133,7 +133,7 @@ def variant(cfg, *overrides):
 
 # Section a/b/c variants: name -> (overrides, step kinds)
 def variants(args):
-    dil = [f"sync.outer_lr={args.diloco_outer_lr}", f"sync.outer_momentum={args.diloco_outer_momentum}"]
+    dil = [f"sync.outer.lr={args.diloco_outer_lr}", f"sync.outer.momentum={args.diloco_outer_momentum}"]
     return {
         "Baseline": (["sync.method=baseline"], ["hsdp"]),
         "DiLoCo": (["sync.method=diloco", *dil], ["local", "local_then_sync"]),
@@ -460,7 +460,7 @@ def section_d(ctx: Ctx) -> dict:
     # emulated devices on 2 cores aborted here ("Termination timeout for all gather RendezvousKey").
     common_ov = [f"steps={args.steps}", "eval_every=0", "checkpoint_every=0"]
     extra = {"baseline": [], "post_local_sgd": [], "edit": [],
-             "diloco": [f"sync.outer_lr={args.diloco_outer_lr}", f"sync.outer_momentum={args.diloco_outer_momentum}"]}
+             "diloco": [f"sync.outer.lr={args.diloco_outer_lr}", f"sync.outer.momentum={args.diloco_outer_momentum}"]}
     out, rows = {}, []
     tokens = args.steps * cfg.batch_size * cfg.data.seq_len
     for method in methods:
@@ -472,7 +472,7 @@ def section_d(ctx: Ctx) -> dict:
         out[method] = {"overrides": ov, "final_val_loss": r.final_val_loss, "final_val_ppl": r.final_val_ppl,
                        "final_train_loss": r.final_loss, "steps": r.steps, "tokens": r.tokens,
                        "train_seconds": r.seconds, "wall_seconds": wall, "interrupted": r.interrupted,
-                       "outer_lr": run_cfg.sync.outer_lr, "outer_momentum": run_cfg.sync.outer_momentum}
+                       "outer_lr": run_cfg.sync.outer.lr, "outer_momentum": run_cfg.sync.outer.momentum}
         print(f"  [d] {method}: val_loss {r.final_val_loss:.4f} after {r.steps} steps in {wall:.0f} s", flush=True)
     base = out.get("baseline", {}).get("final_val_loss")
     names = {"baseline": "Baseline", "post_local_sgd": "Post Local SGD", "diloco": "DiLoCo", "edit": "EDiT"}

@@ -93,7 +93,11 @@ def config(method: str, steps: int, seed: int, tau: int, eval_every: int, outer:
                                   optim=dataclasses.replace(cfg.optim, warmup_steps=SMOKE_SIZES["warmup_steps"]),
                                   sync=dataclasses.replace(cfg.sync, warmup_steps=SMOKE_SIZES["sync_warmup_steps"]))
     cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, shard=shard))
-    sync = dataclasses.replace(cfg.sync, tau=tau, **(outer or {}))
+    if outer:  # (the report's names: outer_lr, outer_momentum; the config's section: sync.outer)
+        sync = dataclasses.replace(cfg.sync, tau=tau, outer=dataclasses.replace(
+            cfg.sync.outer, lr=outer["outer_lr"], momentum=outer["outer_momentum"]))
+    else:
+        sync = dataclasses.replace(cfg.sync, tau=tau)
     cfg = dataclasses.replace(cfg, sync=sync, seed=seed, data=dataclasses.replace(cfg.data, seed=seed),
                               eval_every=eval_every, checkpoint_every=0, log_every=10,
                               train=dataclasses.replace(cfg.train, compile_cache=cache))
@@ -123,7 +127,7 @@ def run(args, name: str, cfg, report_only: bool) -> dict:
         out = {"val_loss": float("inf"), "val_ppl": float("inf"), "tokens": 0,
                "seconds": time.perf_counter() - t0, "diverged": True, "error": str(e)}
     out.update(name=name, method=cfg.sync.method, seed=cfg.seed, steps=cfg.steps, tau=cfg.sync.tau,
-               outer_lr=cfg.sync.outer_lr, outer_momentum=cfg.sync.outer_momentum, run_dir=run_dir)
+               outer_lr=cfg.sync.outer.lr, outer_momentum=cfg.sync.outer.momentum, run_dir=run_dir)
     os.makedirs(run_dir, exist_ok=True)
     with open(summary_path, "w") as f:
         json.dump(out, f, indent=1)

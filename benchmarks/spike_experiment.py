@@ -101,7 +101,7 @@ def run_one(args, name: str, method: str, corrupted: bool, extra: list[str]) -> 
     # The outer settings the experiment was run with (the presets' before the method comparison
     # re-tuned them), pinned so this command keeps reproducing BUILD_NOTES' numbers.
     overrides = [f"eval_every={args.eval_every}", "checkpoint_every=0", "log_every=10", "sync.per_unit_metrics=true",
-                 "sync.outer_lr=0.8", "sync.outer_momentum=0.85", *extra]
+                 "sync.outer.lr=0.8", "sync.outer.momentum=0.85", *extra]
     if corrupted:
         overrides.append(f"debug.corrupt=worker={WORKER},steps={args.window}")
     base = cpu(method, steps=args.steps)

@@ -125,6 +125,17 @@ class WireConfig:
 
 
 @dataclass
+class OuterConfig:
+    """The outer optimizer θ̄ steps with on the averaged pseudo gradient (``sync.outer``)."""
+
+    optimizer: str = "nesterov"  # "nesterov" (SGD + momentum) | "adam"
+    lr: float = 0.8  # the outer step size on the averaged pseudo gradient
+    momentum: float = 0.85  # SGD momentum, or Adam's b1
+    nesterov: bool = True  # with optimizer=nesterov: false gives heavy-ball momentum
+    b2: float = 0.95  # Adam's b2 (optimizer=adam)
+
+
+@dataclass
 class CO2Config:
     """CO2's own hyperparameters (``sync.co2``; the stale rule, ``localsgd/stale.py``, reads them)."""
 
@@ -140,11 +151,6 @@ class SyncConfig:
     method: str = "baseline"  # a name in edit_jax.localsgd.methods.METHODS: baseline | post_local_sgd | diloco | edit | a_edit | co2
     warmup_steps: int = 0  # W: synchronous (HSDP) steps before local training starts
     tau: int = 16  # sync interval in inner steps
-    outer_optimizer: str = "nesterov"  # "nesterov" (SGD + momentum) | "adam"
-    outer_lr: float = 0.8
-    outer_momentum: float = 0.85  # SGD momentum, or Adam's b1
-    nesterov: bool = True  # with outer_optimizer=nesterov: false gives heavy-ball momentum
-    outer_b2: float = 0.95  # Adam's b2 (outer_optimizer=adam)
     layerwise: bool = True  # sync unit by unit inside the forward (EDiT) vs whole model after the step
     anomaly: bool = True  # anomaly elimination (EWMA z-test per worker and unit)
     anomaly_alpha: float = 0.02
@@ -171,6 +177,7 @@ class SyncConfig:
     progress_every: float = 0.0
     exchange_patience: float = 300.0  # s an exchange operation retries through storage faults (backoff; 0: none), then exit 75
     carried_weight: float = 1.0  # w: a carried (stale) Δ re-based as θ̄ − w Δ, its steps at w in the step shares (1: as fresh)
+    outer: OuterConfig = field(default_factory=OuterConfig)  # θ̄'s optimizer (localsgd/outer.py)
     wire: WireConfig = field(default_factory=WireConfig)  # the form Δ crosses `replica` in (localsgd/codec.py)
     co2: CO2Config = field(default_factory=CO2Config)  # CO2's own (method co2 only)
 
@@ -367,12 +374,34 @@ def require(cond: bool, key: str, msg: str) -> None:
         raise ConfigError(f"config key '{key}': {msg}")
 
 
+def get_field(cfg: Any, key: str) -> Any:
+    """``cfg``'s field at the dotted ``key`` (``"outer.lr"``: a section's field)."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def with_fields(cfg: Any, fields: dict) -> Any:
+    """``cfg`` with the fields at the dotted keys of ``fields`` replaced, sections copied."""
+    top, nested = {}, {}
+    for key, value in fields.items():
+        head, dot, rest = key.partition(".")
+        if dot:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            top[head] = value
+    for head, sub in nested.items():
+        top[head] = with_fields(top.get(head, getattr(cfg, head)), sub)
+    return dataclasses.replace(cfg, **top)
+
+
 def dumps(cfg: Config) -> str:
     return json.dumps(to_dict(cfg), indent=2)
 
 
-__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "WireConfig", "CO2Config",
+__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "OuterConfig", "WireConfig",
+           "CO2Config",
            "DebugConfig", "LogConfig",
            "TrainConfig", "SpikeConfig", "ConfigError", "apply_overrides", "require", "to_dict",
-           "from_dict", "dumps"]
+           "from_dict", "dumps", "get_field", "with_fields"]
 

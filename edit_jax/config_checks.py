@@ -77,9 +77,10 @@ def check_fields(cfg: Config) -> None:
     require(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}")
     require(0.0 <= o.b1 < 1.0, "optim.b1", f"must be in [0, 1), got {o.b1}")
     require(0.0 <= o.b2 < 1.0, "optim.b2", f"must be in [0, 1), got {o.b2}")
-    require(0.0 <= s.outer_b2 < 1.0, "sync.outer_b2", f"must be in [0, 1), got {s.outer_b2}")
-    require(s.outer_lr > 0, "sync.outer_lr", f"must be positive, got {s.outer_lr}")
-    require(0.0 <= s.outer_momentum < 1.0, "sync.outer_momentum", f"must be in [0, 1), got {s.outer_momentum}")
+    o = s.outer
+    require(0.0 <= o.b2 < 1.0, "sync.outer.b2", f"must be in [0, 1), got {o.b2}")
+    require(o.lr > 0, "sync.outer.lr", f"must be positive, got {o.lr}")
+    require(0.0 <= o.momentum < 1.0, "sync.outer.momentum", f"must be in [0, 1), got {o.momentum}")
     require(0.0 < s.anomaly_alpha <= 1.0, "sync.anomaly_alpha", f"must be in (0, 1], got {s.anomaly_alpha}")
     require(s.anomaly_warmup >= 2, "sync.anomaly_warmup", f"must be >= 2 (the z-score window needs an unbiased std), got {s.anomaly_warmup}")
     require(s.anomaly_threshold > 0, "sync.anomaly_threshold", f"must be positive, got {s.anomaly_threshold}")

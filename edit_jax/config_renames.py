@@ -27,6 +27,12 @@ RENAMED = {
     # (the same day: CO2's own fields became its section)
     "sync.co2_gap_penalty": "sync.co2.gap_penalty",
     "sync.co2_momentum_clip": "sync.co2.momentum_clip",
+    # (2026-11-29: the outer optimizer's five fields became the sync.outer section)
+    "sync.outer_optimizer": "sync.outer.optimizer",
+    "sync.outer_lr": "sync.outer.lr",
+    "sync.outer_momentum": "sync.outer.momentum",
+    "sync.nesterov": "sync.outer.nesterov",
+    "sync.outer_b2": "sync.outer.b2",
 }
 _TOLD: set[str] = set()
 

@@ -11,7 +11,7 @@ rematerialised layers for GPU memory.
 
 from __future__ import annotations
 
-from edit_jax.config import CO2Config, Config, DataConfig, MeshConfig, OptimConfig, SyncConfig
+from edit_jax.config import CO2Config, Config, DataConfig, MeshConfig, OptimConfig, OuterConfig, SyncConfig, with_fields
 from edit_jax.localsgd.methods import sync_fields_for
 from edit_jax.models.llama import preset
 
@@ -20,13 +20,13 @@ PAPER_SIZES = ("350m", "1b", "3b", "7b")
 
 def sync_for(method: str, **kw) -> SyncConfig:
     """The sync settings of a method: ``kw``, then what the method table fixes (methods.py)."""
-    return SyncConfig(**{**kw, "method": method, **sync_fields_for(method)})
+    return with_fields(SyncConfig(**{**kw, "method": method}), sync_fields_for(method))
 
 
 # CO2's outer settings where the EDiT paper does not give them (CO2.md section 3): the fairseq
 # default beta 0.5 for up to 64 GPUs, alpha 1.0, Lambda 1 (the released constant), and the GPT-2
 # script's momentum clip phi = 1.0.
-PAPER_OUTER = {"co2": dict(outer_lr=1.0, outer_momentum=0.5, co2=CO2Config(momentum_clip=1.0))}
+PAPER_OUTER = {"co2": dict(outer=OuterConfig(lr=1.0, momentum=0.5), co2=CO2Config(momentum_clip=1.0))}
 
 
 def paper(size: str, method: str = "edit") -> Config:
@@ -40,7 +40,7 @@ def paper(size: str, method: str = "edit") -> Config:
                         seq_len=4096),
         optim=OptimConfig(lr=3e-4 if method == "baseline" else 1.5e-4, warmup_steps=2000, min_lr_ratio=0.1,
                           weight_decay=0.1, grad_clip=1.0),
-        sync=sync_for(method, **{**dict(warmup_steps=2000, tau=128, outer_lr=0.8, outer_momentum=0.85,
+        sync=sync_for(method, **{**dict(warmup_steps=2000, tau=128, outer=OuterConfig(lr=0.8, momentum=0.85),
                                         clip_threshold=10.0, anomaly_alpha=0.02, anomaly_warmup=120,
                                         anomaly_threshold=3.0, temperature=1.0),
                                  **PAPER_OUTER.get(method, {})}),
@@ -60,7 +60,7 @@ def cpu(method: str = "edit", steps: int = 300) -> Config:
         mesh=MeshConfig(replica=2, shard=4),
         data=DataConfig(seq_len=128),
         optim=OptimConfig(lr=3e-3, warmup_steps=20),
-        sync=sync_for(method, warmup_steps=20, tau=10, outer_lr=0.5, outer_momentum=0.5, anomaly_warmup=3,
+        sync=sync_for(method, warmup_steps=20, tau=10, outer=OuterConfig(lr=0.5, momentum=0.5), anomaly_warmup=3,
                       clip_threshold=10.0),
         steps=steps, batch_size=16, log_every=10, eval_every=50, eval_batches=8, checkpoint_every=100,
     )

@@ -9,7 +9,7 @@ part as its ``validate(cfg)``, next to what it checks against:
 - ``data.sources``: ``data.source`` (the ``SOURCES`` registry), ``data.paths``, ``data.token_dtype``;
 - ``models.family``: ``model.family``;
 - ``hf.load``: ``model.init_from`` (its config.json; ``load_config`` first adopts its architecture);
-- ``localsgd.methods``: ``sync.method``, ``sync.outer_optimizer``, what a method allows (CO2's
+- ``localsgd.methods``: ``sync.method``, ``sync.outer.optimizer``, what a method allows (CO2's
   fields; an asynchronous method's processes and outer state: A-EDiT);
 - ``placement``: the ``mesh.placement`` file;
 - ``runtime.multihost``: ``mesh.processes`` and the multi-process rules, ``debug.slowdown``;

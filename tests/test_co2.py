@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edit_jax.config import CO2Config, ConfigError, WireConfig
+from edit_jax.config import CO2Config, ConfigError, OuterConfig, WireConfig
 from edit_jax.localsgd.methods import OuterSpec, plan_for
 from edit_jax.localsgd.stale import StaleSync
 from edit_jax.localsgd.outer import make_outer_optimizer, sgd_trace, stale_outer_step
@@ -94,7 +94,7 @@ def test_stale_outer_step_reproduces_the_worked_example():
 
 # ----------------------------------------------------------------------------- the compiled step
 
-CO2_SYNC = {"co2": CO2Config(momentum_clip=3e-4, gap_penalty=2.0), "outer_lr": 0.7, "outer_momentum": 0.5}
+CO2_SYNC = {"co2": CO2Config(momentum_clip=3e-4, gap_penalty=2.0), "outer": OuterConfig(lr=0.7, momentum=0.5)}
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +202,7 @@ def test_hlo_diloco_exchange_waits_for_the_step():
 def test_co2_fixes_heavy_ball_and_no_penalty():
     mp = plan_for(tiny_config(2, 2, "co2", sync=CO2_SYNC))
     s = mp.cfg.sync
-    assert (s.layerwise, s.nesterov, s.anomaly, s.weighting, s.clip) == (False, False, False, False, False)
+    assert (s.layerwise, s.outer.nesterov, s.anomaly, s.weighting, s.clip) == (False, False, False, False, False)
     assert isinstance(mp.plan.rule, StaleSync) and mp.plan.rule.gap_penalty == 2.0
     assert mp.plan.rule.momentum_clip == 3e-4 and mp.plan.outer.momentum_clip == 3e-4  # the rule's clamp
     assert str(mp.schedule.kind(1)) == "local_then_sync" and str(mp.schedule.kind(0)) == "local"

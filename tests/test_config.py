@@ -56,7 +56,7 @@ def test_paper_presets_have_paper_sizes():
         shapes = jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))
         assert lo < count_params(shapes) < hi, (size, count_params(shapes))
         assert cfg.sync.tau == 128 and cfg.sync.clip_threshold == 10.0 and cfg.optim.lr == 1.5e-4
-        assert cfg.sync.outer_lr == 0.8 and cfg.sync.outer_momentum == 0.85 and cfg.mesh.replica == 8
+        assert cfg.sync.outer.lr == 0.8 and cfg.sync.outer.momentum == 0.85 and cfg.mesh.replica == 8
     assert paper("1b", "baseline").optim.lr == 3e-4
 
 
@@ -73,7 +73,8 @@ def test_config_file_calling_sys_exit_is_a_config_error(tmp_path, where):
 
 
 def test_keys_that_moved_into_a_section_are_read_as_their_new_key(tmp_path, capsys):
-    """sync.compress (and the other five wire fields) moved into sync.wire: a command line, a run
+    """sync.compress (and the other five wire fields) moved into sync.wire, sync.outer_lr (and the
+    outer optimizer's four others) into sync.outer: a command line, a run
     dir's config.json and a checkpoint's config written with the flat keys are read as the new ones,
     one line saying so; a Python config passing the old keyword fails naming the new key."""
     import json
@@ -88,15 +89,25 @@ def test_keys_that_moved_into_a_section_are_read_as_their_new_key(tmp_path, caps
     assert "config key 'sync.compress' is now 'sync.wire.kind'" in err and err.count("\n") == 3
     load_config(None, ["sync.compress=bf16", "sync.error_feedback=true"])
     assert capsys.readouterr().err == ""  # once per key and process
+    # The outer optimizer's five (sync.outer); a method's fixed value still wins over either name.
+    cfg = load_config(None, ["sync.method=co2", "sync.outer_lr=0.5", "sync.nesterov=true", "sync.outer_b2=0.9"])
+    assert (cfg.sync.outer.lr, cfg.sync.outer.b2) == (0.5, 0.9)
+    assert "config key 'sync.nesterov' is now 'sync.outer.nesterov'" in capsys.readouterr().err
+    from edit_jax.localsgd.methods import plan_for
+    said = plan_for(cfg)
+    assert said.cfg.sync.outer.nesterov is False and ("sync.outer.nesterov", True, False) in said.changed
 
     old = to_dict(Config())  # a config.json of the version before the section: the flat keys
     wire = old["sync"].pop("wire")
     old["sync"].update(compress="topk2", error_feedback=True, ef_decay=wire["decay"], ef_dtype="float32",
                        sparse_chunk=1024, sparse_k=32)
+    outer = old["sync"].pop("outer")
+    old["sync"].update(outer_optimizer=outer["optimizer"], outer_lr=0.3, outer_momentum=outer["momentum"],
+                       nesterov=outer["nesterov"], outer_b2=outer["b2"])
     path = tmp_path / "config.json"
     path.write_text(json.dumps(old))
     cfg = load_config(str(path), ["sync.method=edit"])
-    assert (cfg.sync.wire.kind, cfg.sync.wire.chunk, cfg.sync.wire.k) == ("topk2", 1024, 32)
+    assert (cfg.sync.wire.kind, cfg.sync.wire.chunk, cfg.sync.wire.k, cfg.sync.outer.lr) == ("topk2", 1024, 32, 0.3)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "sync.sparse_chunk -> sync.wire.chunk" in err, err
     assert Codec.from_sync(old["sync"]) == Codec.from_sync(cfg.sync)  # a checkpoint's saved config
@@ -110,4 +121,7 @@ def test_keys_that_moved_into_a_section_are_read_as_their_new_key(tmp_path, caps
         load_config(str(py))
     py.write_text(py.read_text().replace("compress='int8'", "co2_gap_penalty=2.0"))
     with pytest.raises(ConfigError, match=r"is now 'sync.co2.gap_penalty': pass co2=CO2Config\(gap_penalty="):
+        load_config(str(py))
+    py.write_text(py.read_text().replace("co2_gap_penalty=2.0", "outer_lr=0.5"))
+    with pytest.raises(ConfigError, match=r"is now 'sync.outer.lr': pass outer=OuterConfig\(lr="):
         load_config(str(py))

@@ -187,7 +187,7 @@ def _ref_of(cfg) -> Ref:
     s = cfg.sync
     return Ref(anomaly=s.anomaly, alpha=s.anomaly_alpha, k=s.anomaly_warmup, delta=s.anomaly_threshold,
                weighting=s.weighting, temperature=s.temperature, clip=s.clip, phi=s.clip_threshold,
-               lr=s.outer_lr, mu=s.outer_momentum)
+               lr=s.outer.lr, mu=s.outer.momentum)
 
 
 def _det_tuple(det):
@@ -345,7 +345,7 @@ def edit4():
     """EDiT on a 4 x 2 mesh with every penalty part on and non-default constants (so that each one
     matters): α = 0.3, T = 0.5, φ = 0.2 (clips), η = 0.7, μ = 0.8."""
     cfg = _cfg(*BASE4, "sync.method=edit", "sync.anomaly_alpha=0.3", "sync.temperature=0.5",
-               "sync.clip_threshold=0.2", "sync.outer_lr=0.7", "sync.outer_momentum=0.8")
+               "sync.clip_threshold=0.2", "sync.outer.lr=0.7", "sync.outer.momentum=0.8")
     mesh = make_mesh(cfg.mesh, jax.devices()[8:16], device_order=PERM)
     m = StepPrograms.for_config(cfg, mesh)
     return m, _host(m.init_state(0))
@@ -476,7 +476,7 @@ def test_outer_state_layouts_match_numpy_reference(edit4, layout):
     kept in host memory: the same Algorithm 2 results as the NumPy reference, on both sync paths."""
     m0, init = edit4
     cfg = _cfg(*BASE4, "sync.method=edit", "sync.anomaly_alpha=0.3", "sync.temperature=0.5",
-               "sync.clip_threshold=0.2", "sync.outer_lr=0.7", "sync.outer_momentum=0.8", layout)
+               "sync.clip_threshold=0.2", "sync.outer.lr=0.7", "sync.outer.momentum=0.8", layout)
     m = StepPrograms.for_config(cfg, m0.mesh)
     start = _crafted_state(m, init)
     r = _ref_of(cfg)
@@ -626,7 +626,7 @@ def test_edit_with_one_replica_equals_adamw():
     changes nothing, so EDiT is plain AdamW (the Baseline on a 1 x S mesh)."""
     one_stage("default", "EDiT on one replica against AdamW", 30, other="test_step_program's scan_unroll")
     common = [*BASE, "mesh.replica=1", "mesh.shard=2"]
-    edit_cfg = _cfg(*common, "sync.method=edit", "sync.tau=1", "sync.outer_lr=1.0", "sync.outer_momentum=0.0",
+    edit_cfg = _cfg(*common, "sync.method=edit", "sync.tau=1", "sync.outer.lr=1.0", "sync.outer.momentum=0.0",
                     "sync.anomaly=false", "sync.weighting=false", "sync.clip=false")
     base_cfg = _cfg(*common, "sync.method=baseline")
     devices = jax.devices()[16:18]
@@ -663,7 +663,7 @@ def test_diloco_sync_equals_edit_layerwise_without_penalty(edit4, diverged):
     """The same pseudo gradients through DiLoCo's whole-model sync and through EDiT's layer-wise sync
     (penalty off, same η and μ) give the same θ̄ and trace, equal to the NumPy reference."""
     m, _ = edit4
-    outer = ["sync.outer_lr=0.7", "sync.outer_momentum=0.8"]
+    outer = ["sync.outer.lr=0.7", "sync.outer.momentum=0.8"]
     diloco = StepPrograms.for_config(_cfg(*BASE4, "sync.method=diloco", *outer), m.mesh)
     edit_off = StepPrograms.for_config(_cfg(*BASE4, "sync.method=edit", *outer, "sync.anomaly=false",
                                          "sync.weighting=false", "sync.clip=false"), m.mesh)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from edit_jax.config import CO2Config, ConfigError
+from edit_jax.config import CO2Config, ConfigError, OuterConfig
 from edit_jax.config import MeshConfig
 from edit_jax.localsgd.methods import METHODS, OuterSpec, plan_for
 from edit_jax.localsgd.outer import Detector, Penalty, make_outer_optimizer, sync_unit
@@ -30,7 +30,7 @@ def test_method_fixes_are_written_as_they_take_effect():
     assert {k for k, _, _ in mp.changed} == {"sync.layerwise", "sync.anomaly", "sync.weighting", "sync.clip"}
     assert not mp.plan.layerwise and mp.plan.penalty == Penalty.off()
     pls = plan_for(load_config(os.path.join(REPO, "configs/demo.py"), ["method=post_local_sgd"]))
-    assert (pls.cfg.sync.outer_lr, pls.cfg.sync.outer_momentum) == (1.0, 0.0)
+    assert (pls.cfg.sync.outer.lr, pls.cfg.sync.outer.momentum) == (1.0, 0.0)
     edit = plan_for(load_config(os.path.join(REPO, "configs/demo.py"), []))
     assert edit.changed == () and edit.cfg == load_config(os.path.join(REPO, "configs/demo.py"), [])
     for name in METHODS:  # presets carry what the table fixes: normalising them changes nothing
@@ -80,10 +80,10 @@ def test_only_fields_the_user_set_are_announced():
     # The demo (EDiT) run as DiLoCo: layerwise/anomaly/... were never set by the user (defaults).
     quiet = plan_for(load_config(os.path.join(REPO, "configs/demo.py"), ["method=diloco"]))
     assert quiet.changed and quiet.user_changes() == ()
-    # outer_lr=0.5 (an override) and the demo file's outer_momentum=0.5 are not the defaults (0.8,
+    # outer.lr=0.5 (an override) and the demo file's outer.momentum=0.5 are not the defaults (0.8,
     # 0.85) and Post Local SGD fixes them: said; its other fixes (defaults) are not.
-    said = plan_for(load_config(os.path.join(REPO, "configs/demo.py"), ["method=post_local_sgd", "sync.outer_lr=0.5"]))
-    assert set(said.user_changes()) == {("sync.outer_lr", 0.5, 1.0), ("sync.outer_momentum", 0.5, 0.0)}
+    said = plan_for(load_config(os.path.join(REPO, "configs/demo.py"), ["method=post_local_sgd", "sync.outer.lr=0.5"]))
+    assert set(said.user_changes()) == {("sync.outer.lr", 0.5, 1.0), ("sync.outer.momentum", 0.5, 0.0)}
     assert len(said.changed) > 2
 
 
@@ -95,8 +95,8 @@ def test_run_dir_config_says_what_ran(tmp_path):
 
 
 def test_bad_outer_optimizer_names_the_key():
-    with pytest.raises(ConfigError, match=r"sync.outer_optimizer.*nesterov, adam.*'lion'"):
-        load_config(os.path.join(REPO, "configs/tiny.py"), ["sync.outer_optimizer=lion"])
+    with pytest.raises(ConfigError, match=r"sync.outer.optimizer.*nesterov, adam.*'lion'"):
+        load_config(os.path.join(REPO, "configs/tiny.py"), ["sync.outer.optimizer=lion"])
     with pytest.raises(ConfigError, match=r"model.family.*llama.*'gpt'"):
         load_config(os.path.join(REPO, "configs/tiny.py"), ["model.family=gpt"])
 
@@ -143,7 +143,7 @@ def test_outer_adam_run_end_to_end(tmp_path):
     from edit_jax.localsgd.state import state_shapes
 
     cfg = tiny_config(2, 2, method="edit", steps=8, checkpoint_every=4,
-                      sync={"outer_optimizer": "adam", "outer_lr": 0.05, "outer_momentum": 0.9, "tau": 2})
+                      sync={"outer": OuterConfig(optimizer="adam", lr=0.05, momentum=0.9), "tau": 2})
     first = train(cfg, str(tmp_path), progress=False, devices=jax.devices()[:4], stop_after=4)
     assert first.interrupted and first.steps == 4
     result = train(cfg, str(tmp_path), progress=False, devices=jax.devices()[:4])
@@ -157,4 +157,4 @@ def test_outer_adam_run_end_to_end(tmp_path):
     assert int(adam["root"][0].count) == syncs
     np.testing.assert_array_equal(np.asarray(adam["layers"][0].count), [syncs] * cfg.model.n_layers)
     assert float(np.abs(np.asarray(adam["root"][0].nu["embed"])).max()) > 0
-    assert json.load(open(tmp_path / "config.json"))["sync"]["outer_optimizer"] == "adam"
+    assert json.load(open(tmp_path / "config.json"))["sync"]["outer"]["optimizer"] == "adam"

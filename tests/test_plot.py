@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from edit_jax import cli
-from edit_jax.config import dumps
+from edit_jax.config import OuterConfig, dumps
 from edit_jax.localsgd.methods import plan_for
 from edit_jax.tools.plot import DPI, PANEL_IN, WIDTH_IN, PlotError, load_run, make_figure, plot_runs, run_labels
 from edit_jax.training.train import train
@@ -80,9 +80,9 @@ def test_cli_plots_a_real_diloco_run(tmp_path, capsys):
 
 def test_labels_name_the_differing_key(tmp_path, capsys):
     recs = _train_recs(range(1, 5))
-    a = _fake_run(tmp_path / "a", recs, sync={"outer_lr": 0.5})
+    a = _fake_run(tmp_path / "a", recs, sync={"outer": OuterConfig(lr=0.5)})
     b = _fake_run(tmp_path / "b", recs)
-    assert run_labels([load_run(a).config, load_run(b).config]) == ["edit outer_lr=0.5", "edit outer_lr=0.8"]
+    assert run_labels([load_run(a).config, load_run(b).config]) == ["edit outer.lr=0.5", "edit outer.lr=0.8"]
     # A top-level key whose last part is not unique (seed, data.seed) keeps its full name.
     c = _fake_run(tmp_path / "c", recs, method="diloco", seed=1)
     d = _fake_run(tmp_path / "d", recs, method="diloco")

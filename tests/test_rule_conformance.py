@@ -1,23 +1,24 @@
-"""One sync rule, two drivers (issue 56, items 3 and 5): the rule objects of the registry
+"""One sync rule, three drivers (issue 56, items 3 and 5): the rule objects of the registry
 (``rule.py``) run in the trainer's programs (``StepPrograms.sync_fn``: ``shard_map`` over the
-(replica, shard) mesh, FSDP blocks) and in the public API (``LocalSGD.sync`` / ``flush``: the workers
+(replica, shard) mesh, FSDP blocks), in the public API (``LocalSGD.sync`` / ``flush``: the workers
 a ``vmap`` over ``replica``), built from one method name and the same sync fields
-(``from_method``). On the same posts (every worker's params, θ̄, the outer momentum, CO2's
-pseudo gradients in flight) both give the NumPy reference's θ̄, momentum and workers:
+(``from_method``), and in the exchange's round (``elastic/outer_round.OuterRound``: the posts of
+the workers, stacked on the host's CPU; rounds by step count). On the same posts (every worker's
+params, θ̄, the outer momentum, CO2's pseudo gradients in flight) they give the NumPy reference's
+θ̄, momentum and workers:
 
 - diloco, post_local_sgd, edit (penalty: weights softmax(−g/T), per-unit clip; fresh detectors fed),
   through ``test_edit_sync.np_sync`` (Algorithm 2 written from EDIT.md);
 - co2: the flush (θ̄ − η(μm + mean pending / Λ)) and, in the API, one round (the new pending is
   θ̄ − θ_i), written here from CO2.md;
 - a lossy wire with error feedback (int8, topk2) on EDiT: trainer and API equal to each other,
-  residuals included, and within the wire's error of the uncompressed reference;
+  residuals included, and within the wire's error of the uncompressed reference; topk2 through the
+  exchange too (packed posts, each poster's residual settled by the round's flags);
 - a rule written in this file (the coordinate-wise median of the pseudo gradients), registered
-  with one line, runs in both drivers and equals NumPy's median.
+  with one line, runs in all three drivers and equals NumPy's median.
 
-The exchange (``elastic/``), the third driver, runs the same ``stacked.workers_sync`` as the API for
-its float32 rounds (``test_elastic.py``: against the collective meeting and NumPy; DiLoCo and EDiT
-by step count); its packed (topk) rounds still have their own copy of the penalty and outer step.
-Two workers, tiny shapes: a few seconds per case.
+CO2 is the one rule the exchange does not run (its pending pseudo gradients live on the workers
+between rounds; ``admission`` refuses it). Two workers, tiny shapes: a few seconds per case.
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ import numpy as np
 import optax
 import pytest
 
+from edit_jax.elastic import packed as PK
+from edit_jax.elastic.outer_round import OuterRound
+from edit_jax.elastic.rounds import Post
 from edit_jax.localsgd import api, methods
+from edit_jax.localsgd.codec import Codec
+from edit_jax.localsgd.compress import flatten_unit
 from edit_jax.localsgd.outer import sgd_trace, with_sgd_trace
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import REPLICA, gather_workers
@@ -38,34 +44,35 @@ from edit_jax.localsgd.sync import local_blocks, reset_nonfinite_workers, sync_m
     with_replica_dim, as_varying
 from edit_jax.localsgd.whole_model import WholeModelSync
 from edit_jax.runtime.mesh import make_mesh
-from edit_jax.config import CO2Config, WireConfig
+from edit_jax.config import CO2Config, OuterConfig, WireConfig
 from edit_jax.validate import load_config
 from tests.stages import one_stage
 from tests.test_edit_sync import TINY, Ref, np_sync
 
 N = 2
-BASE = ["data.seq_len=16", "batch_size=4", "steps=20", "model.n_layers=2", "sync.anomaly_warmup=3",
-        "sync.warmup_steps=0", f"mesh.replica={N}"]
+BASE = ["data.seq_len=16", "steps=20", "model.n_layers=2", "sync.anomaly_warmup=3",
+        "sync.warmup_steps=0"]
 # Each method with non-default constants, so that each one matters.
 FIELDS = {
-    "diloco": dict(outer_lr=0.6, outer_momentum=0.8),
+    "diloco": dict(outer=OuterConfig(lr=0.6, momentum=0.8)),
     "post_local_sgd": {},
-    "edit": dict(outer_lr=0.7, outer_momentum=0.8, temperature=0.05, clip_threshold=0.5),
-    "co2": dict(outer_lr=0.5, outer_momentum=0.7, co2=CO2Config(gap_penalty=2.0)),
+    "edit": dict(outer=OuterConfig(lr=0.7, momentum=0.8), temperature=0.05, clip_threshold=0.5),
+    "co2": dict(outer=OuterConfig(lr=0.5, momentum=0.7), co2=CO2Config(gap_penalty=2.0)),
 }
 
 
-def _trainer(method: str, shard: int, **fields) -> StepPrograms:
-    flat = {f"{section}.{k}": v for section in ("wire", "co2") if section in fields
+def _trainer(method: str, shard: int, n: int = N, **fields) -> StepPrograms:
+    flat = {f"{section}.{k}": v for section in ("outer", "wire", "co2") if section in fields
             for k, v in dataclasses.asdict(fields.pop(section)).items()}
-    cfg = load_config(TINY, BASE + [f"mesh.shard={shard}", f"sync.method={method}"]
+    cfg = load_config(TINY, BASE + [f"mesh.replica={n}", f"mesh.shard={shard}", f"batch_size={max(4, n * shard)}",
+                                     f"sync.method={method}"]
                       + [f"sync.{k}={str(v).lower() if isinstance(v, bool) else v}"
                          for k, v in {**fields, **flat}.items()])
-    return StepPrograms.for_config(cfg, make_mesh(cfg.mesh, jax.devices()[:N * shard]))
+    return StepPrograms.for_config(cfg, make_mesh(cfg.mesh, jax.devices()[:n * shard]))
 
 
 def _posts(m: StepPrograms, seed: int = 0):
-    """The trainer's state with every worker moved off θ̄ by its own amount (worker 1 twice as far),
+    """The trainer's state with every worker moved off θ̄ by its own amount (worker i 2^i as far),
     a non-zero outer momentum and, for CO2, pseudo gradients in flight."""
     rng = np.random.default_rng(seed)
     state = jax.device_get(m.init_state(0))
@@ -76,13 +83,14 @@ def _posts(m: StepPrograms, seed: int = 0):
                                                 theta))
     if outer.extra is not None and "pending" in outer.extra:
         outer = outer.replace(extra={**outer.extra, "pending": away([0.5, 1.5])})
-    return state.replace(params=away([1.0, 2.0]), outer=outer)
+    return state.replace(params=away([2.0 ** i for i in range(m.cfg.mesh.replica)]), outer=outer)
 
 
 def _api(method: str, m: StepPrograms, posts, rule=None) -> tuple[api.LocalSGD, api.LocalSGDState]:
     """``LocalSGD`` with ``from_method(method, same fields)`` on the same devices, holding the posts."""
     rule = rule or api.from_method(method, **FIELDS.get(method, {}))
-    trainer = api.LocalSGD(rule, jax.make_mesh((N,), (REPLICA,), devices=jax.devices()[:N]), tau=1,
+    n = m.cfg.mesh.replica
+    trainer = api.LocalSGD(rule, jax.make_mesh((n,), (REPLICA,), devices=jax.devices()[:n]), tau=1,
                            loss_fn=lambda *a: None, optimizer=optax.adam(0.0), donate=False)
     theta = posts.outer.params
     state = trainer.init(theta)
@@ -96,6 +104,38 @@ def _api(method: str, m: StepPrograms, posts, rule=None) -> tuple[api.LocalSGD, 
     return trainer, state._replace(params=posts.params, outer_params=theta, outer_opt_state=outer_opt, extra=extra)
 
 
+def _exchange(m: StepPrograms, posts):
+    """The exchange's round on the same posts: each worker posts Δ_i = θ̄ − θ_i (float32, or packed
+    by ``sync.wire.kind`` from a zero residual); returns (the round state, its figures, each
+    poster's settled residual per unit, or None)."""
+    codec = Codec.from_sync(m.cfg.sync)
+    rnd = OuterRound(m.plan, codec)
+    layerwise = rnd.layerwise
+    theta = posts.outer.params
+    units = 1 + m.cfg.model.n_layers if layerwise else 1
+    n = m.cfg.mesh.replica
+    start = rnd.initial(theta, n, units, max(2, m.plan.penalty.warmup))
+    trace = posts.outer.trace
+    start.outer_opt = posts.outer.opt_state if layerwise else with_sgd_trace(start.outer_opt, trace)
+    if layerwise:  # the trainer's warm detectors, per worker and unit
+        start.detectors = jax.tree.map(np.asarray, posts.outer.detector)
+    sent, pending = [], []
+    for w in range(n):
+        delta = jax.tree.map(lambda t, x: (t - x[w]).astype(np.float32), theta, posts.params)
+        if codec.kind == "none":
+            sent.append(Post(w, 1, jax.tree.leaves(delta), m.cfg.sync.tau, 0, 0.0, ""))
+            continue
+        rows, norms, new_e = jax.device_get(PK.encode_post(delta, PK.zero_residual(theta, layerwise, codec), codec,
+                                                           layerwise))
+        sent.append(Post(w, 1, [np.asarray(r) for r in rows], m.cfg.sync.tau, 0, 0.0, "", wire=codec.name,
+                         norms=np.asarray(norms)))
+        pending.append(new_e)
+    got, figures = rnd.apply(start, sent)
+    settled = [PK.settle_residual(pending[w], np.asarray(figures["unit_flagged"])[:, w], layerwise)
+               for w in range(len(pending))] or None
+    return got, figures, settled
+
+
 def _close(got, want, what, rtol=2e-5, atol=2e-6):
     assert jax.tree.structure(got) == jax.tree.structure(want), what
     for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
@@ -107,7 +147,7 @@ def _ref(m: StepPrograms) -> Ref:
     s = m.cfg.sync  # normalised: what the method fixes, as it took effect
     return Ref(anomaly=s.anomaly, alpha=s.anomaly_alpha, k=s.anomaly_warmup, delta=s.anomaly_threshold,
                weighting=s.weighting, temperature=s.temperature, clip=s.clip, phi=s.clip_threshold,
-               lr=s.outer_lr, mu=s.outer_momentum)
+               lr=s.outer.lr, mu=s.outer.momentum)
 
 
 # ============================================================================= the paper's rules
@@ -141,9 +181,16 @@ def test_each_rule_gives_the_reference_in_the_trainer_and_the_api(method):
         np.testing.assert_allclose(np.asarray(figures["unit_weight"]), info["w"], atol=1e-5)
     assert not np.asarray(figures["inner_reset"]).any() and not bool(figures["sync_refused"])
 
+    got, figures, _ = _exchange(m, posts)
+    _close(got.theta, theta, f"{method} exchange θ̄")
+    _close(sgd_trace(got.outer_opt) if method != "edit" else {u: sgd_trace(got.outer_opt[u]) for u in ("root", "layers")},
+           trace, f"{method} exchange momentum")
+    if method == "edit":
+        np.testing.assert_allclose(np.asarray(figures["unit_weight"]), info["w"], atol=1e-5)
+
 
 def test_the_named_constructors_are_the_method_table_rows():
-    assert api.diloco(0.6, 0.8) == api.from_method("diloco", outer_lr=0.6, outer_momentum=0.8)
+    assert api.diloco(0.6, 0.8) == api.from_method("diloco", outer=OuterConfig(lr=0.6, momentum=0.8))
     assert api.post_local_sgd() == api.from_method("post_local_sgd")
     assert api.co2(0.5, 0.7, gap_penalty=2.0) == api.from_method("co2", **FIELDS["co2"])
     assert api.edit().sync == api.from_method("edit").sync
@@ -155,7 +202,7 @@ def test_co2_flush_and_round_give_the_reference_in_both_drivers():
     f = FIELDS["co2"]
     m = _trainer("co2", shard=2, **f)
     posts = _posts(m)
-    lr, mu, lam = f["outer_lr"], f["outer_momentum"], f["co2"].gap_penalty
+    lr, mu, lam = f["outer"].lr, f["outer"].momentum, f["co2"].gap_penalty
     f64 = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t)  # noqa: E731
     theta, m0, pending, workers = (f64(x) for x in (posts.outer.params, posts.outer.trace, posts.outer.extra["pending"],
                                                     posts.params))
@@ -204,6 +251,16 @@ def test_a_lossy_wire_with_error_feedback_is_the_same_in_both_drivers(wire):
     moved = [float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(plain.outer_params),
                                                         jax.tree.leaves(posts.outer.params))]
     assert max(err) < max(moved), (err, moved)
+    if wire == "topk2":  # the exchange's packed posts: the posters encode, the round decodes
+        got, _, settled = _exchange(m, posts)
+        _close(got.theta, synced.outer.params, "topk2: θ̄ exchange vs trainer", rtol=1e-5, atol=1e-6)
+        res = synced.outer.extra["residual"]
+        for w in range(N):
+            flat = [np.asarray(flatten_unit(jax.tree.map(lambda x: x[w], res["root"]), m.plan.rule.codec.chunk)[0])]
+            flat.append(np.stack([np.asarray(flatten_unit(jax.tree.map(lambda x: x[w, i], res["layers"]),
+                                                          m.plan.rule.codec.chunk)[0])
+                                  for i in range(m.cfg.model.n_layers)]))
+            _close(settled[w], flat, f"topk2: worker {w}'s residual, poster vs trainer", rtol=1e-5, atol=1e-6)
 
 
 def test_the_api_refuses_what_one_program_cannot_run():
@@ -259,10 +316,10 @@ class MedianSync(WholeModelSync):
         return params, outer, opt_state, metrics, residual
 
 
-def test_a_rule_written_here_registers_with_one_line_and_runs_in_both_drivers(monkeypatch):
+def test_a_rule_written_here_registers_with_one_line_and_runs_in_all_three_drivers(monkeypatch):
     monkeypatch.setitem(methods.METHODS, "median", methods.Method("median", "the median pseudo gradient",
                                                                   rule=MedianSync.build))
-    m = _trainer("median", shard=2, outer_lr=0.6, outer_momentum=0.8)
+    m = _trainer("median", shard=2, n=3, outer=OuterConfig(lr=0.6, momentum=0.8))  # 3 workers: the median is not the mean
     posts = _posts(m)
     assert isinstance(m.plan.rule, MedianSync)
     f64 = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t)  # noqa: E731
@@ -270,10 +327,15 @@ def test_a_rule_written_here_registers_with_one_line_and_runs_in_both_drivers(mo
     med = jax.tree.map(lambda t, w: np.median(t[None] - w, axis=0), theta, workers)
     trace = jax.tree.map(lambda b, d: 0.8 * b + d, trace0, med)  # Nesterov, as DiLoCo's outer step
     want = jax.tree.map(lambda t, d, b: t - 0.6 * (d + 0.8 * b), theta, med, trace)
+    mean = jax.tree.map(lambda t, w: np.mean(t[None] - w, axis=0), theta, workers)
+    assert min(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(med), jax.tree.leaves(mean))) > 1e-3
 
     synced, _ = jax.device_get(m.sync_fn()(jax.device_put(posts, m.state_shardings)))
     _close(synced.outer.params, want, "median trainer θ̄")
-    trainer, state = _api("median", m, posts, rule=api.from_method("median", outer_lr=0.6, outer_momentum=0.8))
+    trainer, state = _api("median", m, posts, rule=api.from_method("median", outer=OuterConfig(lr=0.6, momentum=0.8)))
     new, figures = jax.device_get(trainer.sync(state))
     _close(new.outer_params, want, "median API θ̄")
-    assert np.asarray(figures["unit_pseudo_grad_norm"]).shape == (1, N)  # the API's one unit
+    assert np.asarray(figures["unit_pseudo_grad_norm"]).shape == (1, 3)  # the API's one unit
+    got, figures, _ = _exchange(m, posts)
+    _close(got.theta, want, "median exchange θ̄")
+    assert np.asarray(figures["unit_pseudo_grad_norm"]).shape == (1, 3)  # the exchange's one unit too

@@ -48,7 +48,7 @@ def step_kind(cfg, k):
 
 N4, S2 = 4, 2
 EDIT4 = [*BASE4, "sync.method=edit", "sync.anomaly_alpha=0.3", "sync.temperature=0.5", "sync.clip_threshold=0.2",
-         "sync.outer_lr=0.7", "sync.outer_momentum=0.8"]
+         "sync.outer.lr=0.7", "sync.outer.momentum=0.8"]
 
 
 def _mesh(cfg):

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from edit_jax.config import CO2Config
+from edit_jax.config import CO2Config, OuterConfig
 from edit_jax.localsgd import layerwise, stale, sync, whole_model
 from edit_jax.localsgd.fragments import fragment_layers, fragment_of_unit
 from edit_jax.localsgd.methods import plan_for
@@ -36,7 +36,7 @@ from test_edit_sync import _assert_det_close, _assert_tree_close, _det_tuple, _h
 from tests.helpers import tiny_config
 
 # EDiT with every part of the penalty doing something: T != 1, a clip that binds on big units.
-EDIT_SYNC = {"anomaly_alpha": 0.3, "temperature": 0.5, "clip_threshold": 0.5, "outer_lr": 0.7, "outer_momentum": 0.8}
+EDIT_SYNC = {"anomaly_alpha": 0.3, "temperature": 0.5, "clip_threshold": 0.5, "outer": OuterConfig(lr=0.7, momentum=0.8)}
 K = 3  # tiny_config's anomaly_warmup
 
 
@@ -211,7 +211,7 @@ def test_layerwise_sync_matches_numpy_and_the_whole_sync():
 # ============================================================================= CO2
 
 
-CO2_SYNC = {"co2": CO2Config(momentum_clip=0.01, gap_penalty=2.0), "outer_lr": 0.7, "outer_momentum": 0.5}
+CO2_SYNC = {"co2": CO2Config(momentum_clip=0.01, gap_penalty=2.0), "outer": OuterConfig(lr=0.7, momentum=0.5)}
 
 
 def test_sync_stale_is_one_round_stale():
@@ -221,7 +221,7 @@ def test_sync_stale_is_one_round_stale():
     and it restarts from a_{t+1}. The second sync applies the first sync's pendings, not its own
     round's; the flush applies the pending and keeps it."""
     layout = _layout(2, 2, "co2", sync=CO2_SYNC)
-    alpha, beta = CO2_SYNC["outer_lr"], CO2_SYNC["outer_momentum"]
+    alpha, beta = CO2_SYNC["outer"].lr, CO2_SYNC["outer"].momentum
     lam, phi = CO2_SYNC["co2"].gap_penalty, CO2_SYNC["co2"].momentum_clip
     rng = np.random.default_rng(2)
     start = _host(layout.init_state(0))

@@ -42,7 +42,7 @@ def _records(run_dir, key="loss"):
     ("method=sgd", r"config key 'sync.method': expected one of baseline, post_local_sgd, diloco, edit"),
     ("model.n_kv_heads=3", r"config key 'model.n_kv_heads'"),
     ("model.remat_saves=all", r"config key 'model.remat_saves': expected one of nothing, dots, dots_attention"),
-    ("sync.outer_momentum=1.5", r"config key 'sync.outer_momentum'"),
+    ("sync.outer.momentum=1.5", r"config key 'sync.outer.momentum'"),
     ("model", r"expected key=value"),
 ])
 def test_bad_config_names_the_key(override, match):

@@ -11,8 +11,9 @@ Every round checks it (the manifest's hash); a worker whose host rounds differen
 closer's published state instead (``worker.py``, recorded as ``theta_resync``). The cost is
 host work on each worker: a few element-wise passes over the parameters per participant (norms,
 weights, the weighted sum, clip, Nesterov), against a ``tau_time`` of minutes (BUILD_NOTES 20).
-With a sparse ``sync.wire.kind`` the posts are packed rows and true norms, and the step is
-``packed.round_step`` (decode, then the same penalty, sum and outer step).
+With a sparse ``sync.wire.kind`` the posts are packed rows and true norms: the same rule runs
+over them with the ``packed.PackedPosts`` reduction (each post decoded as its worker's pseudo
+gradient, its posted norm as the norm).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from edit_jax.elastic import packed as PK
 from edit_jax.elastic.rounds import Post, RoundState
 from edit_jax.localsgd.stacked import WORKERS, as_units, of_units, workers_sync
 from edit_jax.localsgd.codec import NONE, Codec
+from edit_jax.localsgd.compressed import Compressed
 from edit_jax.localsgd.methods import Plan
 from edit_jax.localsgd.outer import Detector, make_outer_optimizer
 from edit_jax.localsgd.rule import SyncSpec
@@ -46,6 +48,10 @@ class OuterRound:
                  store: ExecutableStore | None = None):
         self.plan, self.codec, self.carried_weight = plan, codec, carried_weight
         self.packed = codec.kind != "none"
+        # The posts crossed the wire already (encoded by their posters, decoded by the round's
+        # reduction, ``packed.PackedPosts``): the round runs the rule inside the Compressed wrapper.
+        self.rule = plan.rule.rule if isinstance(plan.rule, Compressed) else plan.rule
+        self.layerwise = self.rule.in_forward  # the rule's units: the root and each layer; else the whole model
         self.store = store or ExecutableStore(None)
         self.opt = make_outer_optimizer(plan.outer)
         self.cpu = jax.devices("cpu")[0]
@@ -99,40 +105,36 @@ class OuterRound:
 
     def _rows(self, theta) -> list[np.ndarray]:
         """One post's packed rows per unit, as zeros of their shapes."""
-        nr, n_layers, nl = PK.unit_rows(theta, self.plan.layerwise, self.codec.chunk)
+        nr, n_layers, nl = PK.unit_rows(theta, self.layerwise, self.codec.chunk)
         out = [np.zeros((nr, self.codec.row_bytes), np.uint8)]
-        if self.plan.layerwise:
+        if self.layerwise:
             out.append(np.zeros((n_layers, nl, out[0].shape[1]), np.uint8))
         return out
 
-    def _step(self, theta, outer_opt, dets: Detector, deltas, *rest):
-        if not self.plan.rule.asynchronous:  # rounds by step count: every post is tau steps, no step shares
-            rest = rest[:-1] + (None,)
-        if self.packed:  # packed posts: deltas are the rows, then the norms [N, U], the shares
-            norms, shares = rest
-            return PK.round_step(theta, outer_opt, dets, deltas, norms, shares, self.plan.penalty, self.opt,
-                                 self.codec, self.plan.layerwise)
-        shares, = rest
-        # θ_i = θ̄ - Δ_i: the rule forms Δ_i = θ̄ - θ_i again (exact up to one rounding of each
-        # value, the same on every worker), then the penalty, the weights and the outer step.
-        layerwise = self.plan.rule.in_forward  # its units: the root and each layer; else the whole model
-        local = jax.tree.map(lambda o, d: o[None] - d, theta, deltas)
+    def _step(self, theta, outer_opt, dets: Detector, posts, *rest):
+        """The rule's sync over the round's posts: float32 Δs (``posts`` θ̄'s tree [N, ...]; the
+        shares follow), or packed rows (``posts`` per unit [N, ...]; the norms [N, U], the shares)."""
+        *norms, shares = rest
+        if not self.rule.asynchronous:  # rounds by step count: every post is tau steps, no step shares
+            shares = None
+        layerwise = self.layerwise  # its units: the root and each layer; else the whole model
+        n = jax.tree.leaves(posts)[0].shape[0]  # the participants
+        if self.packed:  # each worker's "params" are its post; the reduction decodes them (packed.py)
+            local, reduction = PK.posted_units(posts, norms[0], layerwise), PK.PackedPosts(codec=self.codec)
+        else:  # θ_i = θ̄ - Δ_i: the rule forms Δ_i = θ̄ - θ_i again (exact up to one rounding of each
+            # value, the same on every worker)
+            local, reduction = as_units(jax.tree.map(lambda o, d: o[None] - d, theta, posts), layerwise), WORKERS
         n_layers = jax.tree.leaves(theta["layers"])[0].shape[0] if layerwise else 0
-        n = jax.tree.leaves(deltas)[0].shape[0]  # the participants
-        spec = SyncSpec(self.plan.penalty, self.plan.outer, self.opt, n_layers, n, reduction=WORKERS)
+        spec = SyncSpec(self.plan.penalty, self.plan.outer, self.opt, n_layers, n, reduction=reduction)
         outer = OuterState(as_units(theta, layerwise), as_units(outer_opt, layerwise), dets, np.int32(0))
-        _, _, outer, figures = workers_sync(self.plan.rule, spec, as_units(local, layerwise), None, outer, shares)
+        _, _, outer, figures = workers_sync(self.rule, spec, local, None, outer, shares)
         figures.pop("inner_reset")  # (no inner optimizer state comes with a post)
-        return of_units(outer.params, layerwise), of_units(outer.opt_state, layerwise), outer.detector, figures, \
-            figures["flagged"]
+        return of_units(outer.params, layerwise), of_units(outer.opt_state, layerwise), outer.detector, figures
 
     def initial(self, theta: Any, slots: int, n_units: int, window: int) -> RoundState:
         """Round 0: θ̄ = the initial params, a fresh outer state, zero detectors for every slot."""
         theta = jax.tree.map(lambda x: np.asarray(x, np.float32), theta)
-        if self.plan.layerwise:
-            outer_opt = init_outer_opt_state(self.opt, theta)
-        else:
-            outer_opt = self.opt.init(theta)
+        outer_opt = init_outer_opt_state(self.opt, theta, self.layerwise)
         det = Detector.zeros((slots, n_units), window)
         host = lambda t: jax.tree.map(np.asarray, t)  # noqa: E731
         return RoundState(0, host(theta), host(outer_opt), host(det), 0, [0] * slots)
@@ -152,7 +154,7 @@ class OuterRound:
         dets = jax.tree.map(lambda x: x[ids], state.detectors)
         put = lambda t: jax.device_put(t, self.cpu)  # noqa: E731
         step = self.program(state, len(posts))
-        theta, outer_opt, new_dets, figures, unit_flags = step(put(state.theta), put(state.outer_opt), put(dets),
+        theta, outer_opt, new_dets, figures = step(put(state.theta), put(state.outer_opt), put(dets),
                                                                put(deltas), *map(put, extra),
                                                                put(np.asarray(shares, np.float32)))
         host = lambda t: jax.tree.map(np.asarray, jax.device_get(t))  # noqa: E731
@@ -163,10 +165,9 @@ class OuterRound:
             cursors[p.worker] = p.cursor
         new = RoundState(state.round + 1, host(theta), host(outer_opt), all_dets,
                          state.tally + int(sum(p.steps_since for p in posts)), cursors, [int(i) for i in ids])
-        figures = {k: np.asarray(v).tolist() for k, v in host(figures).items()}
-        if self.packed:  # [U, N]: which units of which post were flagged (the posters' residuals)
-            figures["unit_flagged"] = np.asarray(unit_flags).tolist()
-        return new, figures
+        # (figures["unit_flagged"], [U, N]: which units of which post were flagged: a packed
+        # poster settles its residual by them)
+        return new, {k: np.asarray(v).tolist() for k, v in host(figures).items()}
 
     def _stack_packed(self, state: RoundState, posts: list[Post]) -> tuple[list[np.ndarray], tuple]:
         """The posts' rows stacked per unit [N, ...] and their norms [N, U], shapes checked."""

@@ -10,10 +10,12 @@ Where each step of EDiT's compressed sync happens, in the order ``outer.sync_uni
    padded to whole chunks as ``compress.flatten_unit`` pads); the packed rows encode(x); the new
    residual e' = x − decode(encode(x)), kept locally, pending the round. It posts the packed rows
    and the norms (float32 [U]).
-2. **every participant** (``round_step``, in ``OuterRound``'s CPU program): the anomaly detectors
-   on the posted norms, the softmax weights mixed with the step shares, then decode every post,
-   zero a flagged worker's rows (a NaN post decodes to NaN: ``where``, not a product), the weighted
-   sum in float32 over the workers in sorted order, the clip on the sum, the outer step.
+2. **every participant** (``OuterRound``'s CPU program): the rule's own sync over the posts, with
+   the ``PackedPosts`` reduction standing in for the exchange: each post decoded as its worker's
+   pseudo gradient, the anomaly detectors on the posted norms, the softmax weights mixed with the
+   step shares, a flagged worker's decoded rows zeroed (a NaN post decodes to NaN: ``where``, not
+   a product), the weighted sum in float32 over the workers in sorted order, the clip on the sum,
+   the outer step.
 3. **the poster again**, when the round is applied: e <- e' for each unit, or 0 for a unit the
    round flagged (the in-program sync resets a flagged worker's residual before encoding, so it
    sends zeros and keeps zeros: the same result); a post the round did not use (late, or a
@@ -32,17 +34,17 @@ naming both. Everything here takes the run's wire as its ``Codec`` (``Codec.from
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from edit_jax.localsgd.stacked import cat_units, sync_figures, unit_detector
-from edit_jax.localsgd.codec import Codec
+from edit_jax.localsgd.codec import NONE, Codec
 from edit_jax.localsgd.compress import flatten_unit
-from edit_jax.localsgd.outer import Detector, outer_step, detector_step, mix_step_weights, softmax_weights
-from edit_jax.localsgd.reduction import sq_sum
+from edit_jax.localsgd.reduction import ReplicaPsum, sq_sum
+from edit_jax.localsgd.sharding import REPLICA
 from edit_jax.localsgd.sparse import sparse_encode
 
 FLOAT32, PACKED = 1, 2  # post formats: float32 Δ leaves; packed sparse rows + true norms
@@ -132,37 +134,32 @@ def settle_residual(pending: list, flagged_units: np.ndarray | None, layerwise: 
 # ----------------------------------------------------------------------------- the round
 
 
-def _round_unit(theta, opt_state, det: Detector, packed, g, shares, p, opt, codec: Codec):
-    """One unit from every participant's packed rows [N, nc, P] and true norms [N]: ``sync_unit``'s
-    steps 3-6 with the compressed exchange's decode and float32 weighted sum."""
-    n = g.shape[0]
-    det, flagged = jax.vmap(lambda d, x: detector_step(d, x, p))(det, g)
-    w_all = mix_step_weights(softmax_weights(g, flagged, p), shares, flagged, p)
-    got = codec.decode(packed).reshape(n, -1)  # [N, padded]
-    got = jnp.where(flagged[:, None], 0.0, got)  # a flagged post sends zeros (its NaNs too)
-    total = jnp.sum(w_all.reshape((n, 1)) * got, axis=0)
-    _, unflatten = flatten_unit(theta, codec.chunk)
-    new, new_opt, clip, avg_norm, update_norm = outer_step(unflatten(total), theta, opt_state, jnp.sum(w_all) > 0,
-                                                            p, opt, sq_sum)
-    metrics = {"pseudo_grad_norm": g, "weight": w_all, "flagged": flagged, "avg_norm": avg_norm, "clip_factor": clip,
-               "update_norm": update_norm}
-    return new, new_opt, det, metrics
+@dataclass(frozen=True)
+class PackedPosts(ReplicaPsum):
+    """The reduction of a round whose workers sent packed posts: every worker's "params" of a unit
+    are its post's ``{"rows": [nc, P] uint8, "norm": []}`` (``posted_units``), so its pseudo
+    gradient is the decoded rows (x = Δ + β·e as the poster encoded it) and its norm the true ‖Δ‖ it
+    posted. The rest is the rule's own sync (``outer.sync_unit``, run by ``stacked.workers_sync``):
+    the detectors on the norms, the weights, a flagged post zeroed (its NaNs too), the float32
+    weighted sum over the workers in sorted order, the clip, the outer step. The posters encoded,
+    so the rule runs without its ``Compressed`` wrapper (``OuterRound``)."""
+
+    axis: str = REPLICA
+    norm_axes: Any = ()
+    codec: Codec = NONE
+
+    def pseudo_gradient(self, outer_params: Any, post: dict) -> tuple[Any, jax.Array]:
+        _, unflatten = flatten_unit(outer_params, self.codec.chunk)
+        return unflatten(self.codec.decode(post["rows"]).reshape(-1)), post["norm"]
 
 
-def round_step(theta, outer_opt, dets: Detector, packed: list, norms, shares, p, opt, codec: Codec, layerwise: bool):
-    """The round's outer step from packed posts (``packed`` per unit with a leading [N]; ``norms``
-    [N, U]): (θ̄, the outer state, the detectors [N, U], the figures, per-unit flags [U, N])."""
-    one = lambda t, o, d, x, g: _round_unit(t, o, d, x, g, shares, p, opt, codec)  # noqa: E731
+def posted_units(rows: list, norms: jax.Array, layerwise: bool) -> dict:
+    """Packed posts as a rule's units (stacked [N]): ``rows`` per unit (``encode_post``'s, with a
+    leading [N]), ``norms`` [N, U] (root first)."""
+    root = {"rows": rows[0], "norm": norms[:, 0]}
     if not layerwise:
-        new, opt_state, det, m = one(theta, outer_opt, unit_detector(dets, 0), packed[0], norms[:, 0])
-        m = jax.tree.map(lambda x: x[None], m)
-        return new, opt_state, jax.tree.map(lambda x: x[:, None], det), sync_figures(m), m["flagged"]
-    root = one(theta["root"], outer_opt["root"], unit_detector(dets, 0), packed[0], norms[:, 0])
-    layers = jax.vmap(one, in_axes=(0, 0, 1, 1, 1), out_axes=(0, 0, 1, 0))(
-        theta["layers"], outer_opt["layers"], unit_detector(dets, slice(1, None)), packed[1], norms[:, 1:])
-    new, opt_state = ({"root": r, "layers": l} for r, l in zip(root[:2], layers[:2]))
-    m = cat_units(root[3], layers[3])
-    return new, opt_state, cat_units(root[2], layers[2], axis=1), sync_figures(m), m["flagged"]
+        return {"root": root, "layers": {}}
+    return {"root": root, "layers": {"rows": rows[1], "norm": norms[:, 1:]}}
 
 
 def post_bytes(theta: Any, layerwise: bool, codec: Codec) -> int:
@@ -171,5 +168,5 @@ def post_bytes(theta: Any, layerwise: bool, codec: Codec) -> int:
     return (nr + n_layers * nl) * codec.row_bytes
 
 
-__all__ = ["FLOAT32", "PACKED", "check_post", "encode_post", "post_bytes", "round_step",
+__all__ = ["FLOAT32", "PACKED", "PackedPosts", "check_post", "encode_post", "post_bytes", "posted_units",
            "settle_residual", "unit_rows", "zero_residual"]

@@ -99,7 +99,7 @@ class ElasticWorker(LocalTraining, RoundRecovery):
         self.codec = Codec.from_sync(cfg.sync)
         self.wire = self.codec.name  # what the posts and records carry
         self.outer = OuterRound(self.plan, self.codec, cfg.sync.carried_weight, self.exe)
-        self._encode = jax.jit(lambda d, e: PK.encode_post(d, e, self.codec, self.plan.layerwise))
+        self._encode = jax.jit(lambda d, e: PK.encode_post(d, e, self.codec, self.outer.layerwise))
         self.my_flags: dict[int, list] = {}  # round -> this worker's per-unit flags (packed posts' residual)
         self.applied: tuple | None = None  # the last round applied here: (manifest, posts without Δ, figures)
         self.target = cfg.steps * cfg.mesh.replica  # the token budget in inner steps of one worker's rows
@@ -130,7 +130,7 @@ class ElasticWorker(LocalTraining, RoundRecovery):
         key = jax.random.key(self.cfg.seed)  # the same initial params on every worker (the seed)
         state = self.exe.compile("init_state", self.loc.layout.init_fn(), (key,), list(self.mesh.devices.flat))(key)
         theta = jax.tree.map(lambda x: np.asarray(x)[0], jax.device_get(state.params))
-        units = 1 + self.cfg.model.n_layers if self.plan.layerwise else 1
+        units = 1 + self.cfg.model.n_layers if self.outer.layerwise else 1
         self.initial_state = state
         return self.outer.initial(theta, self.cfg.mesh.replica, units, max(2, self.plan.penalty.warmup))
 
@@ -343,7 +343,7 @@ class ElasticWorker(LocalTraining, RoundRecovery):
         local = Local(self.initial_state, done=shared.cursors[self.me])
         local.state = self.restart_from(shared, local.state, count=local.done)
         if self.wire != "none":  # the residual lives in this process: zeros, unless its saved progress resumes
-            local.residual = PK.zero_residual(shared.theta, self.plan.layerwise, self.codec)
+            local.residual = PK.zero_residual(shared.theta, self.outer.layerwise, self.codec)
         resumed = self.cfg.sync.progress_every > 0 and self.resume_progress(shared, local)
         wire = {"wire": self.wire, "residual": "saved" if resumed else "zeros"} if self.wire != "none" else {}
         self.record({"step": shared.global_step, "worker": self.me, "joined": shared.round, **self.caught_up, **wire})
@@ -365,7 +365,7 @@ class ElasticWorker(LocalTraining, RoundRecovery):
                 if self.wire != "none":  # the round used the post: its residual, zeroed where flagged
                     flags = self.my_flags.pop(post.round, None)
                     self.my_flags.clear()  # older rounds' (a replay's): no post of this process pends on them
-                    local.residual = PK.settle_residual(local.pending, flags, self.plan.layerwise)
+                    local.residual = PK.settle_residual(local.pending, flags, self.outer.layerwise)
                 local.state = self.restart_from(shared, local.state)
                 local.since, local.carried = 0, 0
                 continue

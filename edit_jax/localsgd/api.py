@@ -338,7 +338,7 @@ class LocalSGD:
     def _fresh_outer_state(self, theta):
         """The outer optimizer's state of θ̄: per unit for layer-wise rules (the trainer's
         ``init_outer_opt_state``: the layers' stacked), else of the whole pytree."""
-        return init_outer_opt_state(self.outer_opt, theta) if self.rule.layerwise else self.outer_opt.init(theta)
+        return init_outer_opt_state(self.outer_opt, theta, self.rule.layerwise)
 
     def _init_outer(self, state: LocalSGDState) -> LocalSGDState:
         """After the warmup: θ̄ = the workers' params (identical: every step averaged the gradients),

@@ -3,7 +3,7 @@ step programs call), each with the penalty and the outer optimizer it runs with.
 
     diloco()  post_local_sgd()  edit()  edit(layerwise=False)  co2()    # the paper's methods
     compressed(diloco(), "topk2")                                      # any of them on a lossy wire
-    from_method("co2", outer_lr=0.5, co2=CO2Config(gap_penalty=2.0))   # any METHODS row, sync fields
+    from_method("co2", outer=OuterConfig(lr=0.5), co2=CO2Config(gap_penalty=2.0))  # any METHODS row
 
 A ``LocalSGDRule`` is a value: its ``sync`` is the rule object itself (``WholeModelSync``,
 ``LayerwiseSync``, ``StaleSync``, or one of them inside ``Compressed``), so the API runs the same
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from edit_jax.config import CO2Config, Config, SyncConfig, WireConfig
+from edit_jax.config import CO2Config, Config, OuterConfig, SyncConfig, WireConfig
 from edit_jax.config_renames import RENAMED, new_key
 from edit_jax.localsgd import methods, rules
 from edit_jax.localsgd.codec import KINDS
@@ -89,7 +89,7 @@ def co2(outer_lr: float = 0.8, outer_momentum: float = 0.85, gap_penalty: float 
     gradient, so its all-reduce never waits for this round's steps; ``gap_penalty`` is Λ,
     ``momentum_clip`` the clamp φ of the stored momentum (0: off). ``LocalSGD.flush`` applies
     the round still in flight (the model to evaluate at the end)."""
-    return from_method("co2", outer_lr=outer_lr, outer_momentum=outer_momentum,
+    return from_method("co2", outer=OuterConfig(lr=outer_lr, momentum=outer_momentum),
                        co2=CO2Config(gap_penalty=gap_penalty, momentum_clip=momentum_clip))
 
 
@@ -118,9 +118,9 @@ _OLD_OPTIONS = {"sparse_chunk": "chunk", "sparse_k": "k", "ef_dtype": "residual_
 
 
 def from_method(method: str, **sync_fields) -> LocalSGDRule:
-    """The rule of ``METHODS[method]`` with ``sync_fields`` (``SyncConfig``'s fields: ``outer_lr``,
-    ``anomaly``, ``wire=WireConfig(...)``, ``co2=CO2Config(...)``, ...; a field that moved into a
-    section, ``compress=`` say, is read as its new key), built as ``methods.plan_for`` builds the
+    """The rule of ``METHODS[method]`` with ``sync_fields`` (``SyncConfig``'s fields: ``anomaly``,
+    ``outer=OuterConfig(...)``, ``wire=WireConfig(...)``, ``co2=CO2Config(...)``, ...; a field that
+    moved into a section, ``outer_lr=`` or ``compress=`` say, is read as its new key), built as ``methods.plan_for`` builds the
     trainer's: the fields the method fixes take their fixed values, the rule's config rules run
     (a ``ConfigError`` naming ``sync.<field>``)."""
     if method not in methods.METHODS:

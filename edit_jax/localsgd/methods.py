@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from edit_jax.config import Config, SyncConfig, require
+from edit_jax.config import Config, SyncConfig, get_field, require, with_fields
 from edit_jax.localsgd.compressed import Compressed
 from edit_jax.localsgd.layerwise import LayerwiseSync
 from edit_jax.localsgd.outer_spec import OUTER_OPTIMIZERS, OuterSpec, Penalty
@@ -104,7 +104,7 @@ class Method:
     # The factory of the sync rule it runs (a rule module's ``SyncRule`` subclass, built from the
     # sync config; ``rule.py`` lists them). The rule says where and when it syncs.
     rule: RuleFactory
-    fixed: dict = field(default_factory=dict)  # sync fields this method sets whatever the config says
+    fixed: dict = field(default_factory=dict)  # sync fields this method sets whatever the config says ("outer.lr": a section's)
     penalty: bool = False  # EDiT's penalty (anomaly elimination, weighting, clipping) is configurable
 
     @property
@@ -119,8 +119,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            fixed=dict(layerwise=False, **_NO_PENALTY)),
     # θ̄ = the plain mean of the workers: SGD with lr 1 and no momentum on the pseudo gradient.
     Method("post_local_sgd", "W synchronous steps, then params averaged every tau steps", rule=WholeModelSync.build,
-           fixed=dict(layerwise=False, outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0,
-                      nesterov=False, **_NO_PENALTY)),
+           fixed={"layerwise": False, "outer.optimizer": "nesterov", "outer.lr": 1.0, "outer.momentum": 0.0,
+                  "outer.nesterov": False, **_NO_PENALTY}),
     Method("diloco", "pseudo gradients of the whole model after the step, outer optimizer, every tau",
            rule=WholeModelSync.build, fixed=dict(layerwise=False, **_NO_PENALTY)),
     Method("edit", "pseudo gradients layer by layer in the forward, penalised, outer optimizer, every tau",
@@ -133,7 +133,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     # previous round's mean pseudo gradient, so the all-reduce never waits for this round's steps.
     Method("co2", "outer step on the previous round's all-reduced pseudo gradient (one round stale), every tau",
            rule=StaleSync.build,
-           fixed=dict(layerwise=False, outer_optimizer="nesterov", nesterov=False, **_NO_PENALTY)),
+           fixed={"layerwise": False, "outer.optimizer": "nesterov", "outer.nesterov": False, **_NO_PENALTY}),
 )}
 
 @dataclass(frozen=True)
@@ -263,7 +263,7 @@ class MethodPlan:
         what the user set (an override, a config file) and the method overrode: the only ones worth
         saying. The others (a default the method does not use) show only in ``config.json``."""
         defaults = SyncConfig()
-        return tuple(c for c in self.changed if c[1] != getattr(defaults, c[0].removeprefix("sync.")))
+        return tuple(c for c in self.changed if c[1] != get_field(defaults, c[0].removeprefix("sync.")))
 
     def asynchronous_at(self, k: int) -> bool:
         """Step ``k`` (before it runs) is in the asynchronous phase: each worker at its own pace
@@ -280,10 +280,10 @@ def method(name: str) -> Method:
 def normalise(cfg: Config) -> tuple[Config, tuple[tuple[str, Any, Any], ...]]:
     """``cfg`` with the sync fields its method fixes set as they take effect, and what changed."""
     m = method(cfg.sync.method)
-    changed = tuple((f"sync.{k}", getattr(cfg.sync, k), v) for k, v in m.fixed.items() if getattr(cfg.sync, k) != v)
+    changed = tuple((f"sync.{k}", get_field(cfg.sync, k), v) for k, v in m.fixed.items() if get_field(cfg.sync, k) != v)
     if not changed:
         return cfg, ()
-    return dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, **m.fixed)), changed
+    return dataclasses.replace(cfg, sync=with_fields(cfg.sync, m.fixed)), changed
 
 
 def plan_for(cfg: Config) -> MethodPlan:
@@ -295,7 +295,8 @@ def plan_for(cfg: Config) -> MethodPlan:
     if s.wire.kind != "none" and rule.keeps_outer:
         rule = Compressed.of(rule, s)
     penalty = Penalty.from_config(s) if m.penalty else Penalty.off()
-    outer = rule.outer_spec(OuterSpec(s.outer_optimizer, s.outer_lr, s.outer_momentum, s.nesterov, s.outer_b2))
+    o = s.outer
+    outer = rule.outer_spec(OuterSpec(o.optimizer, o.lr, o.momentum, o.nesterov, o.b2))
     plan = Plan(m.name, rule, rule.in_forward, penalty, outer)
     if rule.asynchronous:
         schedule = TimeSchedule(rule.keeps_outer, rule.in_forward, s.warmup_steps, s.tau_time, s.min_total_steps,
@@ -315,11 +316,11 @@ def sync_fields_for(name: str) -> dict:
 
 def validate(cfg: Config) -> None:
     """The config's rules that ask the method table: a known ``sync.method`` and
-    ``sync.outer_optimizer``. What each method's rule allows is the rule's (``rules.validate``)."""
+    ``sync.outer.optimizer``. What each method's rule allows is the rule's (``rules.validate``)."""
     s = cfg.sync
     require(s.method in METHODS, "sync.method", f"expected one of {', '.join(METHODS)}; got {s.method!r}")
-    require(s.outer_optimizer in OUTER_OPTIMIZERS, "sync.outer_optimizer",
-            f"expected one of {', '.join(OUTER_OPTIMIZERS)}; got {s.outer_optimizer!r}")
+    require(s.outer.optimizer in OUTER_OPTIMIZERS, "sync.outer.optimizer",
+            f"expected one of {', '.join(OUTER_OPTIMIZERS)}; got {s.outer.optimizer!r}")
 
 
 def keeps_outer(name: str) -> bool:

@@ -207,10 +207,8 @@ def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: P
     red = ReplicaPsum() if reduction is None else reduction
 
     def worker(local, det):
-        local = jax.tree.map(lambda x: x.astype(jnp.float32), local)
-        # 1. pseudo gradient (old minus new) and 2. the norm of this worker's whole unit.
-        delta = jax.tree.map(lambda o, x: o - x, outer_params, local)
-        g = jnp.sqrt(red.sq_norm(delta))
+        # 1. pseudo gradient (old minus new, float32) and 2. the norm of this worker's whole unit.
+        delta, g = red.pseudo_gradient(outer_params, local)
         # 3. anomaly elimination (the norm is identical on all of the worker's shards, so are flags).
         det, flagged = detector_step(det, g, p)
         delta = jax.tree.map(lambda d: jnp.where(flagged, 0.0, d), delta)  # where: NaN * 0 is NaN

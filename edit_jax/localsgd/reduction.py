@@ -7,7 +7,10 @@ over the four things it asks of the workers, and a ``Reduction`` answers them:
 - ``gather(x)``: every worker's scalar ``x`` as an ``[N]`` vector, identical everywhere;
 - ``mine(x_all)``: this worker's entry of an ``[N]`` vector (the stacked form keeps all N);
 - ``weighted_sum(w_all, tree)``: Σ_i w_all[i]·tree_i, the one exchange of bulk data;
-- ``sq_norm(tree)``: the squared norm of one worker's whole unit (a psum over the FSDP blocks).
+- ``sq_norm(tree)``: the squared norm of one worker's whole unit (a psum over the FSDP blocks);
+- ``pseudo_gradient(outer_params, local)``: one worker's Δ = θ̄ − θ_i in float32 and its norm. A
+  reduction whose workers send something else in place of their params (the exchange's packed
+  posts: ``elastic/packed.PackedPosts``) answers it from what they sent.
 
 Two reductions exist:
 
@@ -36,6 +39,12 @@ from edit_jax.localsgd.sharding import REPLICA, SHARD, replica_gather
 def sq_sum(tree: Any) -> jax.Array:
     """Σ x² over every leaf of ``tree``, in float32 (a squared L2 norm)."""
     return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
+
+
+def _pseudo_gradient(red, outer_params: Any, local: Any) -> tuple[Any, jax.Array]:
+    """(Δ = θ̄ − θ_i in float32, ‖Δ‖ over the worker's whole unit): steps 1 and 2 of the sync."""
+    delta = jax.tree.map(lambda o, x: o - x.astype(jnp.float32), outer_params, local)
+    return delta, jnp.sqrt(red.sq_norm(delta))
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,9 @@ class ReplicaPsum:
         local = sq_sum(tree)
         return jax.lax.psum(local, self.norm_axes) if self.norm_axes else local
 
+    def pseudo_gradient(self, outer_params: Any, local: Any) -> tuple[Any, jax.Array]:
+        return _pseudo_gradient(self, outer_params, local)
+
 
 @dataclass(frozen=True)
 class Stacked:
@@ -101,6 +113,9 @@ class Stacked:
     def sq_norm(self, tree: Any) -> jax.Array:  # one worker's (called inside per_worker)
         local = sq_sum(tree)
         return jax.lax.psum(local, self.norm_axes) if self.norm_axes else local
+
+    def pseudo_gradient(self, outer_params: Any, local: Any) -> tuple[Any, jax.Array]:
+        return _pseudo_gradient(self, outer_params, local)
 
 
 Reduction = ReplicaPsum | Stacked

@@ -103,8 +103,11 @@ def _is_spec(x) -> bool:
     return isinstance(x, P)
 
 
-def init_outer_opt_state(opt: optax.GradientTransformation, params: Any) -> dict:
-    """The outer optimizer's state per unit: the root's, and the stacked layers' (vmapped init)."""
+def init_outer_opt_state(opt: optax.GradientTransformation, params: Any, layerwise: bool = True) -> Any:
+    """The outer optimizer's state per unit: the root's, and the stacked layers' (vmapped init);
+    with ``layerwise=False`` (a whole-model rule over any pytree: the API, the exchange) of the whole tree."""
+    if not layerwise:
+        return opt.init(params)
     return {"root": opt.init(params["root"]), "layers": jax.vmap(opt.init)(params["layers"])}
 
 
@@ -258,9 +261,9 @@ class StateLayout:
         # Format 1: SGD momentum buffer only: the outer optimizer's state with that buffer as its
         # trace. Only the SGD/Nesterov outer optimizer had such a state.
         if self.plan.outer.name != "nesterov":
-            raise ConfigError(f"config key 'sync.outer_optimizer': this checkpoint was written before outer "
+            raise ConfigError(f"config key 'sync.outer.optimizer': this checkpoint was written before outer "
                               f"optimizers were configurable and holds an SGD/Nesterov momentum buffer; resume it "
-                              f"with sync.outer_optimizer=nesterov (got {self.plan.outer.name!r})")
+                              f"with sync.outer.optimizer=nesterov (got {self.plan.outer.name!r})")
         old = state.outer
         fresh = init_outer_opt_state(self.outer_opt, jax.tree.map(np.asarray, old.params))
         opt_state = {u: with_sgd_trace(fresh[u], old.trace[u]) for u in ("root", "layers")}

@@ -13,7 +13,7 @@ colour per run:
 
 Panels 2 and 3 only exist when a run has sync records; a run without (the baseline) is named in a
 note there. Runs are labelled by method plus the config keys whose values differ among the
-plotted runs (``edit outer_lr=0.5``); a single run by method and mesh.
+plotted runs (``edit outer.lr=0.5``); a single run by method and mesh.
 
 A killed run's cut last line is skipped; a record repeated for the same step (a resume that redid
 steps) counts once, the last one written. matplotlib is imported only when a figure is drawn, and
@@ -174,9 +174,20 @@ def _bears_on(key: str, method: str) -> bool:
     return m.keeps_outer and key[len("sync."):] not in m.fixed
 
 
+def _shortest_tail(key: str, keys: set[str]) -> str:
+    """The fewest last parts of ``key`` no other key of ``keys`` ends in (``outer.lr``: ``lr`` is
+    also ``optim.lr``'s), else the whole key."""
+    parts = key.split(".")
+    for n in range(1, len(parts)):
+        tail = ".".join(parts[-n:])
+        if sum(k == tail or k.endswith("." + tail) for k in keys) == 1:
+            return tail
+    return key
+
+
 def run_labels(configs: list[dict], paths: list[str] | None = None) -> list[str]:
     """Method plus the keys whose values differ among the runs (``diloco seed=1``); one run:
-    method and mesh. Keys are shortened to their last part where that part is unambiguous. Runs
+    method and mesh. Keys are shortened to their fewest last parts that no other key ends in. Runs
     whose labels still coincide (the same config twice) get their dir's name from ``paths``."""
     methods = [_method(c) for c in configs]
     if len(configs) == 1:
@@ -189,8 +200,8 @@ def run_labels(configs: list[dict], paths: list[str] | None = None) -> list[str]
     missing = "(unset)"
     differing = [k for k in keys
                  if len({_fmt(f.get(k, missing)) for f, m in zip(flats, methods) if _bears_on(k, m)}) > 1]
-    leaves = [k.rsplit(".", 1)[-1] for k in set().union(*flats)]
-    short = {k: k.rsplit(".", 1)[-1] if leaves.count(k.rsplit(".", 1)[-1]) == 1 else k for k in differing}
+    everything = set().union(*flats)
+    short = {k: _shortest_tail(k, everything) for k in differing}
     labels = []
     for f, m in zip(flats, methods):
         parts = [f"{short[k]}={_fmt(f.get(k, missing))}" for k in differing if _bears_on(k, m)]
