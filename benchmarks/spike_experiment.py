@@ -9,7 +9,7 @@ steps, tau = 10, anomaly_warmup K = 3, alpha = 0.02, delta = 3) with the outer N
 momentum 0.85 pinned (the presets' values when this was measured), six runs:
 
     edit_clean, edit_clean_twin (data.seed=1: the noise reference), edit_corrupt, diloco_clean,
-    diloco_corrupt, edit_corrupt_noanomaly (sync.anomaly=false)
+    diloco_corrupt, edit_corrupt_noanomaly (sync.penalty.anomaly=false)
 
 A corrupt run sets ``debug.corrupt=worker=1,steps=A-B``: for inner steps A..B (0-based, both
 included) worker 1's half of the global batch is uniform random token ids (edit_jax/data/corrupt.py).
@@ -56,7 +56,7 @@ RUNS = (  # name, method, corrupted, extra overrides
     ("edit_corrupt", "edit", True, []),
     ("diloco_clean", "diloco", False, []),
     ("diloco_corrupt", "diloco", True, []),
-    ("edit_corrupt_noanomaly", "edit", True, ["sync.anomaly=false"]),
+    ("edit_corrupt_noanomaly", "edit", True, ["sync.penalty.anomaly=false"]),
 )
 
 

@@ -125,6 +125,21 @@ class WireConfig:
 
 
 @dataclass
+class PenaltyConfig:
+    """EDiT's penalty of the pseudo gradients (``sync.penalty``; ``localsgd/outer.py``): methods
+    without it (DiLoCo, CO2, ...) fix anomaly, weighting and clip off."""
+
+    anomaly: bool = True  # anomaly elimination (EWMA z-test per worker and unit)
+    anomaly_alpha: float = 0.02
+    anomaly_warmup: int = 10  # K: syncs seen before the z-test applies; also the z-score window
+    anomaly_threshold: float = 3.0  # delta
+    weighting: bool = True  # softmax(-g / T) weights over workers
+    temperature: float = 1.0
+    clip: bool = True  # per-unit pseudo-gradient clipping
+    clip_threshold: float = 10.0  # phi
+
+
+@dataclass
 class OuterConfig:
     """The outer optimizer θ̄ steps with on the averaged pseudo gradient (``sync.outer``)."""
 
@@ -152,14 +167,6 @@ class SyncConfig:
     warmup_steps: int = 0  # W: synchronous (HSDP) steps before local training starts
     tau: int = 16  # sync interval in inner steps
     layerwise: bool = True  # sync unit by unit inside the forward (EDiT) vs whole model after the step
-    anomaly: bool = True  # anomaly elimination (EWMA z-test per worker and unit)
-    anomaly_alpha: float = 0.02
-    anomaly_warmup: int = 10  # K: syncs seen before the z-test applies; also the z-score window
-    anomaly_threshold: float = 3.0  # delta
-    weighting: bool = True  # softmax(-g / T) weights over workers
-    temperature: float = 1.0
-    clip: bool = True  # per-unit pseudo-gradient clipping
-    clip_threshold: float = 10.0  # phi
     outer_sharding: str = "shard"  # "shard" | "replica_shard" (also shard outer state over replica)
     cpu_offload: bool = False  # keep outer state in host memory
     per_unit_metrics: bool = False  # log per-unit pseudo-gradient norms at each sync
@@ -177,6 +184,7 @@ class SyncConfig:
     progress_every: float = 0.0
     exchange_patience: float = 300.0  # s an exchange operation retries through storage faults (backoff; 0: none), then exit 75
     carried_weight: float = 1.0  # w: a carried (stale) Δ re-based as θ̄ − w Δ, its steps at w in the step shares (1: as fresh)
+    penalty: PenaltyConfig = field(default_factory=PenaltyConfig)  # anomaly elimination, weighting, clipping
     outer: OuterConfig = field(default_factory=OuterConfig)  # θ̄'s optimizer (localsgd/outer.py)
     wire: WireConfig = field(default_factory=WireConfig)  # the form Δ crosses `replica` in (localsgd/codec.py)
     co2: CO2Config = field(default_factory=CO2Config)  # CO2's own (method co2 only)
@@ -399,7 +407,7 @@ def dumps(cfg: Config) -> str:
     return json.dumps(to_dict(cfg), indent=2)
 
 
-__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "OuterConfig", "WireConfig",
+__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "PenaltyConfig", "OuterConfig", "WireConfig",
            "CO2Config",
            "DebugConfig", "LogConfig",
            "TrainConfig", "SpikeConfig", "ConfigError", "apply_overrides", "require", "to_dict",

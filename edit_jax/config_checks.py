@@ -81,11 +81,13 @@ def check_fields(cfg: Config) -> None:
     require(0.0 <= o.b2 < 1.0, "sync.outer.b2", f"must be in [0, 1), got {o.b2}")
     require(o.lr > 0, "sync.outer.lr", f"must be positive, got {o.lr}")
     require(0.0 <= o.momentum < 1.0, "sync.outer.momentum", f"must be in [0, 1), got {o.momentum}")
-    require(0.0 < s.anomaly_alpha <= 1.0, "sync.anomaly_alpha", f"must be in (0, 1], got {s.anomaly_alpha}")
-    require(s.anomaly_warmup >= 2, "sync.anomaly_warmup", f"must be >= 2 (the z-score window needs an unbiased std), got {s.anomaly_warmup}")
-    require(s.anomaly_threshold > 0, "sync.anomaly_threshold", f"must be positive, got {s.anomaly_threshold}")
-    require(s.temperature > 0, "sync.temperature", f"must be positive, got {s.temperature}")
-    require(s.clip_threshold > 0, "sync.clip_threshold", f"must be positive, got {s.clip_threshold}")
+    p = s.penalty
+    require(0.0 < p.anomaly_alpha <= 1.0, "sync.penalty.anomaly_alpha", f"must be in (0, 1], got {p.anomaly_alpha}")
+    require(p.anomaly_warmup >= 2, "sync.penalty.anomaly_warmup",
+            f"must be >= 2 (the z-score window needs an unbiased std), got {p.anomaly_warmup}")
+    require(p.anomaly_threshold > 0, "sync.penalty.anomaly_threshold", f"must be positive, got {p.anomaly_threshold}")
+    require(p.temperature > 0, "sync.penalty.temperature", f"must be positive, got {p.temperature}")
+    require(p.clip_threshold > 0, "sync.penalty.clip_threshold", f"must be positive, got {p.clip_threshold}")
     require(s.exchange_patience >= 0, "sync.exchange_patience", f"must be >= 0 seconds (0: no retry), got {s.exchange_patience}")
     require(s.fragments >= 1, "sync.fragments", f"must be >= 1, got {s.fragments}")
     require(s.tau % s.fragments == 0, "sync.fragments", f"must divide sync.tau={s.tau}, got {s.fragments}")

@@ -33,6 +33,15 @@ RENAMED = {
     "sync.outer_momentum": "sync.outer.momentum",
     "sync.nesterov": "sync.outer.nesterov",
     "sync.outer_b2": "sync.outer.b2",
+    # (the same day: EDiT's penalty became the sync.penalty section)
+    "sync.anomaly": "sync.penalty.anomaly",
+    "sync.anomaly_alpha": "sync.penalty.anomaly_alpha",
+    "sync.anomaly_warmup": "sync.penalty.anomaly_warmup",
+    "sync.anomaly_threshold": "sync.penalty.anomaly_threshold",
+    "sync.weighting": "sync.penalty.weighting",
+    "sync.temperature": "sync.penalty.temperature",
+    "sync.clip": "sync.penalty.clip",
+    "sync.clip_threshold": "sync.penalty.clip_threshold",
 }
 _TOLD: set[str] = set()
 

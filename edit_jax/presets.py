@@ -11,7 +11,8 @@ rematerialised layers for GPU memory.
 
 from __future__ import annotations
 
-from edit_jax.config import CO2Config, Config, DataConfig, MeshConfig, OptimConfig, OuterConfig, SyncConfig, with_fields
+from edit_jax.config import CO2Config, Config, DataConfig, MeshConfig, OptimConfig, OuterConfig, PenaltyConfig, SyncConfig, \
+    with_fields
 from edit_jax.localsgd.methods import sync_fields_for
 from edit_jax.models.llama import preset
 
@@ -41,8 +42,9 @@ def paper(size: str, method: str = "edit") -> Config:
         optim=OptimConfig(lr=3e-4 if method == "baseline" else 1.5e-4, warmup_steps=2000, min_lr_ratio=0.1,
                           weight_decay=0.1, grad_clip=1.0),
         sync=sync_for(method, **{**dict(warmup_steps=2000, tau=128, outer=OuterConfig(lr=0.8, momentum=0.85),
-                                        clip_threshold=10.0, anomaly_alpha=0.02, anomaly_warmup=120,
-                                        anomaly_threshold=3.0, temperature=1.0),
+                                        penalty=PenaltyConfig(clip_threshold=10.0, anomaly_alpha=0.02,
+                                                              anomaly_warmup=120, anomaly_threshold=3.0,
+                                                              temperature=1.0)),
                                  **PAPER_OUTER.get(method, {})}),
         steps=steps, batch_size=1024, seed=0, log_every=10, eval_every=1000, eval_batches=16,
         checkpoint_every=1000, keep_checkpoints=3,
@@ -60,7 +62,7 @@ def cpu(method: str = "edit", steps: int = 300) -> Config:
         mesh=MeshConfig(replica=2, shard=4),
         data=DataConfig(seq_len=128),
         optim=OptimConfig(lr=3e-3, warmup_steps=20),
-        sync=sync_for(method, warmup_steps=20, tau=10, outer=OuterConfig(lr=0.5, momentum=0.5), anomaly_warmup=3,
-                      clip_threshold=10.0),
+        sync=sync_for(method, warmup_steps=20, tau=10, outer=OuterConfig(lr=0.5, momentum=0.5),
+                      penalty=PenaltyConfig(anomaly_warmup=3, clip_threshold=10.0)),
         steps=steps, batch_size=16, log_every=10, eval_every=50, eval_batches=8, checkpoint_every=100,
     )

@@ -9,7 +9,7 @@ import time
 import jax
 import numpy as np
 
-from edit_jax.config import Config, DataConfig, MeshConfig, OptimConfig, SyncConfig
+from edit_jax.config import Config, DataConfig, MeshConfig, OptimConfig, PenaltyConfig, SyncConfig
 from edit_jax.models.llama import preset
 from edit_jax.runtime.launch import without_cpu_device_count
 from edit_jax.runtime.mesh import make_mesh
@@ -25,13 +25,15 @@ def child_xla_flags() -> str:
 
 
 def tiny_config(replica=2, shard=4, method="baseline", **kw) -> Config:
-    sync = kw.pop("sync", {})
+    sync = dict(kw.pop("sync", {}))
+    penalty = sync.pop("penalty", {})  # (fields over K = 3, or a PenaltyConfig as it is)
+    penalty = penalty if isinstance(penalty, PenaltyConfig) else PenaltyConfig(**{"anomaly_warmup": 3, **penalty})
     optim = kw.pop("optim", {})
     model = kw.pop("model", {})
     cfg = Config(model=preset("tiny", **model), mesh=MeshConfig(replica=replica, shard=shard),
                  data=DataConfig(seq_len=kw.pop("seq_len", 32)),
                  optim=OptimConfig(**{"lr": 3e-3, "warmup_steps": 0, **optim}),
-                 sync=SyncConfig(**{"method": method, "warmup_steps": 0, "tau": 2, "anomaly_warmup": 3, **sync}),
+                 sync=SyncConfig(**{"method": method, "warmup_steps": 0, "tau": 2, **sync, "penalty": penalty}),
                  **{"steps": 10, "batch_size": 16, "log_every": 1, "eval_every": 0, "eval_batches": 1,
                     "checkpoint_every": 0, **kw})
     validate(cfg)

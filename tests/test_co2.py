@@ -202,7 +202,7 @@ def test_hlo_diloco_exchange_waits_for_the_step():
 def test_co2_fixes_heavy_ball_and_no_penalty():
     mp = plan_for(tiny_config(2, 2, "co2", sync=CO2_SYNC))
     s = mp.cfg.sync
-    assert (s.layerwise, s.outer.nesterov, s.anomaly, s.weighting, s.clip) == (False, False, False, False, False)
+    assert (s.layerwise, s.outer.nesterov, s.penalty.anomaly, s.penalty.weighting, s.penalty.clip) == (False, False, False, False, False)
     assert isinstance(mp.plan.rule, StaleSync) and mp.plan.rule.gap_penalty == 2.0
     assert mp.plan.rule.momentum_clip == 3e-4 and mp.plan.outer.momentum_clip == 3e-4  # the rule's clamp
     assert str(mp.schedule.kind(1)) == "local_then_sync" and str(mp.schedule.kind(0)) == "local"

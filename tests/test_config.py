@@ -22,9 +22,9 @@ def test_every_config_file_loads_and_validates(path):
 
 def test_overrides_parse_types_and_aliases():
     cfg = apply_overrides(Config(), ["steps=7", "method=diloco", "mesh.replica=4", "optim.lr=1e-3",
-                                     "sync.anomaly=false", "data.paths=a.txt,b/*.txt"])
+                                     "sync.penalty.anomaly=false", "data.paths=a.txt,b/*.txt"])
     assert cfg.steps == 7 and cfg.sync.method == "diloco" and cfg.mesh.replica == 4
-    assert cfg.optim.lr == 1e-3 and cfg.sync.anomaly is False and cfg.data.paths == ("a.txt", "b/*.txt")
+    assert cfg.optim.lr == 1e-3 and cfg.sync.penalty.anomaly is False and cfg.data.paths == ("a.txt", "b/*.txt")
     assert Config().steps != 7  # the default is not mutated
 
 
@@ -55,7 +55,7 @@ def test_paper_presets_have_paper_sizes():
         cfg = paper(size)
         shapes = jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))
         assert lo < count_params(shapes) < hi, (size, count_params(shapes))
-        assert cfg.sync.tau == 128 and cfg.sync.clip_threshold == 10.0 and cfg.optim.lr == 1.5e-4
+        assert cfg.sync.tau == 128 and cfg.sync.penalty.clip_threshold == 10.0 and cfg.optim.lr == 1.5e-4
         assert cfg.sync.outer.lr == 0.8 and cfg.sync.outer.momentum == 0.85 and cfg.mesh.replica == 8
     assert paper("1b", "baseline").optim.lr == 3e-4
 

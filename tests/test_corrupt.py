@@ -150,7 +150,7 @@ def test_edit_flags_the_corrupted_worker(tmp_path):
     one_stage("3.12", "EDiT flags a worker fed corrupted rows", 55, other="test_two_processes_corrupt_the_same_rows")
     window = (70, 89)
     cfg = _with(tiny_config(method="edit", steps=92, seq_len=128, log_every=10, optim={"min_lr_ratio": 1.0},
-                            sync={"tau": 10, "anomaly_warmup": 3}),
+                            sync={"tau": 10, "penalty": {"anomaly_warmup": 3}}),
                 f"debug.corrupt=worker=1,steps={window[0]}-{window[1]}")
     train(cfg, run_dir=str(tmp_path / "run"), progress=False, devices=jax.devices()[:8])
     syncs = {s["step"]: s for s in _syncs(str(tmp_path / "run"))}

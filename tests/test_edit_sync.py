@@ -46,7 +46,7 @@ TINY = os.path.join(REPO, "configs", "tiny.py")
 N4, S2 = 4, 2
 K = 3  # anomaly_warmup (K) everywhere in this file
 # Small and fast: 3 layers (U = 4 units), 16 tokens of context, one sequence per device.
-BASE = ["data.seq_len=16", "batch_size=8", "steps=30", "model.n_layers=3", f"sync.anomaly_warmup={K}",
+BASE = ["data.seq_len=16", "batch_size=8", "steps=30", "model.n_layers=3", f"sync.penalty.anomaly_warmup={K}",
         "sync.warmup_steps=0"]
 BASE4 = BASE + [f"mesh.replica={N4}", f"mesh.shard={S2}"]
 # A permuted mesh on devices 8..15, so that device ids, mesh positions and replicas all differ.
@@ -185,8 +185,9 @@ def np_sync(theta, trace, params, det, r: Ref):
 
 def _ref_of(cfg) -> Ref:
     s = cfg.sync
-    return Ref(anomaly=s.anomaly, alpha=s.anomaly_alpha, k=s.anomaly_warmup, delta=s.anomaly_threshold,
-               weighting=s.weighting, temperature=s.temperature, clip=s.clip, phi=s.clip_threshold,
+    p = s.penalty
+    return Ref(anomaly=p.anomaly, alpha=p.anomaly_alpha, k=p.anomaly_warmup, delta=p.anomaly_threshold,
+               weighting=p.weighting, temperature=p.temperature, clip=p.clip, phi=p.clip_threshold,
                lr=s.outer.lr, mu=s.outer.momentum)
 
 
@@ -344,8 +345,8 @@ def test_first_outer_step_worked_numbers(mesh_2x1):
 def edit4():
     """EDiT on a 4 x 2 mesh with every penalty part on and non-default constants (so that each one
     matters): α = 0.3, T = 0.5, φ = 0.2 (clips), η = 0.7, μ = 0.8."""
-    cfg = _cfg(*BASE4, "sync.method=edit", "sync.anomaly_alpha=0.3", "sync.temperature=0.5",
-               "sync.clip_threshold=0.2", "sync.outer.lr=0.7", "sync.outer.momentum=0.8")
+    cfg = _cfg(*BASE4, "sync.method=edit", "sync.penalty.anomaly_alpha=0.3", "sync.penalty.temperature=0.5",
+               "sync.penalty.clip_threshold=0.2", "sync.outer.lr=0.7", "sync.outer.momentum=0.8")
     mesh = make_mesh(cfg.mesh, jax.devices()[8:16], device_order=PERM)
     m = StepPrograms.for_config(cfg, mesh)
     return m, _host(m.init_state(0))
@@ -475,8 +476,8 @@ def test_outer_state_layouts_match_numpy_reference(edit4, layout):
     """θ̄ and the trace split over `replica` too (all-to-all, local weighted sum, all-gather) or
     kept in host memory: the same Algorithm 2 results as the NumPy reference, on both sync paths."""
     m0, init = edit4
-    cfg = _cfg(*BASE4, "sync.method=edit", "sync.anomaly_alpha=0.3", "sync.temperature=0.5",
-               "sync.clip_threshold=0.2", "sync.outer.lr=0.7", "sync.outer.momentum=0.8", layout)
+    cfg = _cfg(*BASE4, "sync.method=edit", "sync.penalty.anomaly_alpha=0.3", "sync.penalty.temperature=0.5",
+               "sync.penalty.clip_threshold=0.2", "sync.outer.lr=0.7", "sync.outer.momentum=0.8", layout)
     m = StepPrograms.for_config(cfg, m0.mesh)
     start = _crafted_state(m, init)
     r = _ref_of(cfg)
@@ -627,7 +628,7 @@ def test_edit_with_one_replica_equals_adamw():
     one_stage("default", "EDiT on one replica against AdamW", 30, other="test_step_program's scan_unroll")
     common = [*BASE, "mesh.replica=1", "mesh.shard=2"]
     edit_cfg = _cfg(*common, "sync.method=edit", "sync.tau=1", "sync.outer.lr=1.0", "sync.outer.momentum=0.0",
-                    "sync.anomaly=false", "sync.weighting=false", "sync.clip=false")
+                    "sync.penalty.anomaly=false", "sync.penalty.weighting=false", "sync.penalty.clip=false")
     base_cfg = _cfg(*common, "sync.method=baseline")
     devices = jax.devices()[16:18]
     e = StepPrograms.for_config(edit_cfg, make_mesh(edit_cfg.mesh, devices))
@@ -665,8 +666,8 @@ def test_diloco_sync_equals_edit_layerwise_without_penalty(edit4, diverged):
     m, _ = edit4
     outer = ["sync.outer.lr=0.7", "sync.outer.momentum=0.8"]
     diloco = StepPrograms.for_config(_cfg(*BASE4, "sync.method=diloco", *outer), m.mesh)
-    edit_off = StepPrograms.for_config(_cfg(*BASE4, "sync.method=edit", *outer, "sync.anomaly=false",
-                                         "sync.weighting=false", "sync.clip=false"), m.mesh)
+    edit_off = StepPrograms.for_config(_cfg(*BASE4, "sync.method=edit", *outer, "sync.penalty.anomaly=false",
+                                         "sync.penalty.weighting=false", "sync.penalty.clip=false"), m.mesh)
     rng = np.random.default_rng(3)
     start = diverged.replace(outer=diverged.outer.with_trace(jax.tree.map(
         lambda x: (0.003 * rng.standard_normal(x.shape)).astype(np.float32), diverged.outer.params)))

@@ -239,7 +239,7 @@ def test_overrides_after_run_dir_are_accepted(tmp_path, capsys):
     assert "mesh.shard" in capsys.readouterr().err  # the override after --run-dir was parsed and checked
 
 
-@pytest.mark.parametrize("override", ["optim.lr=inf", "sync.clip_threshold=inf", "optim.eps=nan"])
+@pytest.mark.parametrize("override", ["optim.lr=inf", "sync.penalty.clip_threshold=inf", "optim.eps=nan"])
 def test_non_finite_numbers_are_rejected(override):
     with pytest.raises(ConfigError, match=rf"config key '{override.split('=')[0]}': must be a finite number"):
         load_config(TINY, [override])

@@ -23,11 +23,11 @@ from tests.stages import one_stage
 
 def test_method_fixes_are_written_as_they_take_effect():
     cfg = load_config(os.path.join(REPO, "configs/demo.py"), ["method=diloco"])
-    assert cfg.sync.layerwise and cfg.sync.anomaly  # the demo's EDiT settings, as configured
+    assert cfg.sync.layerwise and cfg.sync.penalty.anomaly  # the demo's EDiT settings, as configured
     mp = plan_for(cfg)
     s = mp.cfg.sync
-    assert (s.layerwise, s.anomaly, s.weighting, s.clip) == (False, False, False, False)
-    assert {k for k, _, _ in mp.changed} == {"sync.layerwise", "sync.anomaly", "sync.weighting", "sync.clip"}
+    assert (s.layerwise, s.penalty.anomaly, s.penalty.weighting, s.penalty.clip) == (False, False, False, False)
+    assert {k for k, _, _ in mp.changed} == {"sync.layerwise", "sync.penalty.anomaly", "sync.penalty.weighting", "sync.penalty.clip"}
     assert not mp.plan.layerwise and mp.plan.penalty == Penalty.off()
     pls = plan_for(load_config(os.path.join(REPO, "configs/demo.py"), ["method=post_local_sgd"]))
     assert (pls.cfg.sync.outer.lr, pls.cfg.sync.outer.momentum) == (1.0, 0.0)
@@ -88,10 +88,10 @@ def test_only_fields_the_user_set_are_announced():
 
 
 def test_run_dir_config_says_what_ran(tmp_path):
-    cfg = tiny_config(2, 2, method="diloco", steps=2, sync={"layerwise": True, "anomaly": True})
+    cfg = tiny_config(2, 2, method="diloco", steps=2, sync={"layerwise": True, "penalty": {"anomaly": True}})
     train(cfg, str(tmp_path), progress=False, devices=jax.devices()[:4])
     saved = json.load(open(tmp_path / "config.json"))["sync"]
-    assert saved["method"] == "diloco" and saved["layerwise"] is False and saved["anomaly"] is False
+    assert saved["method"] == "diloco" and saved["layerwise"] is False and saved["penalty"]["anomaly"] is False
 
 
 def test_bad_outer_optimizer_names_the_key():

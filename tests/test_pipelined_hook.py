@@ -59,7 +59,7 @@ def test_pipelined_layers_with_the_real_sync_equal_the_plain_loop():
     from tests.helpers import tiny_config
 
     cfg = tiny_config(1, 1, method="edit", model={"n_layers": 3},
-                      sync={"outer": OuterConfig(lr=0.7, momentum=0.8), "clip_threshold": 0.05})
+                      sync={"outer": OuterConfig(lr=0.7, momentum=0.8), "penalty": {"clip_threshold": 0.05}})
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])
     plain, piped = StepPrograms.for_config(cfg, mesh), StepPrograms.for_config(cfg, mesh)
     piped.pipelined_layers = True

@@ -44,25 +44,26 @@ from edit_jax.localsgd.sync import local_blocks, reset_nonfinite_workers, sync_m
     with_replica_dim, as_varying
 from edit_jax.localsgd.whole_model import WholeModelSync
 from edit_jax.runtime.mesh import make_mesh
-from edit_jax.config import CO2Config, OuterConfig, WireConfig
+from edit_jax.config import CO2Config, OuterConfig, PenaltyConfig, WireConfig
 from edit_jax.validate import load_config
 from tests.stages import one_stage
 from tests.test_edit_sync import TINY, Ref, np_sync
 
 N = 2
-BASE = ["data.seq_len=16", "steps=20", "model.n_layers=2", "sync.anomaly_warmup=3",
+BASE = ["data.seq_len=16", "steps=20", "model.n_layers=2", "sync.penalty.anomaly_warmup=3",
         "sync.warmup_steps=0"]
 # Each method with non-default constants, so that each one matters.
 FIELDS = {
     "diloco": dict(outer=OuterConfig(lr=0.6, momentum=0.8)),
     "post_local_sgd": {},
-    "edit": dict(outer=OuterConfig(lr=0.7, momentum=0.8), temperature=0.05, clip_threshold=0.5),
+    "edit": dict(outer=OuterConfig(lr=0.7, momentum=0.8),
+                 penalty=PenaltyConfig(anomaly_warmup=3, temperature=0.05, clip_threshold=0.5)),
     "co2": dict(outer=OuterConfig(lr=0.5, momentum=0.7), co2=CO2Config(gap_penalty=2.0)),
 }
 
 
 def _trainer(method: str, shard: int, n: int = N, **fields) -> StepPrograms:
-    flat = {f"{section}.{k}": v for section in ("outer", "wire", "co2") if section in fields
+    flat = {f"{section}.{k}": v for section in ("penalty", "outer", "wire", "co2") if section in fields
             for k, v in dataclasses.asdict(fields.pop(section)).items()}
     cfg = load_config(TINY, BASE + [f"mesh.replica={n}", f"mesh.shard={shard}", f"batch_size={max(4, n * shard)}",
                                      f"sync.method={method}"]
@@ -145,8 +146,9 @@ def _close(got, want, what, rtol=2e-5, atol=2e-6):
 
 def _ref(m: StepPrograms) -> Ref:
     s = m.cfg.sync  # normalised: what the method fixes, as it took effect
-    return Ref(anomaly=s.anomaly, alpha=s.anomaly_alpha, k=s.anomaly_warmup, delta=s.anomaly_threshold,
-               weighting=s.weighting, temperature=s.temperature, clip=s.clip, phi=s.clip_threshold,
+    p = s.penalty
+    return Ref(anomaly=p.anomaly, alpha=p.anomaly_alpha, k=p.anomaly_warmup, delta=p.anomaly_threshold,
+               weighting=p.weighting, temperature=p.temperature, clip=p.clip, phi=p.clip_threshold,
                lr=s.outer.lr, mu=s.outer.momentum)
 
 

@@ -24,12 +24,12 @@ def test_machinery_takes_the_method_plan():
     plan and schedule are the plan's, the config as the method table normalised it, not a second
     normalisation of their own; ``for_config`` builds the same; the evaluator asks the machinery
     for the schedule."""
-    cfg = tiny_config(2, 2, method="diloco", sync={"layerwise": True, "anomaly": True})  # diloco fixes both off
+    cfg = tiny_config(2, 2, method="diloco", sync={"layerwise": True, "penalty": {"anomaly": True}})  # diloco fixes both off
     mp = plan_for(cfg)
     m = StepPrograms(mp, mesh_for(cfg))
     assert m.cfg is mp.cfg and m.plan is mp.plan and m.schedule is mp.schedule
     assert m.layout.cfg is mp.cfg and m.layout.plan is mp.plan
-    assert (m.cfg.sync.layerwise, m.cfg.sync.anomaly, cfg.sync.layerwise) == (False, False, True)
+    assert (m.cfg.sync.layerwise, m.cfg.sync.penalty.anomaly, cfg.sync.layerwise) == (False, False, True)
     other = StepPrograms.for_config(cfg, mesh_for(cfg))
     assert (other.cfg, other.plan, other.schedule) == (mp.cfg, mp.plan, mp.schedule)
     assert Evaluator(m).schedule is mp.schedule

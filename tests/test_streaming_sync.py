@@ -47,7 +47,7 @@ def step_kind(cfg, k):
     return str(plan_for(cfg).schedule.kind(k))  # the kind's record name, e.g. "sync_forward@1"
 
 N4, S2 = 4, 2
-EDIT4 = [*BASE4, "sync.method=edit", "sync.anomaly_alpha=0.3", "sync.temperature=0.5", "sync.clip_threshold=0.2",
+EDIT4 = [*BASE4, "sync.method=edit", "sync.penalty.anomaly_alpha=0.3", "sync.penalty.temperature=0.5", "sync.penalty.clip_threshold=0.2",
          "sync.outer.lr=0.7", "sync.outer.momentum=0.8"]
 
 
@@ -174,8 +174,8 @@ def test_staggered_steps_match_numpy_reference(method):
     detectors and the sync metrics must agree, and the units outside the group stay untouched."""
     one_stage("3.12" if method == "edit" else "default", f"the staggered {method} steps", 30,
               other="the other method's")
-    extra = [] if method == "edit" else ["sync.layerwise=false", "sync.anomaly=false", "sync.weighting=false",
-                                         "sync.clip=false"]
+    extra = [] if method == "edit" else ["sync.layerwise=false", "sync.penalty.anomaly=false", "sync.penalty.weighting=false",
+                                         "sync.penalty.clip=false"]
     cfg = _cfg(*EDIT4, f"sync.method={method}", *extra, "sync.tau=4", "sync.fragments=2")
     m = StepPrograms.for_config(cfg, _mesh(cfg))
     assert m.groups == (0, 0, 1, 1)

@@ -36,7 +36,8 @@ from test_edit_sync import _assert_det_close, _assert_tree_close, _det_tuple, _h
 from tests.helpers import tiny_config
 
 # EDiT with every part of the penalty doing something: T != 1, a clip that binds on big units.
-EDIT_SYNC = {"anomaly_alpha": 0.3, "temperature": 0.5, "clip_threshold": 0.5, "outer": OuterConfig(lr=0.7, momentum=0.8)}
+EDIT_SYNC = {"penalty": {"anomaly_alpha": 0.3, "temperature": 0.5, "clip_threshold": 0.5},
+             "outer": OuterConfig(lr=0.7, momentum=0.8)}
 K = 3  # tiny_config's anomaly_warmup
 
 

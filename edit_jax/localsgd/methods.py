@@ -112,17 +112,17 @@ class Method:
         return self.rule(SyncConfig()).keeps_outer
 
 
-_NO_PENALTY = dict(anomaly=False, weighting=False, clip=False)
+_NO_PENALTY = {"penalty.anomaly": False, "penalty.weighting": False, "penalty.clip": False}
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("baseline", "synchronous HSDP: gradients averaged over replica every step", rule=NoSync.build,
-           fixed=dict(layerwise=False, **_NO_PENALTY)),
+           fixed={"layerwise": False, **_NO_PENALTY}),
     # θ̄ = the plain mean of the workers: SGD with lr 1 and no momentum on the pseudo gradient.
     Method("post_local_sgd", "W synchronous steps, then params averaged every tau steps", rule=WholeModelSync.build,
            fixed={"layerwise": False, "outer.optimizer": "nesterov", "outer.lr": 1.0, "outer.momentum": 0.0,
                   "outer.nesterov": False, **_NO_PENALTY}),
     Method("diloco", "pseudo gradients of the whole model after the step, outer optimizer, every tau",
-           rule=WholeModelSync.build, fixed=dict(layerwise=False, **_NO_PENALTY)),
+           rule=WholeModelSync.build, fixed={"layerwise": False, **_NO_PENALTY}),
     Method("edit", "pseudo gradients layer by layer in the forward, penalised, outer optimizer, every tau",
            rule=LayerwiseSync.build, penalty=True),
     # A-EDiT: EDiT's sync, due by wall clock per worker (one process per worker, multihost.py).

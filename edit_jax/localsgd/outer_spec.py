@@ -44,8 +44,9 @@ class Penalty:
 
     @staticmethod
     def from_config(s: SyncConfig) -> "Penalty":
-        return Penalty(s.anomaly, s.anomaly_alpha, s.anomaly_warmup, s.anomaly_threshold, s.weighting,
-                       s.temperature, s.clip, s.clip_threshold, s.step_weight_ratio)
+        p = s.penalty
+        return Penalty(p.anomaly, p.anomaly_alpha, p.anomaly_warmup, p.anomaly_threshold, p.weighting,
+                       p.temperature, p.clip, p.clip_threshold, s.step_weight_ratio)
 
 
 __all__ = ["OuterSpec", "Penalty", "OUTER_OPTIMIZERS"]

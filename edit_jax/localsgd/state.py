@@ -122,7 +122,7 @@ def make_state(cfg: Config, plan: Plan, key: jax.Array, params: Any = None) -> T
     outer = None
     if rule.keeps_outer:
         outer = OuterState(params, init_outer_opt_state(make_outer_optimizer(plan.outer), params),
-                           Detector.zeros((n, n_units(cfg)), cfg.sync.anomaly_warmup), jnp.int32(0),
+                           Detector.zeros((n, n_units(cfg)), cfg.sync.penalty.anomaly_warmup), jnp.int32(0),
                            rule.init_extra(rep))
     opt_state = inner_optimizer(cfg.optim, cfg.steps).init(rep)
     return TrainState(jnp.int32(0), rep, opt_state, outer, jax.random.key_data(jax.random.fold_in(key, 1)))

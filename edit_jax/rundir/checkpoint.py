@@ -31,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from edit_jax.config import Config, to_dict
+from edit_jax.config_renames import quiet, upgrade
 from edit_jax.localsgd.codec import Codec
 from edit_jax.localsgd.state import STATE_FORMAT
 from edit_jax.rundir.integrity import checksum_mismatches, state_checksums
@@ -39,7 +40,8 @@ from edit_jax.runtime.restarts import ENV_DEBUG
 # Keys whose change makes a checkpoint's arrays unusable (their shapes or structure depend on them).
 # mesh.replica is absent on purpose: the number of workers may change across a restart (elastic).
 STRUCTURAL_KEYS = ["model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
-                   "model.ffn_dim", "model.tie_embeddings", "mesh.shard", "sync.method", "sync.anomaly_warmup"]
+                   "model.ffn_dim", "model.tie_embeddings", "mesh.shard", "sync.method",
+                   "sync.penalty.anomaly_warmup"]
 
 
 class CheckpointError(RuntimeError):
@@ -392,7 +394,7 @@ class Checkpointer:
                                             details=_details(e)) from e
 
     def check_compatible(self, meta: dict, cfg: Config, step: int) -> None:
-        saved, now = meta.get("config", {}), to_dict(cfg)
+        saved, now = upgrade(meta.get("config", {}), quiet), to_dict(cfg)  # (keys since moved: as today's)
         diffs = [f"{k}: checkpoint {_get(saved, k)!r}, config {_get(now, k)!r}"
                  for k in STRUCTURAL_KEYS if _get(saved, k) != _get(now, k)]
         diffs += Codec.from_sync(cfg.sync).resume_refusal(Codec.from_sync(saved.get("sync") or {}))  # the residual
