@@ -167,7 +167,7 @@ class Manifest:
     members: list[int]  # sorted worker ids whose posts the round uses
     base_hash: str  # θ̄_{r-1} (and the outer state) as the closer held them
     closer: int
-    closed_by: str  # "all posted" | "grace"
+    closed_by: str  # "all posted" | "live posted" (the rest's heartbeats stopped) | "grace"
     expected: list[int] = field(default_factory=list)
     closed_at: float = 0.0  # the closer's wall clock: the next round's posts are due tau_time later
     rejected: dict = field(default_factory=dict)  # slot -> why its post was left out (PostCheck)
@@ -340,6 +340,16 @@ def announced(ex: Exchange) -> dict[int, int]:
     return out
 
 
+def beats(ex: Exchange) -> dict[int, int]:
+    """Workers whose announcement carries a heartbeat counter (``heartbeat.py``): slot -> its count."""
+    out = {}
+    for key in ex.list("members/w"):
+        info = _member(ex, key)
+        if "worker" in info and "beat" in info:
+            out[int(info["worker"])] = int(info["beat"])
+    return out
+
+
 def expected(ex: Exchange, r: int, behind: int = 0) -> list[int]:
     """Who round r waits for: the workers whose newest announcement names round r (each worker
     announces the round it will post at next whenever it joins or applies a round, so a worker
@@ -351,19 +361,22 @@ def expected(ex: Exchange, r: int, behind: int = 0) -> list[int]:
 
 
 def collect(ex: Exchange, r: int, closer: int, by_grace: bool, base_hash: str, check: PostCheck | None = None,
-            version: int = 0, redone: str = "", only: list[int] | None = None, behind: int = 0) -> Manifest | None:
+            version: int = 0, redone: str = "", only: list[int] | None = None, behind: int = 0,
+            stalled: set[int] = frozenset()) -> Manifest | None:
     """Close round r if it may close now (everyone expected posted, or ``by_grace``): create the
     manifest naming the posts that pass ``check`` (the others listed with why, ``rejected``);
     returns the manifest that exists (ours or another closer's), or None (still open, or no post
     passed yet). ``version`` > 0: redo the round (``read_manifest``), ``redone`` saying why, from
     the posts in ``only`` (the earlier version's members: a post that came after it closed was
     late, and its worker carried its steps into its next post; None: any, the earlier unreadable).
-    ``behind``: ``expected``'s (1 for a lock-step rule's rounds)."""
+    ``behind``: ``expected``'s (1 for a lock-step rule's rounds). ``stalled``: expected workers whose
+    heartbeat stopped (``heartbeat.BeatWatch``): not waited for ("live posted" once the others have)."""
     have, want = posted(ex, r), expected(ex, r, behind)
+    live = [w for w in want if w not in stalled]
     if only is not None:
         have = [w for w in have if w in only]
     everyone = set(want) <= set(have)  # (a slot whose post was left out cannot post again this round)
-    if not have or not (by_grace or everyone):
+    if not have or not (by_grace or set(live) <= set(have)):
         return None
     good, rejected = have, {}
     if check is not None:
@@ -375,8 +388,8 @@ def collect(ex: Exchange, r: int, closer: int, by_grace: bool, base_hash: str, c
     # Who the round waited for: those still announced at r, and those who posted (they announced r,
     # then moved on to r + 1 at their post; ``expected`` alone is nearly always empty by now).
     waited = sorted(set(want) | set(have))
-    m = Manifest(r, good, base_hash, closer, "all posted" if everyone else "grace", waited, time.time(), rejected,
-                 version, redone)
+    how = "all posted" if everyone else "live posted" if set(live) <= set(have) else "grace"
+    m = Manifest(r, good, base_hash, closer, how, waited, time.time(), rejected, version, redone)
     ex.create(manifest_key(r, version), m.encode(check.run if check else "", check.key if check else None))
     return read_manifest(ex, r, check)
 
@@ -396,4 +409,4 @@ def collect_garbage(ex: Exchange, r: int) -> None:
 
 __all__ = ["Post", "PostCheck", "BadObject", "Manifest", "RoundState", "manifest_versions", "state_rounds", "KEEP_ROUNDS", "post_key", "manifest_key", "state_key", "hello_key",
            "newest_round", "newest_state", "read_manifest", "posted", "posted_rounds", "expected", "collect", "collect_garbage",
-           "announced", "live_owner", "retract", "tree_hash", "pack", "unpack"]
+           "announced", "beats", "live_owner", "retract", "tree_hash", "pack", "unpack"]

@@ -41,6 +41,7 @@ from edit_jax.elastic.keys import ExchangeError, ExchangeUnavailable
 from edit_jax.elastic.local_training import Local, LocalTraining
 from edit_jax.elastic.recovery import RoundRecovery, Published
 from edit_jax.elastic.outer_round import OuterRound
+from edit_jax.elastic.heartbeat import BeatWatch, Heartbeat, beat_interval
 from edit_jax.elastic.patience import open_patient
 from edit_jax.localsgd.codec import Codec
 from edit_jax.localsgd.methods import LOCAL, plan_for
@@ -79,6 +80,8 @@ class ElasticWorker(LocalTraining, RoundRecovery):
         # Storage faults waited out for sync.exchange_patience (patience.py), the open included.
         self.ex = exchange or open_patient(cfg.sync.exchange, cfg.sync.exchange_patience, say, f"edit-jax worker {worker}")
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
+        every_s, quiet_s = beat_interval(cfg.sync.grace)
+        self.heartbeat, self.watch = Heartbeat(self.ex, worker, self.owner, every_s), BeatWatch(quiet_s)
         # Admitted before anything is written (no run-dir file, record or post): the run's config,
         # with the run's `steps`, or NotAdmitted (admission.py); then its slot, before any work.
         method_plan = plan_for(admit(self.ex, cfg, run_dir, say))
@@ -255,9 +258,9 @@ class ElasticWorker(LocalTraining, RoundRecovery):
 
     def announce(self, r: int) -> None:
         """Round r will wait for this worker (``rounds.expected``); the announcement names this
-        process, so a second worker started on the same slot is refused (``check_slot_free``)."""
-        self.ex.put(R.hello_key(self.me), json.dumps({"worker": self.me, "round": r, "owner": self.owner,
-                                                      "time": time.time()}).encode())
+        process, so a second worker started on the same slot is refused (``check_slot_free``), and
+        carries its heartbeat (``heartbeat.py``: a closer stops waiting for a stopped process)."""
+        self.heartbeat.announce(r)
 
     def check_slot_free(self) -> None:
         """Refuses to start on a slot another live process announced on (``rounds.live_owner``)."""
@@ -319,7 +322,8 @@ class ElasticWorker(LocalTraining, RoundRecovery):
             if m is not None:
                 return m
             m = R.collect(self.ex, r, self.me, time.monotonic() - posted_at >= patience, shared.digest(),
-                          self.check, behind=0 if self.plan.rule.asynchronous else 1)
+                          self.check, behind=0 if self.plan.rule.asynchronous else 1,
+                          stalled=self.watch.stalled(R.beats(self.ex)))
             if m is not None:
                 return m
             time.sleep(poll)
@@ -339,6 +343,13 @@ class ElasticWorker(LocalTraining, RoundRecovery):
     # -- the loop ----------------------------------------------------------------------------------
 
     def run(self) -> int:
+        """Trains, posts and applies rounds until the run ends (0) or a signal stops it (130)."""
+        try:
+            return self._run()
+        finally:
+            self.heartbeat.close()  # (a worker that returns is no longer alive to the closers)
+
+    def _run(self) -> int:
         shared = self.join()
         local = Local(self.initial_state, done=shared.cursors[self.me])
         local.state = self.restart_from(shared, local.state, count=local.done)
@@ -416,6 +427,7 @@ def run_worker(cfg: Config, worker: int, run_dir: str, say=print) -> int:
         return 1
     finally:
         w.outer.close()  # no compile thread left running into the interpreter's exit
+        w.heartbeat.close()
 
 
 __all__ = ["ElasticWorker", "run_worker", "RoundMismatch", "SlotInUse"]
