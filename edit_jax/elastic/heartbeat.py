@@ -84,7 +84,7 @@ class BeatWatch:
         self.seen: dict[int, tuple[int, float]] = {}  # worker -> (its beat, when this reader first saw it)
 
     def stalled(self, beats: dict[int, int]) -> set[int]:
-        """Of ``beats`` (worker -> its announcement's counter: ``rounds.beats``), those stalled."""
+        """Of ``beats`` (worker -> its announcement's counter: ``rounds.beats``; ``rounds.collect`` asks), those stalled."""
         now, out = self.clock(), set()
         for w, b in beats.items():
             last = self.seen.get(w)

@@ -37,7 +37,7 @@ import re
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -306,7 +306,7 @@ def _member(ex: Exchange, key: str) -> dict:
         info = json.loads(data.decode()) if data else {}
         if not isinstance(info, dict):
             return {}
-        int(info.get("worker", 0)), int(info.get("round", 0))
+        int(info.get("worker", 0)), int(info.get("round", 0)), int(info.get("beat", 0))
         return info
     except (ValueError, TypeError, UnicodeDecodeError):
         return {}
@@ -330,49 +330,59 @@ def live_owner(ex: Exchange, worker: int, me: str, stale_s: float) -> str | None
     return info["owner"]
 
 
-def announced(ex: Exchange) -> dict[int, int]:
-    """Workers that said they (re)joined: slot -> the round they will post at first."""
+def members(ex: Exchange) -> dict[int, dict]:
+    """Every readable member announcement, read once: slot -> its fields (``announced`` and
+    ``beats`` take what they need from one such read)."""
     out = {}
     for key in ex.list("members/w"):
         info = _member(ex, key)
-        if "worker" in info and "round" in info:
-            out[int(info["worker"])] = int(info["round"])
+        if "worker" in info:
+            out[int(info["worker"])] = info
     return out
 
 
-def beats(ex: Exchange) -> dict[int, int]:
+def _field_of(ex: Exchange, name: str, of: dict[int, dict] | None) -> dict[int, int]:
+    """Slot -> the announcement's integer ``name``, for those that carry it."""
+    return {w: int(info[name]) for w, info in (members(ex) if of is None else of).items() if name in info}
+
+
+def announced(ex: Exchange, of: dict[int, dict] | None = None) -> dict[int, int]:
+    """Workers that said they (re)joined: slot -> the round they will post at first (``of``: a
+    ``members`` read to take it from; None: read now)."""
+    return _field_of(ex, "round", of)
+
+
+def beats(ex: Exchange, of: dict[int, dict] | None = None) -> dict[int, int]:
     """Workers whose announcement carries a heartbeat counter (``heartbeat.py``): slot -> its count."""
-    out = {}
-    for key in ex.list("members/w"):
-        info = _member(ex, key)
-        if "worker" in info and "beat" in info:
-            out[int(info["worker"])] = int(info["beat"])
-    return out
+    return _field_of(ex, "beat", of)
 
 
-def expected(ex: Exchange, r: int, behind: int = 0) -> list[int]:
+def expected(ex: Exchange, r: int, behind: int = 0, of: dict[int, dict] | None = None) -> list[int]:
     """Who round r waits for: the workers whose newest announcement names round r (each worker
     announces the round it will post at next whenever it joins or applies a round, so a worker
     that died is awaited by one round at most, for ``sync.grace`` seconds). ``behind``: also those
     whose announcement names one of the ``behind`` rounds before (a lock-step rule's rounds close
     on posts, not on the clock: a worker a round behind, catching up, would otherwise never be
     awaited by a faster one and post late to every round)."""
-    return sorted(w for w, at in announced(ex).items() if r - behind <= at <= r)
+    return sorted(w for w, at in announced(ex, of).items() if r - behind <= at <= r)
 
 
 def collect(ex: Exchange, r: int, closer: int, by_grace: bool, base_hash: str, check: PostCheck | None = None,
             version: int = 0, redone: str = "", only: list[int] | None = None, behind: int = 0,
-            stalled: set[int] = frozenset()) -> Manifest | None:
+            stalled: Callable[[dict[int, int]], set[int]] | None = None) -> Manifest | None:
     """Close round r if it may close now (everyone expected posted, or ``by_grace``): create the
     manifest naming the posts that pass ``check`` (the others listed with why, ``rejected``);
     returns the manifest that exists (ours or another closer's), or None (still open, or no post
     passed yet). ``version`` > 0: redo the round (``read_manifest``), ``redone`` saying why, from
     the posts in ``only`` (the earlier version's members: a post that came after it closed was
     late, and its worker carried its steps into its next post; None: any, the earlier unreadable).
-    ``behind``: ``expected``'s (1 for a lock-step rule's rounds). ``stalled``: expected workers whose
-    heartbeat stopped (``heartbeat.BeatWatch``): not waited for ("live posted" once the others have)."""
-    have, want = posted(ex, r), expected(ex, r, behind)
-    live = [w for w in want if w not in stalled]
+    ``behind``: ``expected``'s (1 for a lock-step rule's rounds). ``stalled``: of the workers' beats, those
+    whose heartbeat stopped (``heartbeat.BeatWatch.stalled``): not waited for ("live posted" once the
+    others have). The announcements are read once for both."""
+    of = members(ex)
+    have, want = posted(ex, r), expected(ex, r, behind, of)
+    gone = stalled(beats(ex, of)) if stalled is not None else set()
+    live = [w for w in want if w not in gone]
     if only is not None:
         have = [w for w in have if w in only]
     everyone = set(want) <= set(have)  # (a slot whose post was left out cannot post again this round)
@@ -409,4 +419,4 @@ def collect_garbage(ex: Exchange, r: int) -> None:
 
 __all__ = ["Post", "PostCheck", "BadObject", "Manifest", "RoundState", "manifest_versions", "state_rounds", "KEEP_ROUNDS", "post_key", "manifest_key", "state_key", "hello_key",
            "newest_round", "newest_state", "read_manifest", "posted", "posted_rounds", "expected", "collect", "collect_garbage",
-           "announced", "beats", "live_owner", "retract", "tree_hash", "pack", "unpack"]
+           "announced", "beats", "members", "live_owner", "retract", "tree_hash", "pack", "unpack"]

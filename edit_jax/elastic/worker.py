@@ -323,7 +323,7 @@ class ElasticWorker(LocalTraining, RoundRecovery):
                 return m
             m = R.collect(self.ex, r, self.me, time.monotonic() - posted_at >= patience, shared.digest(),
                           self.check, behind=0 if self.plan.rule.asynchronous else 1,
-                          stalled=self.watch.stalled(R.beats(self.ex)))
+                          stalled=self.watch.stalled)
             if m is not None:
                 return m
             time.sleep(poll)
