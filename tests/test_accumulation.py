@@ -20,6 +20,7 @@ from edit_jax.models.llama import AttentionError, attention_impl, chunked_loss_s
 from edit_jax.runtime.mesh import make_mesh
 from edit_jax.validate import validate
 from tests.helpers import tiny_config
+from tests.stages import one_stage
 
 
 def _numpy_loss(x, head, targets):
@@ -80,6 +81,8 @@ def _batch(cfg, seed):
 
 @pytest.mark.parametrize("method,kinds,k", [("baseline", ["hsdp"], 4), ("edit", ["local", "sync_forward"], 2)])
 def test_accumulated_steps_equal_the_unsplit_batch(method, kinds, k):
+    one_stage("default" if method == "edit" else "3.12", f"accumulation with {method}", 25,
+              other=f"accumulation with {'baseline' if method == 'edit' else 'edit'}")
     one, acc = _machineries(method, k)
     state = one.init_state(0)
     for i in range(2):  # replicas apart (EDiT: local steps), so that the sync has work to do

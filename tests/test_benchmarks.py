@@ -62,7 +62,7 @@ ONE_STAGE = {"bench_straggler": ("default", 70), "spike_experiment": ("default",
              "bench_sample": ("default", 9), "bench_gpu": ("default", 10), "bench_kill": ("3.12", 58),
              "bench_spike": ("3.12", 16), "bench_edit": ("3.12", 21), "bench_faults": ("3.12", 9),
              "bench_data": ("3.12", 13), "bench_links": ("default", 17), "bench_sparse_wire": ("default", 20),
-             "bench_late_posts": ("3.12", 25), "bench_live": ("default", 75), "compare_methods": ("3.12", 21)}
+             "bench_late_posts": ("default", 25), "bench_live": ("default", 75), "compare_methods": ("3.12", 21)}
 
 
 def _stage_skip(name: str) -> None:

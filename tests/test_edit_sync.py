@@ -475,6 +475,9 @@ def test_sync_matches_numpy_reference(edit4):
 def test_outer_state_layouts_match_numpy_reference(edit4, layout):
     """θ̄ and the trace split over `replica` too (all-to-all, local weighted sum, all-gather) or
     kept in host memory: the same Algorithm 2 results as the NumPy reference, on both sync paths."""
+    offload = layout.startswith("sync.cpu_offload")
+    one_stage("3.12" if offload else "default", f"the outer state layout {layout}", 22,
+              other="the other layout")
     m0, init = edit4
     cfg = _cfg(*BASE4, "sync.method=edit", "sync.penalty.anomaly_alpha=0.3", "sync.penalty.temperature=0.5",
                "sync.penalty.clip_threshold=0.2", "sync.outer.lr=0.7", "sync.outer.momentum=0.8", layout)

@@ -389,6 +389,8 @@ def test_ctrl_c_during_final_evaluation_finishes_cleanly(tmp_path, processes):
     """SIGINT once the last training record is written, while the final evaluation (300 batches)
     runs: the evaluation finishes, the final checkpoint is saved and the run exits 0, no traceback
     (before, 2 processes ended with exit 5, tracebacks and no final checkpoint)."""
+    one_stage("default" if processes == 2 else "3.12", f"Ctrl-C in the final evaluation, {processes} process(es)", 30,
+              other=f"the same with {3 - processes}")
     metrics = tmp_path / "metrics.jsonl"
     code, out = interrupt_when(_cmd(tmp_path, processes, "steps=3", "log_every=1", "eval_batches=300"),
                                lambda: metrics.exists() and '"step": 3,' in metrics.read_text(), env=_cli_env())
@@ -400,6 +402,8 @@ def test_ctrl_c_during_final_evaluation_finishes_cleanly(tmp_path, processes):
 
 @pytest.mark.parametrize("processes", [1, 2])
 def test_rerunning_a_finished_run_writes_nothing(tmp_path, processes):
+    one_stage("default" if processes == 2 else "3.12", f"rerunning a finished run, {processes} process(es)", 22,
+              other=f"the same with {3 - processes}")
     code, out = _cli(tmp_path, processes, "steps=2")
     assert code == 0, out[-3000:]
     before = {name: open(tmp_path / name, "rb").read() for name in ("metrics.jsonl", "config.json")}

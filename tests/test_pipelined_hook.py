@@ -12,6 +12,7 @@ import pytest
 from edit_jax.config import OuterConfig
 from edit_jax.models.family import SplitHook
 from edit_jax.models.llama import init_params, loss_sum, preset
+from tests.stages import one_stage
 
 
 def _sync(unit, xs, which):
@@ -28,6 +29,8 @@ def _gather(unit, which):
 
 @pytest.mark.parametrize("remat", [False, True])
 def test_pipelined_layers_equal_the_plain_loop(remat):
+    one_stage("3.12" if remat else "default", f"the pipelined layers with remat={remat}", 25,
+              other=f"the same with remat={not remat}")
     cfg = preset("tiny", n_layers=3, remat=remat)
     params = init_params(cfg, jax.random.PRNGKey(0))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, cfg.vocab_size)
