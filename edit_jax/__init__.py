@@ -16,7 +16,7 @@ The public API (optax / flax style)::
 The packages are the architecture: ``localsgd/`` (the algorithm and its compiled step),
 ``training/`` (the loop and its hooks), ``runtime/`` (devices, processes, the mesh), ``rundir/``
 (what a run leaves on disk), ``models/``, ``hf/``, ``data/``, ``placement/`` and ``tools/``; at
-the root only what every part uses (``config``, ``config_files``, ``validate``, ``presets``) and
+the root only what every part uses (``config``, ``validate``, ``presets``) and
 the command line (``cli``).
 
 The names below load on first use (PEP 562), so ``import edit_jax`` imports no JAX: the command

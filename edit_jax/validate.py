@@ -2,7 +2,7 @@
 
     cfg = load_config("configs/demo.py", ["steps=100", "method=diloco"])  # read, then validate
 
-``config.py`` is a leaf (dataclasses, overrides, serialisation; ``config_files.py`` reads files);
+``config`` is a leaf package (dataclasses, overrides, serialisation; ``config.files`` reads files);
 its ``check_fields`` checks what the fields say on their own. A rule that needs a part of the package lives with that
 part as its ``validate(cfg)``, next to what it checks against:
 
@@ -20,7 +20,7 @@ part as its ``validate(cfg)``, next to what it checks against:
 
 ``validate`` runs ``check_fields`` first (so a part may assume ranges hold, e.g. ``mesh.replica
 > 0``), then each part in that order; the first broken rule raises ``ConfigError`` naming its key.
-To add a check: a field-only one goes into ``config_checks.check_fields``; one that asks a part goes into
+To add a check: a field-only one goes into ``config.checks.check_fields``; one that asks a part goes into
 that part's ``validate`` (a new part: a ``validate(cfg)`` there and one line below).
 
 Nothing here needs devices or data, or starts a JAX backend: ``edit-jax train`` validates before
@@ -31,8 +31,8 @@ when its first backend starts; tests/test_imports.py checks this).
 from __future__ import annotations
 
 from edit_jax.config import Config, ConfigError
-from edit_jax.config_checks import check_fields
-from edit_jax.config_files import read_config
+from edit_jax.config.checks import check_fields
+from edit_jax.config.files import read_config
 from edit_jax.data import corrupt, sources
 from edit_jax.hf import load as hf_load
 from edit_jax.localsgd import methods, rules

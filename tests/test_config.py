@@ -79,7 +79,7 @@ def test_keys_that_moved_into_a_section_are_read_as_their_new_key(tmp_path, caps
     one line saying so; a Python config passing the old keyword fails naming the new key."""
     import json
 
-    from edit_jax import config_renames
+    from edit_jax.config import renames as config_renames
     from edit_jax.localsgd.codec import Codec
 
     config_renames._TOLD.clear()

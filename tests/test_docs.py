@@ -44,7 +44,7 @@ def test_generated_reference_pages_are_current(page):
 
 
 def test_config_page_lists_every_field_of_the_dataclasses():
-    from edit_jax.config_renames import RENAMED
+    from edit_jax.config.renames import RENAMED
 
     with open(os.path.join(gen_docs.OUT, "config.md")) as f:
         fields, moved = f.read().split("\n## Keys that moved into a section\n")

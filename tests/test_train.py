@@ -304,7 +304,7 @@ def _resumes_like_the_old_code(tmp_path, fixture: str):
     import shutil
 
     from edit_jax.config import from_dict
-    from edit_jax.config_renames import quiet, upgrade
+    from edit_jax.config.renames import quiet, upgrade
 
     run = tmp_path / "run"
     shutil.copytree(os.path.join(fixture, "checkpoints"), run / "checkpoints")

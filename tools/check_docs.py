@@ -153,7 +153,7 @@ def check_key(token: str, keys: set[str]) -> str | None:
         return None if any(k.startswith(prefix) for k in keys) else f"config section {key} does not exist"
     if key in keys or any(k.startswith(key + ".") for k in keys):
         return None
-    from edit_jax.config_renames import RENAMED
+    from edit_jax.config.renames import RENAMED
     if key in RENAMED:
         return None  # a key that moved into a section: still read (translated), as the notes' older commands use it
     if key.endswith((".py", ".json", ".md", ".safetensors")):
@@ -161,7 +161,7 @@ def check_key(token: str, keys: set[str]) -> str | None:
     parts = key.split(".")
     if os.path.exists(os.path.join(REPO, "edit_jax", parts[0], parts[1] + ".py")):
         return None  # a module and its name (data.corrupt.validate), not a key
-    return f"config key {key} is not a field of edit_jax/config.py"
+    return f"config key {key} is not a field of edit_jax/config/sections.py"
 
 
 class _Parsed(Exception):

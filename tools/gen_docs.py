@@ -3,7 +3,7 @@
     python tools/gen_docs.py            # (re)write docs/reference/{config,records,cli,python-api}.md
     python tools/gen_docs.py --check    # exit 1 naming each page that is not current (tests/test_docs.py)
 
-- ``config.md``: every field of ``edit_jax/config.py``'s dataclasses (dotted key, type, default) with
+- ``config.md``: every field of ``edit_jax/config/sections.py``'s dataclasses (dotted key, type, default) with
   the comment written beside or above it in the source (read with ``ast`` + ``tokenize``).
 - ``records.md``: the kinds of ``metrics.jsonl`` record; the sync figures come from
   ``records.sync_fields`` itself, the rest from ``RECORDS`` below (tests/test_docs.py checks every
@@ -93,7 +93,7 @@ def config_page() -> str:
 
     comments = source_comments(C.__file__)
     out = [HEADER, "# Configuration reference\n\n",
-           "Every field of `edit_jax/config.py`, as `key=value` on the command line (`edit-jax train ... "
+           "Every field of `edit_jax/config/sections.py`, as `key=value` on the command line (`edit-jax train ... "
            "sync.tau=8`), in a config file's `get_config()` or in a run's `config.json`. Defaults are the "
            "dataclasses'; a preset (`configs/*.py`) and the method table may set others (the run's "
            "`config.json` records what took effect). `method=NAME` is short for `sync.method=NAME`.\n"]
@@ -111,10 +111,10 @@ def config_page() -> str:
         shown = json.dumps(list(default) if isinstance(default, tuple) else default, ensure_ascii=False)
         out.append(f"| `{key}` | `{_cell(_type_name(cls, name))}` | `{_cell(shown)}` | "
                    f"{_cell(_rst_to_md(comments.get((cls.__name__, name), '')))} |\n")
-    from edit_jax.config_renames import RENAMED
+    from edit_jax.config.renames import RENAMED
 
     out.append("\n## Keys that moved into a section\n\nStill read, on a command line or in a `config.json` (a run "
-               "dir's, a checkpoint's), as their new key, with one line saying so (`edit_jax/config_renames.py`).\n\n"
+               "dir's, a checkpoint's), as their new key, with one line saying so (`edit_jax/config/renames.py`).\n\n"
                "| old key | new key |\n|---|---|\n")
     out += [f"| `{old}` | `{new}` |\n" for old, new in RENAMED.items()]
     return "".join(out)

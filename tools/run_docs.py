@@ -53,7 +53,7 @@ def not_run_reason(command: str) -> str | None:
 def code_path(words: list[str]) -> tuple[str, str, frozenset]:
     """What decides the code a command runs: its command, its method (train / plan) and the names of
     its options and non-size overrides (a run dir, a prompt or a size does not change the path)."""
-    from edit_jax.config_files import read_config
+    from edit_jax.config.files import read_config
 
     names = {w.split("=")[0] for w in words[1:] if w.startswith("--")}
     overrides = [w for w in words[1:] if "=" in w and not w.startswith("-")]

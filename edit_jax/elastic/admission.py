@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from edit_jax.config import Config, ConfigError, dumps
-from edit_jax.config_renames import quiet, upgrade
+from edit_jax.config.renames import quiet, upgrade
 from edit_jax.localsgd.methods import normalise
 from edit_jax.rundir.records import replace_file
 from edit_jax.rundir.runlock import RunLock, check_writable, first_missing, remove_if_unused

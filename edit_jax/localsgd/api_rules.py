@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from edit_jax.config import CO2Config, Config, OuterConfig, SyncConfig, WireConfig
-from edit_jax.config_renames import RENAMED, new_key
+from edit_jax.config.renames import RENAMED, new_key
 from edit_jax.localsgd import methods, rules
 from edit_jax.localsgd.codec import KINDS
 from edit_jax.localsgd.compressed import Compressed

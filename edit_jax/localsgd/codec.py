@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from edit_jax.config import SyncConfig, WireConfig
-from edit_jax.config_renames import quiet, upgrade
+from edit_jax.config.renames import quiet, upgrade
 from edit_jax.localsgd import compress as dense
 from edit_jax.localsgd import sparse
 

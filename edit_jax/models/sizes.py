@@ -10,7 +10,7 @@ one copy per worker), its largest activations and the whole state are sized in P
 JAX runs with x64 off: a count it takes as a Python int becomes an int32 ("An overflow was
 encountered while parsing an argument to a jitted computation", a traceback). The llama family's
 are the token ids, the layer scan's length (``model.n_layers``) and a worker's tokens per step (the
-loss's divisor); ``config_checks`` holds the step counts (``steps``, warmups, ``sync.tau``) to int32.
+loss's divisor); ``config.checks`` holds the step counts (``steps``, warmups, ``sync.tau``) to int32.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from edit_jax.config import Config, require
-from edit_jax.config_checks import INT32  # token ids, the layer scan's length, a step's token count
+from edit_jax.config.checks import INT32  # token ids, the layer scan's length, a step's token count
 
 LIMIT = 2 ** 63 - 1  # bytes: XLA's int64 sizes
 ITEM = 4  # bytes of the widest element (fp32 params, optimizer state, logits)

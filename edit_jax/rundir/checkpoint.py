@@ -31,7 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from edit_jax.config import Config, to_dict
-from edit_jax.config_renames import quiet, upgrade
+from edit_jax.config.renames import quiet, upgrade
 from edit_jax.localsgd.codec import Codec
 from edit_jax.localsgd.state import STATE_FORMAT
 from edit_jax.rundir.integrity import checksum_mismatches, state_checksums

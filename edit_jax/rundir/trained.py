@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from edit_jax.config import Config, ConfigError, from_dict
-from edit_jax.config_renames import quiet, upgrade
+from edit_jax.config.renames import quiet, upgrade
 from edit_jax.data import DataError, make_tokenizer
 from edit_jax.localsgd.state import state_shapes, state_shapes_of_format
 from edit_jax.rundir.checkpoint import UnreadableCheckpointError, check_checksums

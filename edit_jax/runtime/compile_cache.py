@@ -80,7 +80,7 @@ def compile_cache_problem(path: str) -> str | None:
 
 def validate(cfg: Config) -> None:
     """``train.compile_cache``, and ``$EDIT_JAX_COMPILE_CACHE`` when it is "auto", must be a
-    directory or a path one can be made at (``config_checks.check_fields`` checks the value's form)."""
+    directory or a path one can be made at (``config.checks.check_fields`` checks the value's form)."""
     key, value = "train.compile_cache", cfg.train.compile_cache
     if value not in ("", "auto", "off"):
         problem = compile_cache_problem(value)

@@ -1,6 +1,6 @@
 """What the config's fields say on their own (``check_fields``): finiteness, ranges, divisibility.
-``edit_jax.validate`` runs it first, then each part's own rules. Split from ``config.py`` (the
-dataclasses and their parsing) so that each stays well under the module limit."""
+``edit_jax.validate`` runs it first, then each part's own rules (those that ask a part of the
+package: this package imports none)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import dataclasses
 import math
 import os
 
-from edit_jax.config import COMPRESS, Config, require
+from edit_jax.config.parse import require
+from edit_jax.config.sections import COMPRESS, Config
 
 INT32 = 2 ** 31 - 1  # the largest count a step's program holds (int32: JAX runs with x64 off)
 

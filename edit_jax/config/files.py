@@ -5,8 +5,8 @@
 * ``_load_json``: a config as every run writes it to RUN_DIR/config.json.
 * ``_load_file``: a Python file's ``get_config()``, its failures (sys.exit included) as ``ConfigError``.
 
-``edit_jax.validate.load_config`` is ``read_config`` plus every check. This module sits next to
-``config.py`` (the leaf it builds on) so that ``_repo_configs_dir`` finds the repo's configs/.
+``edit_jax.validate.load_config`` is ``read_config`` plus every check. ``_repo_configs_dir`` finds
+the repo's configs/ from this file's place (edit_jax/config/).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import importlib.util
 import json
 import os
 
-from edit_jax.config import Config, ConfigError, apply_overrides, from_dict
-from edit_jax.config_renames import hint_for, override, upgrade
+from edit_jax.config.parse import apply_overrides, from_dict
+from edit_jax.config.sections import Config, ConfigError
+from edit_jax.config.renames import hint_for, override, upgrade
 
 
 def read_config(path: str | None, overrides: list[str] = ()) -> Config:
@@ -47,7 +48,7 @@ def _resolve_config_path(path: str) -> str:
 
 
 def _repo_configs_dir() -> str:
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 
 def _exit_call(e: SystemExit) -> str:

@@ -1,11 +1,11 @@
 """Config keys that moved into a section, and how an old key is still read (by the readers of
-configs: ``config_files.py``, a checkpoint's and a run dir's readers; ``config.py`` stays a leaf).
+configs: ``files.py``, a checkpoint's and a run dir's readers; ``sections.py`` and ``parse.py`` know nothing of it).
 
 A config's fields are grouped in sections, one per concern (``sync.wire``: the codec). What a run
 wrote before a key moved keeps working: a command line or a ``config.json`` (a run dir's, or a
 checkpoint's metadata) with the flat key is read as the new one, and the reader is told once per
 key and process, one line naming the new name. A Python config file that passes an old keyword
-(``SyncConfig(compress="int8")``) fails with the new name in the message (``config_files.py``).
+(``SyncConfig(compress="int8")``) fails with the new name in the message (``files.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import dataclasses
 import sys
 from typing import Callable
 
-from edit_jax.config import SyncConfig  # (config.py knows nothing of this module: no circle)
+from edit_jax.config.sections import SyncConfig
 
 # old dotted key -> new dotted key (2026-11-28: the wire's six fields became the sync.wire section)
 RENAMED = {
