@@ -5,7 +5,7 @@
 Exchange-mode A-EDiT on ``configs/tiny.py`` (one device per worker), the workers as threads of
 this process (``ElasticWorker``, each its own compiled programs, meeting through a directory).
 Worker ``--workers - 1`` is late by design: before every ``--every``-th post it pauses for 1.5 x
-``sync.grace``, so the others close that round without it. Once with ``sync.late_posts=carry``
+``sync.exchange.grace``, so the others close that round without it. Once with ``sync.exchange.late_posts=carry``
 (its Δ re-based onto the new θ̄ and part of its next post), once with ``drop`` (it restarts from
 θ̄, those steps lost), same seeds, same token budget. Reported per policy: the final validation
 loss of θ̄ (evaluated by the last round's closer at the budget), rounds, late posts, steps lost.
@@ -50,10 +50,10 @@ def one_run(policy: str, seed: int, workers: int, every: int, overrides: list[st
 
     root = tempfile.mkdtemp(prefix=f"late_{policy}_")
     cfg = load_config(os.path.join(REPO, "configs", "tiny.py"), [
-        "sync.method=a_edit", f"sync.exchange={root}/ex", "sync.warmup_steps=0", f"mesh.replica={workers}",
-        "mesh.shard=1", f"mesh.processes={workers}", "sync.tau_time=0.5", "sync.grace=1.0", f"seed={seed}",
-        f"data.seed={seed}", f"sync.late_posts={policy}", f"batch_size={2 * workers}", "eval_batches=4", *overrides])
-    plain, late = late_worker_class(every, 1.5 * cfg.sync.grace)
+        "sync.method=a_edit", f"sync.exchange.url={root}/ex", "sync.warmup_steps=0", f"mesh.replica={workers}",
+        "mesh.shard=1", f"mesh.processes={workers}", "sync.time.tau=0.5", "sync.exchange.grace=1.0", f"seed={seed}",
+        f"data.seed={seed}", f"sync.exchange.late_posts={policy}", f"batch_size={2 * workers}", "eval_batches=4", *overrides])
+    plain, late = late_worker_class(every, 1.5 * cfg.sync.exchange.grace)
     ws = [(late if w == workers - 1 else plain)(cfg, w, f"{root}/run", say=lambda m: None) for w in range(workers)]
     codes = {}
     threads = [threading.Thread(target=lambda w=w: codes.__setitem__(w.me, w.run())) for w in ws]

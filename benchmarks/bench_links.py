@@ -66,7 +66,7 @@ METHODS = {
     "edit_t8_topk2": (["method=edit", "sync.tau=8", "sync.wire.kind=topk2", "sync.wire.error_feedback=true"],
                       "EDiT τ=8 top-64/4096 2-bit"),
     "edit_t32_f4": (["method=edit", "sync.tau=32", "sync.fragments=4"], "EDiT τ=32, 4 streamed fragments"),
-    "a_edit": (["method=a_edit", "sync.tau_time=2"], "A-EDiT τ_time=2 s"),
+    "a_edit": (["method=a_edit", "sync.time.tau=2"], "A-EDiT τ_time=2 s"),
 }
 
 
@@ -254,7 +254,7 @@ def replica_bytes_per_kind(config: str, overrides: list[str]) -> dict[str, float
     from edit_jax.tools.plan import plan
     from edit_jax.validate import load_config
 
-    overrides = ["method=edit" if o == "method=a_edit" else o for o in overrides if not o.startswith("sync.tau_time")]
+    overrides = ["method=edit" if o == "method=a_edit" else o for o in overrides if not o.startswith("sync.time.tau")]
     p = plan(load_config(config, overrides))
     return {k: v["replica_ring_bytes"] for k, v in p["steps"].items()}
 

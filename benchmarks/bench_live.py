@@ -7,7 +7,7 @@ of its steps; issue 56).
     python benchmarks/bench_faults.py --part live --smoke                        # CI: the same path, tiny
 
 ``--config`` (default tiny), one CPU device per worker, ``--live-workers`` + 1 worker slots
-(``mesh.replica``), the launcher (``edit-jax train``, ``sync.exchange``) starting ``--live-workers``
+(``mesh.replica``), the launcher (``edit-jax train``, ``sync.exchange.url``) starting ``--live-workers``
 of them; a token budget no run reaches: each run ends by SIGTERM at ``--duration`` (exit 130).
 1. Fault-free: the launcher's workers, and the last slot's worker started by hand (``edit-jax
    worker``) at ``--duration`` / 2.
@@ -58,15 +58,15 @@ FIT_ROUNDS = 20  # the val loss at equal tokens, also from a line through a run'
 
 def add_args(p) -> None:
     p.add_argument("--live-workers", type=int, default=4, help="live: the launcher's workers (a joiner makes +1)")
-    p.add_argument("--tau-time", type=float, default=5.0, help="live: sync.tau_time (s of local steps per round)")
+    p.add_argument("--tau-time", type=float, default=5.0, help="live: sync.time.tau (s of local steps per round)")
     p.add_argument("--tau", type=int, default=300,
                    help="live, with a lock-step --method (diloco, edit, post_local_sgd): sync.tau, the steps each "
                         "worker posts after (300: about tau_time's 5 s of tiny steps on these cores)")
-    p.add_argument("--grace", type=float, default=3.0, help="live: sync.grace (s a round waits for late posts)")
+    p.add_argument("--grace", type=float, default=3.0, help="live: sync.exchange.grace (s a round waits for late posts)")
     p.add_argument("--progress-every", type=float, default=1.0,
-                   help="live: sync.progress_every (s between saves of a worker's unposted steps; 0: off)")
+                   help="live: sync.exchange.progress_every (s between saves of a worker's unposted steps; 0: off)")
     p.add_argument("--carried-weight", type=float, default=0.5,
-                   help="live: sync.carried_weight (a carried, one-round-stale Δ re-based at this fraction; "
+                   help="live: sync.exchange.carried_weight (a carried, one-round-stale Δ re-based at this fraction; "
                         "1: as fresh steps, the library's default)")
     p.add_argument("--stop-s", type=float, default=60.0, help="live: how long one worker stays SIGSTOPped")
     p.add_argument("--eval-every", type=int, default=2000, help="live: eval_every (global steps) of both runs")
@@ -81,10 +81,10 @@ def overrides(args, ex: str) -> list[str]:
     slots = w + 1
     method = getattr(args, "live_method", "a_edit")
     timing = [] if method == "a_edit" else [f"sync.tau={args.tau}"]
-    return [f"sync.exchange={ex}", f"sync.method={method}", *timing, "sync.warmup_steps=0", f"mesh.replica={slots}",
-            "mesh.shard=1", f"mesh.processes={w}", f"batch_size={4 * slots}", f"sync.tau_time={args.tau_time}",
-            f"sync.grace={args.grace}", f"sync.progress_every={args.progress_every}",
-            f"sync.carried_weight={args.carried_weight}", "steps=100000000", "optim.decay_steps=100000", "log_every=20",
+    return [f"sync.exchange.url={ex}", f"sync.method={method}", *timing, "sync.warmup_steps=0", f"mesh.replica={slots}",
+            "mesh.shard=1", f"mesh.processes={w}", f"batch_size={4 * slots}", f"sync.time.tau={args.tau_time}",
+            f"sync.exchange.grace={args.grace}", f"sync.exchange.progress_every={args.progress_every}",
+            f"sync.exchange.carried_weight={args.carried_weight}", "steps=100000000", "optim.decay_steps=100000", "log_every=20",
             f"eval_every={args.eval_every}", *(SMOKE_SIZES if args.smoke else [])] + \
         ([f"train.compile_cache={os.path.join(args.run_root, 'live', 'compile_cache')}"] if args.smoke else [])
 
@@ -695,7 +695,7 @@ def _print(out: dict) -> None:
                        ["run", "window s", "workers core-s", "machine core-s", "tokens / worker core-s",
                         "starts after round 1", "core-s to joined", "core-s to first post",
                         "core-s since last post, per kill"], rows,
-                       note=f"saving unposted steps (sync.progress_every {out['progress_every']:g} s): "
+                       note=f"saving unposted steps (sync.exchange.progress_every {out['progress_every']:g} s): "
                             + ", ".join(f"{n} {out[n]['progress_save_s']:.2f} s" for n in ("fault_free", "live"))
                             + " of the workers' time (seen in records every log_every steps)")
 

@@ -3,7 +3,7 @@
     python benchmarks/bench_outages.py [--kinds gone,readonly,full,s3] [--outage 60] [--steps 40]
 
 Real processes: ``edit-jax train`` (the launcher and two one-device workers, ``configs/tiny.py``,
-A-EDiT, ``sync.tau_time=0.3``, ``sync.grace=1``, the default ``sync.exchange_patience``). Once its
+A-EDiT, ``sync.time.tau=0.3``, ``sync.exchange.grace=1``, the default ``sync.exchange.patience``). Once its
 round 1 closed, the exchange's storage fails for ``--outage`` seconds, one way per run:
 
 - ``gone``: the exchange directory renamed away (an unmounted share), then back;
@@ -160,9 +160,9 @@ def one_run(kind: str, root: str, seconds: float, steps: int, env: dict, endpoin
         exchange = f"s3://{BUCKET}/{kind}?endpoint=http://127.0.0.1:{relay.port}"
     else:
         exchange = os.path.join(mnt, "run.x")
-    args = ["--config", os.path.join(REPO, "configs", "tiny.py"), "--run-dir", run, f"sync.exchange={exchange}",
+    args = ["--config", os.path.join(REPO, "configs", "tiny.py"), "--run-dir", run, f"sync.exchange.url={exchange}",
             "sync.method=a_edit", "sync.warmup_steps=0", "mesh.replica=2", "mesh.shard=1", "mesh.processes=2",
-            "sync.tau_time=0.3", "sync.grace=1", "batch_size=4", f"steps={steps}", "eval_every=0"]
+            "sync.time.tau=0.3", "sync.exchange.grace=1", "batch_size=4", f"steps={steps}", "eval_every=0"]
     log_path = os.path.join(root, kind, "log.txt")
     t0 = time.monotonic()
     with open(log_path, "w") as log:

@@ -139,8 +139,8 @@ def main(argv=None):
     slow = f"debug.slowdown=1:{args.slowdown}"
     if not args.smoke:
         results.append(run(args, "edit_straggler", ["method=edit", f"sync.tau={args.tau}", slow]))
-        results.append(run(args, "a_edit", ["method=a_edit", f"sync.tau_time={tau_time:.3f}"]))
-    results.append(run(args, "a_edit_straggler", ["method=a_edit", f"sync.tau_time={tau_time:.3f}", slow]))
+        results.append(run(args, "a_edit", ["method=a_edit", f"sync.time.tau={tau_time:.3f}"]))
+    results.append(run(args, "a_edit_straggler", ["method=a_edit", f"sync.time.tau={tau_time:.3f}", slow]))
     rows = [[r["name"], f"{r['tokens_per_s']:.0f}", f"{r['ideal_tokens_per_s']:.0f}",
              f"{r['tokens_per_s'] / r['ideal_tokens_per_s']:.2f}",
              " / ".join(str(r["steps_per_worker"][w]) for w in sorted(r["steps_per_worker"])), r["syncs"],

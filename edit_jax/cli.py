@@ -154,7 +154,7 @@ def _train(argv: list[str]) -> int:
     from edit_jax.runtime.mesh import set_cpu_device_count
     run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
 
-    if cfg.sync.exchange:  # the workers as separate programs, each restarted alone (elastic/)
+    if cfg.sync.exchange.url:  # the workers as separate programs, each restarted alone (elastic/)
         return _launch_exchange_workers(cfg, args, run_dir)
     if cfg.mesh.processes > 1 and multihost.launched_worker() is None and not args.distributed:
         from edit_jax.runtime.launch import launch  # one process per worker on this machine, watched from here
@@ -232,7 +232,7 @@ def _launch_exchange_workers(cfg, args, run_dir: str) -> int:
 
 
 def _worker(argv: list[str]) -> int:
-    """``edit-jax worker``: one worker meeting the others through ``sync.exchange``."""
+    """``edit-jax worker``: one worker meeting the others through ``sync.exchange.url``."""
     from edit_jax.elastic.command import main
 
     return main(argv)

@@ -125,3 +125,54 @@ def test_keys_that_moved_into_a_section_are_read_as_their_new_key(tmp_path, caps
     py.write_text(py.read_text().replace("co2_gap_penalty=2.0", "outer_lr=0.5"))
     with pytest.raises(ConfigError, match=r"is now 'sync.outer.lr': pass outer=OuterConfig\(lr="):
         load_config(str(py))
+
+
+def test_the_timing_and_the_exchange_moved_into_sections(tmp_path, capsys):
+    """sync.tau_time and its two fields into sync.time; sync.exchange (the URL) into
+    sync.exchange.url, the exchange's five others beside it. The URL's old key is the new section's
+    name, so each reader tells a section from the flat value: a command line, a run dir's
+    config.json (as a string or as today's section), a checkpoint's, a Python config
+    (SyncConfig(exchange="DIR") gives the section a string), the API's from_method, and the run-dir
+    lock's reader of another run's config.json."""
+    import json
+
+    from edit_jax.config import ExchangeConfig, renames
+    from edit_jax.localsgd.api_rules import from_method
+    from edit_jax.rundir.runlock import exchange_problem
+
+    renames._TOLD.clear()
+    cfg = load_config(None, ["method=a_edit", "mesh.processes=2", "sync.exchange=dir:/x", "sync.tau_time=5",
+                             "sync.grace=3", "sync.exchange_patience=7", "sync.step_weight_ratio=0.25"])
+    assert (cfg.sync.exchange.url, cfg.sync.exchange.grace, cfg.sync.exchange.patience) == ("dir:/x", 3.0, 7.0)
+    assert (cfg.sync.time.tau, cfg.sync.time.step_weight_ratio) == (5.0, 0.25)
+    err = capsys.readouterr().err
+    assert "'sync.exchange' is now 'sync.exchange.url'" in err and "'sync.tau_time' is now 'sync.time.tau'" in err
+    assert load_config(None, ["method=diloco", "sync.exchange.url=dir:/y"]).sync.exchange == ExchangeConfig(url="dir:/y")
+
+    old = to_dict(Config())  # before the sections: the URL a string, the fields flat
+    del old["sync"]["time"], old["sync"]["exchange"]
+    old["sync"].update(method="diloco", exchange=str(tmp_path / "ex"), grace=4.0, tau_time=9.0, carried_weight=0.5)
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    cfg = load_config(str(tmp_path / "config.json"))
+    assert (cfg.sync.exchange.url, cfg.sync.exchange.grace, cfg.sync.exchange.carried_weight, cfg.sync.time.tau) == (
+        str(tmp_path / "ex"), 4.0, 0.5, 9.0)
+    assert from_dict(renames.upgrade(to_dict(cfg), renames.quiet)) == cfg  # today's section is left as it is
+    assert exchange_problem(str(tmp_path), str(tmp_path / "ex")) is None  # the old config.json's exchange
+    assert "belongs to another run" in exchange_problem(str(tmp_path), str(tmp_path / "other"))
+    (tmp_path / "config.json").write_text(json.dumps(to_dict(cfg)))  # today's
+    assert exchange_problem(str(tmp_path), str(tmp_path / "ex")) is None
+
+    py = tmp_path / "old.py"
+    py.write_text("from edit_jax.config import Config, SyncConfig\n\n\ndef get_config():\n"
+                  "    return Config(sync=SyncConfig(exchange='dir:/x'))\n")
+    with pytest.raises(ConfigError, match=r"'sync.exchange' is now 'sync.exchange.url': pass "
+                                          r"exchange=ExchangeConfig\(url="):
+        load_config(str(py))
+    py.write_text(py.read_text().replace("exchange='dir:/x'", "tau_time=5.0"))
+    with pytest.raises(ConfigError, match=r"is now 'sync.time.tau': pass time=TimeConfig\(tau="):
+        load_config(str(py))
+    with pytest.raises(ValueError, match="sync.exchange: the exchange is the trainer's"):
+        from_method("diloco", exchange=ExchangeConfig(url="dir:/x"))
+    with pytest.raises(ValueError, match="sync.exchange: the exchange is the trainer's"):
+        from_method("diloco", exchange="dir:/x")  # the old keyword, read as the URL
+    assert from_method("diloco", exchange=ExchangeConfig()).name == "diloco"

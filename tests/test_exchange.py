@@ -260,7 +260,7 @@ def test_open_exchange_dispatches_on_the_url(tmp_path, moto_s3, monkeypatch):
     assert parse_s3_url(f"s3://{BUCKET}") == (BUCKET, "", None)
     for bad in ("gs://bucket/x", "http://host/x", f"s3://{BUCKET}/x?region=eu-west-1", "s3:///x",
                 f"s3://{BUCKET}/a/../b", f"s3://{BUCKET}/x?endpoint=localhost:9000"):
-        with pytest.raises(ExchangeError, match="sync.exchange"):
+        with pytest.raises(ExchangeError, match="sync.exchange.url"):
             open_exchange(bad)
 
 
@@ -268,7 +268,7 @@ def test_s3_missing_bucket_or_unreachable_endpoint_is_a_clear_error(moto_s3, mon
     url = f"s3://no-such-bucket/x?endpoint={moto_s3.endpoint}"
     with pytest.raises(ExchangeError, match="does not exist") as missing:
         open_exchange(url)
-    assert "sync.exchange" in str(missing.value) and url in str(missing.value)
+    assert "sync.exchange.url" in str(missing.value) and url in str(missing.value)
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -276,10 +276,10 @@ def test_s3_missing_bucket_or_unreachable_endpoint_is_a_clear_error(moto_s3, mon
     url = f"s3://{BUCKET}/x?endpoint=http://127.0.0.1:{port}"
     with pytest.raises(ExchangeError, match="cannot reach") as unreachable:
         open_exchange(url)
-    assert "sync.exchange" in str(unreachable.value) and url in str(unreachable.value)
+    assert "sync.exchange.url" in str(unreachable.value) and url in str(unreachable.value)
 
 
 def test_s3_without_boto3_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "boto3", None)  # `import boto3` raises ImportError
-    with pytest.raises(ExchangeError, match=rf"sync.exchange 's3://{BUCKET}/x'.*pip install 'edit-jax\[s3\]'"):
+    with pytest.raises(ExchangeError, match=rf"sync.exchange.url 's3://{BUCKET}/x'.*pip install 'edit-jax\[s3\]'"):
         open_exchange(f"s3://{BUCKET}/x")

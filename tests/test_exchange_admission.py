@@ -28,8 +28,8 @@ from edit_jax.validate import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")
-ARGS = ["sync.method=a_edit", "sync.warmup_steps=0", "mesh.replica=2", "mesh.shard=1", "sync.tau_time=0.3",
-        "sync.grace=1", "batch_size=4", "steps=6", "eval_batches=1"]
+ARGS = ["sync.method=a_edit", "sync.warmup_steps=0", "mesh.replica=2", "mesh.shard=1", "sync.time.tau=0.3",
+        "sync.exchange.grace=1", "batch_size=4", "steps=6", "eval_batches=1"]
 
 
 def _env():
@@ -59,7 +59,7 @@ def finished(tmp_path_factory):
     """A finished two-worker exchange run: (run dir, exchange dir, cwd)."""
     base = tmp_path_factory.mktemp("admission")
     run, ex = str(base / "run"), str(base / "run.x")
-    out = _edit_jax("train", "--config", TINY, "--run-dir", run, f"sync.exchange={ex}", *ARGS, cwd=str(base),
+    out = _edit_jax("train", "--config", TINY, "--run-dir", run, f"sync.exchange.url={ex}", *ARGS, cwd=str(base),
                     timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert os.path.exists(os.path.join(ex, *CONFIG_KEY.split("/")))
@@ -82,7 +82,7 @@ def test_refused_worker_writes_nothing(finished, override, named):
     (before: config.json replaced, a traceback, exit 1)."""
     run, ex, cwd = finished
     before = _snapshot(run, ex)
-    out = _edit_jax("worker", "--worker", "1", "--config", TINY, "--run-dir", run, f"sync.exchange={ex}", *ARGS,
+    out = _edit_jax("worker", "--worker", "1", "--config", TINY, "--run-dir", run, f"sync.exchange.url={ex}", *ARGS,
                     *override.split(), cwd=cwd)
     assert out.returncode == 2, out.stderr[-3000:]
     line = _one_line(out.stderr)
@@ -95,7 +95,7 @@ def test_second_launcher_refused(finished):
     run, ex, cwd = finished
     before = _snapshot(run, ex)
     with RunLock(run):  # (a real flock, as a live launcher holds it)
-        out = _edit_jax("train", "--config", TINY, "--run-dir", run, f"sync.exchange={ex}", *ARGS, cwd=cwd)
+        out = _edit_jax("train", "--config", TINY, "--run-dir", run, f"sync.exchange.url={ex}", *ARGS, cwd=cwd)
     assert out.returncode == 4, out.stderr[-3000:]
     assert "is in use by another run" in _one_line(out.stderr)
     assert _snapshot(run, ex) == before
@@ -103,18 +103,18 @@ def test_second_launcher_refused(finished):
 
 @pytest.mark.parametrize("command", ["train", "worker", "in-program train"])
 def test_another_exchange_refused(finished, tmp_path, command):
-    """A `train` or a worker on a run dir that names another sync.exchange, or an in-program `train`
+    """A `train` or a worker on a run dir that names another sync.exchange.url, or an in-program `train`
     on an exchange run's dir: exit 2, one line, nothing written, the other exchange never made
     (before: one metrics.jsonl got both runs' rounds, config.json named the other exchange)."""
     run, ex, cwd = finished
     before, other = _snapshot(run, ex), str(tmp_path / "other.x")
-    argv, more = {"train": (["train"], [f"sync.exchange={other}"]),
-                  "worker": (["worker", "--worker", "1"], [f"sync.exchange={other}"]),
+    argv, more = {"train": (["train"], [f"sync.exchange.url={other}"]),
+                  "worker": (["worker", "--worker", "1"], [f"sync.exchange.url={other}"]),
                   "in-program train": (["train"], ["sync.method=diloco", "sync.tau=2"])}[command]
     out = _edit_jax(*argv, "--config", TINY, "--run-dir", run, *ARGS, *more, cwd=cwd)
     assert out.returncode == 2, out.stderr[-3000:]
     line = _one_line(out.stderr)
-    assert "belongs to another run" in line and (f"sync.exchange={ex}" in line if command == "in-program train"
+    assert "belongs to another run" in line and (f"sync.exchange.url={ex}" in line if command == "in-program train"
                                                   else f"not {other}" in line), line
     assert _snapshot(run, ex) == before and not os.path.exists(other)
 
@@ -122,7 +122,7 @@ def test_another_exchange_refused(finished, tmp_path, command):
 @pytest.mark.parametrize("argv, named", [
     (["plan", "model.d_model=1000000000"], "'model.d_model'"),
     (["train", "model.d_model=1000000000"], "'model.d_model'"),
-    (["train", "sync.exchange=EX", "debug.lr_spike=2-3:100"], "'debug.lr_spike'")])
+    (["train", "sync.exchange.url=EX", "debug.lr_spike=2-3:100"], "'debug.lr_spike'")])
 def test_config_errors_before_any_work(tmp_path, argv, named):
     """Sizes past XLA's int64 bytes (it aborted in C++, exit 134, `train` after making its run dir) and
     a fault injection the exchange's workers would ignore: exit 2, one line, no run dir."""
@@ -179,7 +179,7 @@ def test_steps_rule(tmp_path):
     """The run's budget is the exchange's: a worker with other `steps` adopts it (one line); the
     launcher (owner) sets it; a run config that does not parse refuses everyone, naming its key."""
     ex = DirExchange(str(tmp_path / "ex"))
-    cfg = lambda *o: load_config(TINY, [*ARGS, f"sync.exchange={ex.url}", *o])  # noqa: E731
+    cfg = lambda *o: load_config(TINY, [*ARGS, f"sync.exchange.url={ex.url}", *o])  # noqa: E731
     said = []
     assert admit(ex, cfg(), str(tmp_path / "run"), said.append).steps == 6 and not said  # the first: creates it
     assert admit(ex, cfg("steps=3"), str(tmp_path / "run"), said.append).steps == 6

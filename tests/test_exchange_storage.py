@@ -73,7 +73,7 @@ def test_patience_spent_raises_exchange_unavailable_and_zero_means_no_retry(tmp_
     flaky = Flaky(DirExchange(str(tmp_path)), "get", errno.EIO, times=10**9)
     ex, said = _patient(flaky, patience_s=0.3)
     t0 = time.monotonic()
-    with pytest.raises(ExchangeUnavailable, match="sync.exchange_patience"):
+    with pytest.raises(ExchangeUnavailable, match="sync.exchange.patience"):
         ex.get("k")
     assert 0.3 <= time.monotonic() - t0 < 2 and len(said) == 1 and "reads fail (input/output error)" in said[0]
     flaky = Flaky(DirExchange(str(tmp_path)), "put", errno.ENOSPC, times=10**9)
@@ -234,7 +234,7 @@ def test_launcher_restarts_exit_75_once_per_outage_and_skips_failing_retracts(tm
 def _train(tmp_path, exchange: str, env: dict | None = None):
     run = tmp_path / "run"
     args = [sys.executable, "-m", "edit_jax", "train", "--config", "configs/tiny.py", "sync.method=a_edit",
-            "sync.warmup_steps=0", "mesh.replica=2", "mesh.shard=1", "batch_size=4", f"sync.exchange={exchange}",
+            "sync.warmup_steps=0", "mesh.replica=2", "mesh.shard=1", "batch_size=4", f"sync.exchange.url={exchange}",
             "--run-dir", str(run)]
     out = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
     return out, run
@@ -248,7 +248,7 @@ def test_unusable_exchange_urls_are_one_line_exit_2_and_no_run_dir(tmp_path, mot
         out, run = _train(tmp_path, url, AWS_ENV)
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(lines) == 1, (url, out.stderr)
-        assert "sync.exchange" in lines[0] and "Traceback" not in out.stderr, lines
+        assert "sync.exchange.url" in lines[0] and "Traceback" not in out.stderr, lines
         assert not run.exists(), url
 
 
@@ -262,7 +262,7 @@ def test_probe_refuses_what_cannot_work_at_once(tmp_path, moto_server, monkeypat
     for url, why in cases.items():
         with pytest.raises(ExchangeError, match=why) as e:
             probe_exchange(url, print, patience_s=30)
-        assert str(e.value).startswith("sync.exchange") and not isinstance(e.value, ExchangeUnavailable)
+        assert str(e.value).startswith("sync.exchange.url") and not isinstance(e.value, ExchangeUnavailable)
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     with pytest.raises(ExchangeError, match="no AWS credentials"):
@@ -275,11 +275,11 @@ def test_worker_start_exits_2_on_a_bad_exchange_and_75_when_it_stays_unreachable
 
     base = ["sync.method=a_edit", "sync.warmup_steps=0", "mesh.replica=2", "mesh.shard=1", "batch_size=4"]
     said = []
-    cfg = load_config(os.path.join(REPO, "configs/tiny.py"), [*base, "sync.exchange=ftp://x/y"])
+    cfg = load_config(os.path.join(REPO, "configs/tiny.py"), [*base, "sync.exchange.url=ftp://x/y"])
     assert run_worker(cfg, 1, str(tmp_path / "run"), said.append) == 2
-    assert len(said) == 1 and said[0].startswith("edit-jax: bad config: sync.exchange"), said
+    assert len(said) == 1 and said[0].startswith("edit-jax: bad config: sync.exchange.url"), said
     cfg = load_config(os.path.join(REPO, "configs/tiny.py"),
-                      [*base, f"sync.exchange=s3://{BUCKET}/x?endpoint=http://127.0.0.1:{_free_port()}", "sync.exchange_patience=0.5"])
+                      [*base, f"sync.exchange.url=s3://{BUCKET}/x?endpoint=http://127.0.0.1:{_free_port()}", "sync.exchange.patience=0.5"])
     said.clear()
     assert run_worker(cfg, 1, str(tmp_path / "run"), said.append) == 75
     assert len(said) == 2 and "retrying for up to 0.5 s" in said[0] and "exit 75" in said[1], said
@@ -311,10 +311,10 @@ def test_a_run_outlives_its_exchange_directory_gone_for_seconds(tmp_path):
     from tests.helpers import REPO, exchange_run_through
 
     run, ex_dir = str(tmp_path / "run"), str(tmp_path / "run.x")
-    args = ["--config", os.path.join(REPO, "configs", "tiny.py"), "--run-dir", run, f"sync.exchange={ex_dir}",
+    args = ["--config", os.path.join(REPO, "configs", "tiny.py"), "--run-dir", run, f"sync.exchange.url={ex_dir}",
             "sync.method=a_edit", "sync.warmup_steps=0", "mesh.replica=2", "mesh.shard=1", "mesh.processes=2",
-            "sync.tau_time=0.3", "sync.grace=1", "batch_size=4", "steps=20", "eval_every=0",
-            "sync.exchange_patience=60"]
+            "sync.time.tau=0.3", "sync.exchange.grace=1", "batch_size=4", "steps=20", "eval_every=0",
+            "sync.exchange.patience=60"]
 
     def away_for_4_s():
         os.rename(ex_dir, ex_dir + ".away")

@@ -172,9 +172,9 @@ def _env():
 
 
 def _args(run, ex, steps):
-    return ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--run-dir", run, f"sync.exchange={ex}",
-            "sync.method=a_edit", "sync.warmup_steps=0", "mesh.replica=3", "mesh.shard=1", "mesh.processes=2", "sync.tau_time=0.3",
-            "sync.grace=1", "batch_size=6", f"steps={steps}", "eval_batches=1", "eval_every=0"]
+    return ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--run-dir", run, f"sync.exchange.url={ex}",
+            "sync.method=a_edit", "sync.warmup_steps=0", "mesh.replica=3", "mesh.shard=1", "mesh.processes=2", "sync.time.tau=0.3",
+            "sync.exchange.grace=1", "batch_size=6", f"steps={steps}", "eval_batches=1", "eval_every=0"]
 
 
 def _ends(run):
@@ -242,7 +242,7 @@ def test_a_closer_that_dies_before_its_state_still_gets_its_round_recorded(tmp_p
     closes round 3 before it is back: round 2's state and record are published once, by round 3's
     closer (``published_for``), and the dead slot's restart joins from round 3. Then the closer of
     the run's last round dies the same way: no round comes after it, so the worker that finishes
-    on it publishes it after ``sync.grace`` s, and that slot's restart finds the run finished. Both
+    on it publishes it after ``sync.exchange.grace`` s, and that slot's restart finds the run finished. Both
     slots end on one θ̄. Rounds are one step each (``due_in`` 0), so their count does not depend on
     the machine's speed. Without the hand-overs the rounds have no record and no state. Threads."""
     one_stage("3.12", "closers dying before their states (threads)", 31,

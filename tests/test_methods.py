@@ -63,13 +63,13 @@ def test_the_rule_of_a_row_decides_its_timing_and_owns_its_hyperparameters(monke
     monkeypatch.setitem(METHODS, "timed_diloco", Method("timed_diloco", "DiLoCo's sync by wall clock",
                                                         rule=Timed.around(WholeModelSync.build)))
     cfg = load_config(os.path.join(REPO, "configs/tiny.py"), [
-        "method=timed_diloco", "mesh.replica=2", "mesh.shard=1", "mesh.processes=2", "sync.exchange=/nowhere", "sync.warmup_steps=0"])
+        "method=timed_diloco", "mesh.replica=2", "mesh.shard=1", "mesh.processes=2", "sync.exchange.url=/nowhere", "sync.warmup_steps=0"])
     mp = plan_for(cfg)
     assert isinstance(mp.plan.rule, Timed) and not mp.plan.layerwise and isinstance(mp.schedule, TimeSchedule)
     assert str(mp.schedule.sync_kind()) == "local_then_sync"
     # The exchange runs every rule that keeps θ̄ but CO2's (its in-flight state is per worker): the
     # message names them from the table, the registered one included.
-    base = ["mesh.replica=2", "mesh.shard=1", "mesh.processes=2", "sync.exchange=/nowhere", "sync.warmup_steps=0"]
+    base = ["mesh.replica=2", "mesh.shard=1", "mesh.processes=2", "sync.exchange.url=/nowhere", "sync.warmup_steps=0"]
     assert load_config(os.path.join(REPO, "configs/tiny.py"), ["method=diloco", *base]).sync.method == "diloco"
     names = "post_local_sgd . diloco . edit . a_edit . timed_diloco"
     with pytest.raises(ConfigError, match=f"sync.exchange.*method {names}"):

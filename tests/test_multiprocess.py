@@ -115,7 +115,7 @@ def test_a_edit_config_rules():
         load_config(path, ["mesh.processes=3"])
     with pytest.raises(ConfigError, match=r"debug.slowdown"):
         load_config(path, ["debug.slowdown=1:fast", "mesh.processes=2"])
-    cfg = load_config(path, ["method=a_edit", "mesh.processes=2", "sync.tau_time=30", "sync.warmup_steps=4"])
+    cfg = load_config(path, ["method=a_edit", "mesh.processes=2", "sync.time.tau=30", "sync.warmup_steps=4"])
     sched = plan_for(cfg).schedule
     assert isinstance(sched, TimeSchedule) and sched.target_total_steps == cfg.steps * 2
     assert [str(sched.kind(k)) for k in range(6)] == ["hsdp"] * 4 + ["local"] * 2 and sched.init_outer_due(4)
@@ -307,7 +307,7 @@ def test_a_edit_straggler_fast_worker_takes_more_steps(tmp_path):
               other="test_spike_faults.py::test_a_edit_asynchronous_spike_exits_3_and_sets_spiked_checkpoints_aside")
     files = _parquet_files(tmp_path)
     run = tmp_path / "run"
-    code, out = _run_cli(run, "method=a_edit", "steps=24", "sync.warmup_steps=0", "sync.tau_time=3",
+    code, out = _run_cli(run, "method=a_edit", "steps=24", "sync.warmup_steps=0", "sync.time.tau=3",
                          "debug.slowdown=1:3.0", "eval_every=0", "checkpoint_every=0", *PARQUET,
                          "data.source=parquet", "data.paths=" + ",".join(files))
     assert code == 0, out[-3000:]

@@ -227,7 +227,7 @@ def _config(*extra):
     from edit_jax.validate import load_config
 
     return load_config(os.path.join(ROOT, "configs", "tiny.py"), [
-        "sync.method=a_edit", "sync.exchange=/tmp/unused-exchange", "sync.warmup_steps=0", "mesh.replica=2",
+        "sync.method=a_edit", "sync.exchange.url=/tmp/unused-exchange", "sync.warmup_steps=0", "mesh.replica=2",
         "mesh.shard=1", "mesh.processes=2", *extra])
 
 

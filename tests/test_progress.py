@@ -1,15 +1,15 @@
-"""An exchange worker's unposted steps on disk (``elastic/progress.py``, ``sync.progress_every``):
+"""An exchange worker's unposted steps on disk (``elastic/progress.py``, ``sync.exchange.progress_every``):
 a restarted worker carries them onto θ̄ exactly, and only when no round counted or can still count
 them; anything else is refused with a record saying why."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import jax
 import numpy as np
 
+from edit_jax.config import with_fields
 from edit_jax.elastic import progress as PG
 from edit_jax.elastic import rounds as R
 from edit_jax.rundir.records import read_records
@@ -39,7 +39,7 @@ def test_saved_progress_resumes_exactly_and_only_when_uncounted(tmp_path):
     from edit_jax.runtime.compile_cache import compile_cache
 
     ex, run = str(tmp_path / "ex"), str(tmp_path / "run")
-    cfg = _config(ex, "sync.progress_every=0.05", "steps=12")
+    cfg = _config(ex, "sync.exchange.progress_every=0.05", "steps=12")
     with compile_cache(os.environ.get("EDIT_JAX_COMPILE_CACHE")):  # the suite's shared cache (conftest.py)
         w, shared, local = _started(cfg, run)
         for _ in range(5):
@@ -61,14 +61,14 @@ def test_saved_progress_resumes_exactly_and_only_when_uncounted(tmp_path):
             np.testing.assert_array_equal(a, b)
 
         # Restored after a round closed without it: its steps are a round stale, carried, their Δ
-        # damped to sync.carried_weight (θ̄_new − w Δ, as NumPy computes it in float32).
-        w2.cfg = replace(w2.cfg, sync=replace(w2.cfg.sync, carried_weight=0.25))
+        # damped to sync.exchange.carried_weight (θ̄_new − w Δ, as NumPy computes it in float32).
+        w2.cfg = with_fields(w2.cfg, {"sync.exchange.carried_weight": 0.25})
         later = R.RoundState(1, jax.tree.map(lambda t: t + np.float32(0.5), shared2.theta), shared2.outer_opt,
                              shared2.detectors, shared2.tally, list(shared2.cursors))
         assert w2.resume_progress(later, local2) and (local2.since, local2.carried) == (5, 5)
         for a, t, d in zip(_host(local2.state.params), jax.tree.leaves(later.theta), p.delta):
             np.testing.assert_array_equal(a[0], t - np.float32(0.25) * d)
-        w2.cfg = replace(w2.cfg, sync=replace(w2.cfg.sync, carried_weight=1.0))
+        w2.cfg = with_fields(w2.cfg, {"sync.exchange.carried_weight": 1.0})
         w2.resume_progress(shared2, local2)  # back as it was, for the checks below
 
         # Refused, recorded, the worker left at θ̄ with its posted cursor:
@@ -103,7 +103,7 @@ def test_saved_progress_resumes_exactly_and_only_when_uncounted(tmp_path):
         assert first["cursors"][0] == first["steps"][0]  # 5 saved + those after the restart
 
         # Its snapshots since are older than its posts: a rerun never counts them twice.
-        w5, shared5, local5 = _started(_config(ex, "sync.progress_every=0.05", "steps=100"), run)
+        w5, shared5, local5 = _started(_config(ex, "sync.exchange.progress_every=0.05", "steps=100"), run)
         w5.resume_progress(shared5, local5)
         assert local5.done == shared5.cursors[0] and local5.since == 0
         assert "posted to round" in _ignored(run)[-1] or "a round counted" in _ignored(run)[-1]
@@ -129,7 +129,7 @@ def test_saved_residual_of_a_packed_wire_resumes(tmp_path):
     from edit_jax.runtime.compile_cache import compile_cache
 
     ex, run = str(tmp_path / "ex"), str(tmp_path / "run")
-    cfg = _config(ex, "sync.progress_every=0.05", "sync.wire.kind=topk2", "sync.wire.error_feedback=true")
+    cfg = _config(ex, "sync.exchange.progress_every=0.05", "sync.wire.kind=topk2", "sync.wire.error_feedback=true")
     with compile_cache(os.environ.get("EDIT_JAX_COMPILE_CACHE")):
         w, shared, local = _started(cfg, run)
         zeros = PK.zero_residual(shared.theta, w.plan.layerwise, w.codec)
@@ -154,7 +154,7 @@ def test_progress_needs_an_exchange():
 
     from edit_jax.validate import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"sync\.progress_every.*sync\.exchange"):
-        load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py"), ["sync.progress_every=1"])
-    with pytest.raises(ConfigError, match=r"sync\.carried_weight.*\[0, 1\].*1\.5"):
-        load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py"), ["sync.carried_weight=1.5"])
+    with pytest.raises(ConfigError, match=r"sync\.exchange\.progress_every.*sync\.exchange\.url"):
+        load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py"), ["sync.exchange.progress_every=1"])
+    with pytest.raises(ConfigError, match=r"sync\.exchange\.carried_weight.*\[0, 1\].*1\.5"):
+        load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py"), ["sync.exchange.carried_weight=1.5"])

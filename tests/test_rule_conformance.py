@@ -120,6 +120,8 @@ def _exchange(m: StepPrograms, posts):
     start.outer_opt = posts.outer.opt_state if layerwise else with_sgd_trace(start.outer_opt, trace)
     if layerwise:  # the trainer's warm detectors, per worker and unit
         start.detectors = jax.tree.map(np.asarray, posts.outer.detector)
+    if start.extra is not None:  # CO2: the round state keeps the mean of the workers' pending
+        start.extra = {"pending": jax.tree.map(lambda x: np.asarray(x, np.float32).mean(0), posts.outer.extra["pending"])}
     sent, pending = [], []
     for w in range(n):
         delta = jax.tree.map(lambda t, x: (t - x[w]).astype(np.float32), theta, posts.params)
@@ -198,9 +200,11 @@ def test_the_named_constructors_are_the_method_table_rows():
     assert api.edit().sync == api.from_method("edit").sync
 
 
-def test_co2_flush_and_round_give_the_reference_in_both_drivers():
+def test_co2_flush_and_round_give_the_reference_in_all_three_drivers():
     """CO2.md: the flush lands the last round's all-reduce, θ̄' = θ̄ − η(μm + mean_i pending_i / Λ)
-    (heavy ball, no Nesterov); a round does the same and then sends θ̄ − θ_i (the new pending)."""
+    (heavy ball, no Nesterov); a round does the same and then sends θ̄ − θ_i (the new pending). The
+    exchange's round keeps the pending's mean (its workers change from round to round): the same θ̄,
+    and the mean of the new pending."""
     f = FIELDS["co2"]
     m = _trainer("co2", shard=2, **f)
     posts = _posts(m)
@@ -227,6 +231,16 @@ def test_co2_flush_and_round_give_the_reference_in_both_drivers():
     np.testing.assert_allclose(np.asarray(figures["pseudo_grad_norm"]),  # the norms of what was in flight
                                [np.sqrt(sum(np.sum(x[i] ** 2) for x in jax.tree.leaves(pending))) for i in range(N)],
                                rtol=1e-5)
+
+    got, _, _ = _exchange(m, posts)
+    _close(got.theta, want, "co2 exchange θ̄ (round)")
+    _close(got.extra["pending"], jax.tree.map(lambda t, w: t - w.mean(0), theta, workers),
+           "co2 exchange pending: the mean of θ̄ − θ_i")
+    rnd = OuterRound(m.plan)
+    last = rnd.flushed(got)  # what the run's model is after that round: its pending applied too
+    trace2 = jax.tree.map(lambda b, p: mu * b + p / lam, trace, f64(got.extra["pending"]))
+    _close(last.theta, jax.tree.map(lambda t, b: t - lr * b, f64(got.theta), trace2), "co2 exchange flush")
+    assert last.extra is got.extra and last.round == got.round  # the round state itself is unchanged
 
 
 @pytest.mark.parametrize("wire", ["int8", "topk2"])

@@ -93,7 +93,7 @@ def test_a_edit_asynchronous_spike_exits_3_and_sets_spiked_checkpoints_aside(tmp
     checkpoints kept, a rerun "already finished")."""
     one_stage("default", "A-EDiT's 2-process asynchronous spike", 37,
               other="test_multiprocess.py::test_a_edit_straggler_fast_worker_takes_more_steps")
-    code, out = _cli(tmp_path, 2, "method=a_edit", "sync.warmup_steps=4", "sync.tau_time=0.4", "steps=160",
+    code, out = _cli(tmp_path, 2, "method=a_edit", "sync.warmup_steps=4", "sync.time.tau=0.4", "steps=160",
                      "checkpoint_every=4", "log_every=1", "eval_every=0", "train.spike.patience=1",
                      "sync.penalty.anomaly=false", "sync.penalty.clip=false", "debug.lr_spike=24-27:3000", timeout=200)
     assert code == 3, out[-3000:]

@@ -36,8 +36,8 @@ def main() -> int:
     run = tempfile.mkdtemp(prefix="elastic_s3_")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_config(os.path.join(repo, "configs", "tiny.py"), [
-        "sync.method=a_edit", f"sync.exchange=s3://runs/elastic?endpoint={endpoint}", "sync.warmup_steps=0",
-        "mesh.replica=2", "mesh.shard=1", "mesh.processes=2", "sync.tau_time=0.5", "sync.grace=2", "steps=24",
+        "sync.method=a_edit", f"sync.exchange.url=s3://runs/elastic?endpoint={endpoint}", "sync.warmup_steps=0",
+        "mesh.replica=2", "mesh.shard=1", "mesh.processes=2", "sync.time.tau=0.5", "sync.exchange.grace=2", "steps=24",
         "batch_size=8", "eval_batches=1"])
     codes = {}
     workers = [ElasticWorker(cfg, w, run, say=print) for w in (0, 1)]

@@ -141,7 +141,7 @@ RECORDS = {
         "step": "the step where the spike was judged",
         "rollback": "`{\"from_step\", \"to_step\", \"skipped_batches\": [a, b), \"reason\", \"count\"}`"},
     "Spike that settled": {"step": "the step", "spike_settled": "the spike's first step"},
-    "Exchange round (`sync.exchange`; `\"sync\": true`, one per round, by its closer)": {
+    "Exchange round (`sync.exchange.url`; `\"sync\": true`, one per round, by its closer)": {
         "round": "the round", "members": "the workers whose posts it used (sorted)",
         "expected": "the workers it waited for", "closed_by": "`all posted` or `grace`",
         "steps": "per member: steps in its post", "cursors": "per member: its data cursor",
@@ -159,7 +159,7 @@ RECORDS = {
         "joined": "the round a (re)started or new worker joined at", "read_s": "seconds to read and decode the newest round state",
         "catch_up_s": "seconds to that plus replaying the later rounds", "replayed": "rounds replayed from their posts",
         "residual": "packed posts: the error-feedback residual it starts with, `zeros` or `saved` (its progress file)",
-        "progress_resumed": "`sync.progress_every`: saved steps a (re)started worker carried onto θ̄",
+        "progress_resumed": "`sync.exchange.progress_every`: saved steps a (re)started worker carried onto θ̄",
         "from_round": "the round whose θ̄ those steps started from", "cursor": "the data cursor it resumed at",
         "progress_ignored": "why a saved progress file was not resumed (counted by a round, another run, unreadable)",
         "progress_s": "on a worker's training records: seconds this process spent saving its progress",

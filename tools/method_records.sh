@@ -21,4 +21,4 @@ run edit_rs method=edit sync.outer_sharding=replica_shard
 run diloco_adam method=diloco sync.outer.optimizer=adam
 for m in diloco edit co2; do run "${m}_p2" method="$m" mesh.processes=2; done
 run edit_int8_p2 method=edit sync.wire.kind=int8 sync.wire.error_feedback=true mesh.processes=2
-run a_edit_p2 method=a_edit mesh.processes=2 sync.tau_time=0.5
+run a_edit_p2 method=a_edit mesh.processes=2 sync.time.tau=0.5

@@ -16,9 +16,9 @@ from edit_jax.config.parse import (ALIASES, apply_overrides, dumps, from_dict, g
                                    with_fields)
 from edit_jax.config.sections import (COMPRESS, CO2Config, Config, ConfigError, DataConfig, DebugConfig, LogConfig,
                                       MeshConfig, ModelConfig, OptimConfig, OuterConfig, PenaltyConfig, SpikeConfig,
-                                      SyncConfig, TrainConfig, WireConfig)
+                                      SyncConfig, TimeConfig, ExchangeConfig, TrainConfig, WireConfig)
 
 __all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "PenaltyConfig",
-           "OuterConfig", "WireConfig", "CO2Config", "DebugConfig", "LogConfig", "TrainConfig", "SpikeConfig",
+           "OuterConfig", "WireConfig", "CO2Config", "TimeConfig", "ExchangeConfig", "DebugConfig", "LogConfig", "TrainConfig", "SpikeConfig",
            "ConfigError", "COMPRESS", "ALIASES", "apply_overrides", "require", "to_dict", "from_dict", "dumps",
            "get_field", "with_fields"]

@@ -89,7 +89,15 @@ def check_fields(cfg: Config) -> None:
     require(p.anomaly_threshold > 0, "sync.penalty.anomaly_threshold", f"must be positive, got {p.anomaly_threshold}")
     require(p.temperature > 0, "sync.penalty.temperature", f"must be positive, got {p.temperature}")
     require(p.clip_threshold > 0, "sync.penalty.clip_threshold", f"must be positive, got {p.clip_threshold}")
-    require(s.exchange_patience >= 0, "sync.exchange_patience", f"must be >= 0 seconds (0: no retry), got {s.exchange_patience}")
+    x = s.exchange
+    require(x.patience >= 0, "sync.exchange.patience", f"must be >= 0 seconds (0: no retry), got {x.patience}")
+    require(x.grace > 0, "sync.exchange.grace", f"must be positive (seconds a round waits for posts), got {x.grace}")
+    require(x.late_posts in ("carry", "drop"), "sync.exchange.late_posts", f"expected carry or drop, got {x.late_posts!r}")
+    require(x.progress_every >= 0, "sync.exchange.progress_every", f"must be >= 0 seconds (0: off), got {x.progress_every}")
+    require(0.0 <= x.carried_weight <= 1.0, "sync.exchange.carried_weight",
+            f"must be in [0, 1] (1: carried steps count as fresh ones), got {x.carried_weight}")
+    require(not x.progress_every or x.url, "sync.exchange.progress_every",
+            "saves an exchange worker's unposted steps: set sync.exchange.url too, or 0")
     require(s.fragments >= 1, "sync.fragments", f"must be >= 1, got {s.fragments}")
     require(s.tau % s.fragments == 0, "sync.fragments", f"must divide sync.tau={s.tau}, got {s.fragments}")
     require(s.fragments <= 1 + m.n_layers, "sync.fragments",

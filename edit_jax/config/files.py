@@ -15,7 +15,7 @@ import importlib.util
 import json
 import os
 
-from edit_jax.config.parse import apply_overrides, from_dict
+from edit_jax.config.parse import apply_overrides, from_dict, to_dict
 from edit_jax.config.sections import Config, ConfigError
 from edit_jax.config.renames import hint_for, override, upgrade
 
@@ -100,6 +100,10 @@ def _load_file(path: str) -> Config:
         raise ConfigError(f"config file {path!r}: get_config() raised {type(e).__name__}: {e}{hint}") from e
     if not isinstance(cfg, Config):
         raise ConfigError(f"config file {path!r}: get_config() returned {type(cfg).__name__}, expected edit_jax.config.Config")
+    try:  # every section its dataclass, every field its type (a section given a plain value: an old keyword)
+        from_dict(to_dict(cfg))
+    except ConfigError as e:
+        raise ConfigError(f"config file {path!r}: {e}{hint_for(str(e))}") from e
     return cfg
 
 

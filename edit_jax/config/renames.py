@@ -42,6 +42,17 @@ RENAMED = {
     "sync.temperature": "sync.penalty.temperature",
     "sync.clip": "sync.penalty.clip",
     "sync.clip_threshold": "sync.penalty.clip_threshold",
+    # (the same day: A-EDiT's timing and the exchange became the sync.time and sync.exchange sections;
+    # sync.exchange itself, the URL, is now the section's url)
+    "sync.tau_time": "sync.time.tau",
+    "sync.min_total_steps": "sync.time.min_total_steps",
+    "sync.step_weight_ratio": "sync.time.step_weight_ratio",
+    "sync.exchange": "sync.exchange.url",
+    "sync.grace": "sync.exchange.grace",
+    "sync.late_posts": "sync.exchange.late_posts",
+    "sync.progress_every": "sync.exchange.progress_every",
+    "sync.exchange_patience": "sync.exchange.patience",
+    "sync.carried_weight": "sync.exchange.carried_weight",
 }
 _TOLD: set[str] = set()
 
@@ -79,15 +90,17 @@ def upgrade(d: dict, say: Callable[[str], None] | None = None, what: str = "a co
     for old, new in RENAMED.items():
         *head, name = old.split(".")
         parent = _walk(out, head)
-        if not isinstance(parent, dict) or name not in parent:
-            continue
+        if not isinstance(parent, dict) or name not in parent or isinstance(parent[name], dict):
+            continue  # absent, or already the section of that name (sync.exchange: the URL's old key)
+        value = parent.pop(name)
         *new_head, new_name = new.split(".")
         target = out
         for part in new_head:
             target = target.setdefault(part, {}) if isinstance(target, dict) else None
         if not isinstance(target, dict):
+            parent[name] = value
             continue  # a malformed section: from_dict names it
-        target.setdefault(new_name, parent.pop(name))
+        target.setdefault(new_name, value)
         moved.append(f"{old} -> {new}")
     if moved:
         (say or _say)(f"edit-jax: {what} written before its keys moved, read as today's: {', '.join(moved)}")
@@ -111,17 +124,22 @@ def _copy(d):
 
 
 def hint_for(message: str) -> str:
-    """For a Python config's TypeError naming an old keyword: the sentence naming its new key."""
-    if "unexpected keyword argument" not in message:
-        return ""
+    """For a Python config's error naming an old keyword (a TypeError: an unexpected keyword; a
+    ``ConfigError``: a section given a plain value, ``SyncConfig(exchange="DIR")``): the sentence
+    naming its new key."""
+    for old in RENAMED:
+        if ("unexpected keyword argument" in message and f"'{old.rsplit('.', 1)[1]}'" in message) or \
+                f"config section '{old}': expected a mapping" in message:
+            return _moved(old)
+    return ""
+
+
+def _moved(old: str) -> str:
+    new = RENAMED[old]
+    _, section, field = new.split(".")
     sections = {f.name: f.default_factory.__name__ for f in dataclasses.fields(SyncConfig)
                 if f.default_factory is not dataclasses.MISSING}
-    for old, new in RENAMED.items():
-        if f"'{old.rsplit('.', 1)[1]}'" in message:
-            _, section, field = new.split(".")
-            return (f" ('{old}' is now '{new}': pass {section}={sections[section]}({field}=...) "
-                    "from edit_jax.config)")
-    return ""
+    return f" ('{old}' is now '{new}': pass {section}={sections[section]}({field}=...) from edit_jax.config)"
 
 
 __all__ = ["RENAMED", "new_key", "override", "upgrade", "quiet", "hint_for"]

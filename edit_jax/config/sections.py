@@ -149,6 +149,31 @@ class CO2Config:
 
 
 @dataclass
+class TimeConfig:
+    """A-EDiT's timing (method a_edit: one process per worker, or workers through an exchange): a
+    sync is due ``tau`` seconds after the last, and workers that stepped at their own pace are
+    weighted by their share of the steps."""
+
+    tau: float = 600.0  # tau_time: seconds of local training between syncs
+    min_total_steps: int = 1  # a due sync is put off until the workers took this many steps in all
+    step_weight_ratio: float = 0.5  # rho: w <- (1 - rho) w + rho * (worker's share of the steps)
+
+
+@dataclass
+class ExchangeConfig:
+    """Workers as separate programs meeting through storage (elastic/): A-EDiT by wall clock, or
+    DiLoCo / EDiT / Post Local SGD posting every ``sync.tau`` steps. A round closes ``grace`` s
+    after a post (clusters: ~60 s)."""
+
+    url: str = ""  # a directory, file://PATH or s3://BUCKET/PREFIX[?endpoint=URL]; "": in-program syncs
+    grace: float = 10.0  # s a round waits for the other posts after the first
+    late_posts: str = "carry"  # a post that missed its round: "carry" (into the next post) | "drop"
+    progress_every: float = 0.0  # s between saves of a worker's unposted steps (0: off)
+    patience: float = 300.0  # s an operation retries through storage faults (backoff; 0: none), then exit 75
+    carried_weight: float = 1.0  # w: a carried (stale) Δ re-based as θ̄ − w Δ, its steps at w in the step shares
+
+
+@dataclass
 class SyncConfig:
     """How replicas meet. ``method`` picks a row of the method table (``methods.py``), which may
     fix some of these fields; the run's ``config.json`` records them as they took effect."""
@@ -161,23 +186,12 @@ class SyncConfig:
     cpu_offload: bool = False  # keep outer state in host memory
     per_unit_metrics: bool = False  # log per-unit pseudo-gradient norms at each sync
     fragments: int = 1  # F: units split into F contiguous groups, synced on staggered steps (streaming)
-    # A-EDiT (a_edit, a process per worker): a sync is due tau_time s after the last; skipped under min_total_steps.
-    tau_time: float = 600.0
-    min_total_steps: int = 1
-    step_weight_ratio: float = 0.5  # rho: w <- (1 - rho) w + rho * (worker's share of the steps)
-    # Workers through a directory or s3://bucket/prefix (elastic/; A-EDiT, or DiLoCo / EDiT / Post Local SGD
-    # posting every tau steps): a round closes `grace` s after a post (clusters ~60 s); late posts: carry |
-    # drop; unposted steps saved every progress_every s (0: off).
-    exchange: str = ""
-    grace: float = 10.0
-    late_posts: str = "carry"
-    progress_every: float = 0.0
-    exchange_patience: float = 300.0  # s an exchange operation retries through storage faults (backoff; 0: none), then exit 75
-    carried_weight: float = 1.0  # w: a carried (stale) Δ re-based as θ̄ − w Δ, its steps at w in the step shares (1: as fresh)
     penalty: PenaltyConfig = field(default_factory=PenaltyConfig)  # anomaly elimination, weighting, clipping
     outer: OuterConfig = field(default_factory=OuterConfig)  # θ̄'s optimizer (localsgd/outer.py)
     wire: WireConfig = field(default_factory=WireConfig)  # the form Δ crosses `replica` in (localsgd/codec.py)
     co2: CO2Config = field(default_factory=CO2Config)  # CO2's own (method co2 only)
+    time: TimeConfig = field(default_factory=TimeConfig)  # A-EDiT's wall-clock syncs (localsgd/timed.py)
+    exchange: ExchangeConfig = field(default_factory=ExchangeConfig)  # workers as separate programs (elastic/)
 
 
 @dataclass
@@ -265,5 +279,5 @@ COMPRESS = ("none", "bf16", "int8", "topk2", "topk4")
 
 
 __all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "PenaltyConfig",
-           "OuterConfig", "WireConfig", "CO2Config", "DebugConfig", "LogConfig", "TrainConfig", "SpikeConfig",
+           "OuterConfig", "WireConfig", "CO2Config", "TimeConfig", "ExchangeConfig", "DebugConfig", "LogConfig", "TrainConfig", "SpikeConfig",
            "ConfigError", "COMPRESS"]

@@ -12,7 +12,7 @@ run dir's lock) may change it: that is how a finished run is trained further. A 
 hand with another ``steps`` adopts the run's, said in one line, so it never ends a run that goes on
 (nor trains one past its budget).
 
-A run dir belongs to one exchange: a ``train`` or a worker whose ``sync.exchange`` is not the one
+A run dir belongs to one exchange: a ``train`` or a worker whose ``sync.exchange.url`` is not the one
 the run dir's ``config.json`` names is refused before it opens the exchange (``runlock.exchange_problem``,
 checked once by the launcher and by each worker as they start). ``RUN/config.json`` is written
 only by an admitted worker, and only as the exchange's text (``write_run_config``).
@@ -34,7 +34,7 @@ from edit_jax.rundir.runlock import RunLock, check_writable, first_missing, remo
 CONFIG_KEY = "run/config.json"  # (run/start.json is the run's start time and id: another key)
 # Fields a process may set for itself: none changes θ̄'s maths or what a post holds.
 OWN = ("log.", "train.compile_cache", "train.async_checkpoint", "debug.slowdown", "debug.pin_cores",
-       "mesh.processes", "mesh.heartbeat_seconds", "sync.exchange", "sync.progress_every", "data.workers",
+       "mesh.processes", "mesh.heartbeat_seconds", "sync.exchange.url", "sync.exchange.progress_every", "data.workers",
        "model.attention", "model.remat", "model.remat_saves", "model.scan_unroll", "model.loss_chunk",
        "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints")
 
@@ -71,7 +71,7 @@ def _read_run(ex, url: str) -> dict | None:
         if not isinstance(run, dict) or not isinstance(run.get("steps"), int):
             raise ValueError("not a config")
     except (UnicodeDecodeError, ValueError) as e:
-        raise NotAdmitted(f"sync.exchange: {url}/{CONFIG_KEY} (the run's config) is unreadable ({e}); "
+        raise NotAdmitted(f"sync.exchange.url: {url}/{CONFIG_KEY} (the run's config) is unreadable ({e}); "
                           "restore it or start the run on a new exchange") from None
     return upgrade(run, quiet)  # a run begun before some keys moved into sections: compared as today's
 
@@ -80,7 +80,7 @@ def admit(ex, cfg: Config, run_dir: str, say=print, *, owner: bool = False) -> C
     """``cfg`` admitted to the run ``ex`` holds (with the run's ``steps``; ``owner``: a launcher
     holding the run lock sets them), or ``NotAdmitted``. Creates the run's config when there is none.
     (The run dir's own exchange was checked by the caller, before it opened ``ex``.)"""
-    url = getattr(ex, "url", cfg.sync.exchange)
+    url = getattr(ex, "url", cfg.sync.exchange.url)
     mine = run_text(cfg)
     run = _read_run(ex, url)
     if run is None:
@@ -91,9 +91,9 @@ def admit(ex, cfg: Config, run_dir: str, say=print, *, owner: bool = False) -> C
     diff = differences(run, json.loads(mine))
     if diff:
         shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
-        raise NotAdmitted(f"sync.exchange {url} holds a run this config does not fit: {shown}. Its workers must "
+        raise NotAdmitted(f"sync.exchange.url {url} holds a run this config does not fit: {shown}. Its workers must "
                           f"train the run's model, slots, data and sync rule ({url}/{CONFIG_KEY}); use its config, "
-                          "or another sync.exchange and --run-dir")
+                          "or another sync.exchange.url and --run-dir")
     if cfg.steps == run["steps"]:
         return cfg
     if owner:  # the launcher: the run's budget from now on (workers started after it adopt it)

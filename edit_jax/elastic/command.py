@@ -1,4 +1,4 @@
-"""``edit-jax worker``: one A-EDiT worker of a run whose workers meet through ``sync.exchange``,
+"""``edit-jax worker``: one A-EDiT worker of a run whose workers meet through ``sync.exchange.url``,
 started by the launcher (``launch.py``: forked or spawned), by hand or by SLURM.
 
     edit-jax worker --config C --run-dir RUN --worker I [key=value ...]
@@ -20,7 +20,7 @@ from edit_jax.validate import ConfigError, load_config
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="edit-jax worker", description="One worker of a run whose workers "
-                                     "meet through sync.exchange (started by `edit-jax train`, by hand or by SLURM).")
+                                     "meet through sync.exchange.url (started by `edit-jax train`, by hand or by SLURM).")
     parser.add_argument("--config", default="configs/demo.py", help="as for `edit-jax train`")
     parser.add_argument("--run-dir", required=True, help="the run's dir (records; shared by its workers)")
     parser.add_argument("--worker", type=int, required=True, help="this worker's slot, 0..mesh.replica-1")
@@ -28,8 +28,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        if not cfg.sync.exchange:
-            raise ConfigError("sync.exchange: required by `edit-jax worker` (a directory or s3://bucket/prefix)")
+        if not cfg.sync.exchange.url:
+            raise ConfigError("sync.exchange.url: required by `edit-jax worker` (a directory or s3://bucket/prefix)")
         if not 0 <= args.worker < cfg.mesh.replica:
             raise ConfigError(f"--worker: expected a worker slot 0..{cfg.mesh.replica - 1}, got {args.worker}")
     except ConfigError as e:

@@ -61,10 +61,10 @@ class DirExchange:
             os.makedirs(self.root, exist_ok=True)
         except OSError as e:  # a file there or above: a config error; a read-only or full disk: may pass
             why = {errno.EEXIST: "it is a file, not a directory", errno.ENOTDIR: "a part of its path is a file"}
-            raise ExchangeError(f"sync.exchange: cannot use {self.root!r} as the exchange directory: "
+            raise ExchangeError(f"sync.exchange.url: cannot use {self.root!r} as the exchange directory: "
                                 f"{why.get(e.errno) or e.strerror or e}", transient=e.errno in _PASSING) from None
         if not os.access(self.root, os.W_OK):
-            raise ExchangeError(f"sync.exchange: directory {self.root!r} is not writable", transient=True)
+            raise ExchangeError(f"sync.exchange.url: directory {self.root!r} is not writable", transient=True)
         self.sweep_temporaries()
 
     def sweep_temporaries(self, older_than_s: float = STALE_TMP_S) -> int:
@@ -166,11 +166,11 @@ def _unlink_quietly(path: str) -> None:
 
 
 def open_exchange(url: str) -> Exchange:
-    """The exchange ``url`` names (``sync.exchange``)."""
+    """The exchange ``url`` names (``sync.exchange.url``)."""
     if url.startswith("s3://"):
         return S3Exchange.from_url(url)
     if "://" in url and not url.startswith("file://"):
-        raise ExchangeError(f"sync.exchange: expected a directory, file://PATH or s3://BUCKET/PREFIX, got {url!r}")
+        raise ExchangeError(f"sync.exchange.url: expected a directory, file://PATH or s3://BUCKET/PREFIX, got {url!r}")
     return DirExchange(url[len("file://"):] if url.startswith("file://") else url)
 
 

@@ -2,7 +2,7 @@
 process no longer runs (stopped by SIGSTOP, swapped out, hung), not only for one that is gone.
 
 A round waits for the workers that announced it (``rounds.expected``) until each has posted or
-its closer's patience has passed (``sync.grace``; for a lock-step rule, plus a round:
+its closer's patience has passed (``sync.exchange.grace``; for a lock-step rule, plus a round:
 ``ElasticWorker.patience``). A stopped worker never posts, so every round it is expected in
 waited the whole patience: under the kill loop (a worker SIGSTOPped every ~30 s) the lock-step
 methods lost ~0.11 of their goodput to it (docs/benchmarks/elastic.md). Now each worker, from a
@@ -12,7 +12,7 @@ lock), and stops when the process stops. A closer that sees a worker's counter u
 ``quiet_s`` seconds, on its own monotonic clock (no two hosts' clocks are compared), leaves it out
 of the workers it waits for; the round closes on the posts of the others (``closed_by``: "live
 posted"). The stopped worker, resumed, finds its round closed and carries its steps into the
-next post (``sync.late_posts``), as a late worker always did.
+next post (``sync.exchange.late_posts``), as a late worker always did.
 
 A worker whose announcement has no counter (an older version) is waited for as before. A missed
 beat (storage faults: beats go to the backend directly, without ``PatientExchange``'s retries) is
@@ -30,7 +30,7 @@ from edit_jax.elastic.rounds import hello_key
 
 
 def beat_interval(grace: float) -> tuple[float, float]:
-    """(``every_s``, ``quiet_s``) for ``sync.grace``: a beat every quarter grace (0.5-5 s), a worker
+    """(``every_s``, ``quiet_s``) for ``sync.exchange.grace``: a beat every quarter grace (0.5-5 s), a worker
     stalled after 4 beats or 5 s unchanged, whichever is longer (a loaded host may delay a beat by
     seconds; taking a running worker for a stopped one costs it a late post)."""
     every = min(max(grace / 4.0, 0.5), 5.0)

@@ -15,7 +15,7 @@ class ExchangeError(RuntimeError):
 
 
 class ExchangeUnavailable(ExchangeError):
-    """The exchange kept failing for a transient reason past ``sync.exchange_patience`` (exit 75: retry)."""
+    """The exchange kept failing for a transient reason past ``sync.exchange.patience`` (exit 75: retry)."""
 
 
 def _check_key(key: str) -> str:

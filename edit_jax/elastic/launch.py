@@ -1,12 +1,12 @@
 """The launcher of exchange-mode A-EDiT on one machine: one ``edit-jax worker`` process per worker
 slot (``mesh.processes`` of them), each restarted alone when it dies while the others keep training.
 
-    edit-jax train --config C sync.method=a_edit sync.exchange=DIR ...    # -> launch_workers(...)
+    edit-jax train --config C sync.method=a_edit sync.exchange.url=DIR ...    # -> launch_workers(...)
 
 A worker that exits 0 is done (the run's token budget is spent); one that dies otherwise (a crash,
 SIGKILL, an OOM) is started again, at most ``--max-restarts`` times *per worker*: it rejoins from
 the newest round state (``worker.py``). The launcher never waits on a stopped worker: the rounds go
-on without it (``sync.grace``). A signal to the launcher (Ctrl-C, SIGTERM) is passed to every
+on without it (``sync.exchange.grace``). A signal to the launcher (Ctrl-C, SIGTERM) is passed to every
 worker, which ends where it stands (exit 130). Workers can also be started and stopped by hand, or
 by SLURM (one job step per worker): ``edit-jax worker --worker I`` pointing at the same run dir.
 
@@ -21,7 +21,7 @@ worker is named ``edit-jax wI`` (``/proc/PID/comm``, what ``ps`` and ``top`` sho
 
 When the storage fails (``patience.py``): ``train`` asks the exchange once before it writes
 anything, for ``PROBE_S`` seconds; an exchange it cannot use is a config error (exit 2, one line,
-no run dir). A worker waits storage faults out for ``sync.exchange_patience`` and then exits 75
+no run dir). A worker waits storage faults out for ``sync.exchange.patience`` and then exits 75
 (``EXIT_RETRY``): the launcher starts it again after ``RETRY_PAUSE_S``. Such restarts count against
 ``--max-restarts`` once per outage: a worker's exit 75 right after its previous exit 75 is the same
 outage and is not counted again (so an outage longer than the patience never uses up the
@@ -249,7 +249,7 @@ def launch_workers(config: str, run_dir: str, overrides: list[str], workers: int
 
 
 def launch_run(cfg, args, run_dir: str) -> int:
-    """``edit-jax train`` with ``sync.exchange``: checks ``--max-restarts``, takes the run dir's lock
+    """``edit-jax train`` with ``sync.exchange.url``: checks ``--max-restarts``, takes the run dir's lock
     (exit 4 when another launcher holds it), is admitted to the run (exit 2: ``admission.py``), then
     the workers."""
     if args.max_restarts < 0:
@@ -257,10 +257,10 @@ def launch_run(cfg, args, run_dir: str) -> int:
         return 2
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
-        problem = exchange_problem(run_dir, cfg.sync.exchange)  # (another exchange's run dir: that exchange never made)
+        problem = exchange_problem(run_dir, cfg.sync.exchange.url)  # (another exchange's run dir: that exchange never made)
         if problem:
             raise NotAdmitted(problem)
-        exchange = probe_exchange(cfg.sync.exchange, say)  # before any write: an unusable one is a config error
+        exchange = probe_exchange(cfg.sync.exchange.url, say)  # before any write: an unusable one is a config error
         with launcher_lock(run_dir, cfg, say):  # one launcher per run dir, before any work
             admit(exchange, cfg, run_dir, say, owner=True)  # the run's config; this launcher sets its `steps`
             exchange.patience_s = RETRACT_S  # from now on only its retracts: never worth a wait
@@ -276,13 +276,13 @@ def launch_run(cfg, args, run_dir: str) -> int:
 
 def probe_exchange(url: str, say, patience_s: float = PROBE_S) -> PatientExchange:
     """The exchange ``url`` opened and asked once (``list("run/")``), trying for ``patience_s``
-    seconds through transient faults; an ``ExchangeError`` naming ``sync.exchange`` when it cannot."""
+    seconds through transient faults; an ``ExchangeError`` naming ``sync.exchange.url`` when it cannot."""
     try:
         exchange = open_patient(url, patience_s, say, "edit-jax")
         exchange.list("run/")
     except ExchangeUnavailable as e:
-        raise ExchangeError(f"sync.exchange {url}: unusable for {patience_s:g} s at the start "
-                            f"({str(e).split('(sync.exchange_patience): ', 1)[-1]}); check it, or start the run when it answers") from None
+        raise ExchangeError(f"sync.exchange.url {url}: unusable for {patience_s:g} s at the start "
+                            f"({str(e).split('(sync.exchange.patience): ', 1)[-1]}); check it, or start the run when it answers") from None
     return exchange
 
 
@@ -295,7 +295,7 @@ def _retract(exchange, worker: int, say) -> None:
         retract(exchange, worker)
     except (ExchangeError, OSError) as e:
         say(f"edit-jax: could not tell the exchange that worker {worker} stopped ({e}); "
-            "the rounds stop waiting for it after sync.grace")
+            "the rounds stop waiting for it after sync.exchange.grace")
 
 
 def _how(code: int) -> str:

@@ -45,9 +45,9 @@ class LocalTraining:
 
     def restart_from(self, shared: R.RoundState, state, delta=None, count: int | None = None, opt=None,
                      stale: bool = False):
-        """This worker's params at θ̄ (minus a carried Δ, a ``stale`` one damped to ``sync.carried_weight``;
+        """This worker's params at θ̄ (minus a carried Δ, a ``stale`` one damped to ``sync.exchange.carried_weight``;
         w = 1 gives Δ exactly); ``count``: a fresh inner optimizer at that step count; ``opt``: that state."""
-        w = np.float32(self.cfg.sync.carried_weight if stale else 1.0)
+        w = np.float32(self.cfg.sync.exchange.carried_weight if stale else 1.0)
         theta = shared.theta if delta is None else jax.tree.map(lambda t, d: t - w * d, shared.theta, delta)
         params = jax.tree.map(lambda t, p: jax.device_put(np.asarray(t, p.dtype)[None], p.sharding), theta,
                               state.params)
@@ -64,7 +64,7 @@ class LocalTraining:
         rule whose rounds go by step count: DiLoCo, EDiT); returns the last loss. ``started``
         runs after the first step (the first of a process compiles: announcing a round only then
         keeps the others from waiting on a compile). ``aligned``: ``seconds`` lead to the round's due
-        time, so a compile counts against them. ``save`` runs every ``sync.progress_every`` s."""
+        time, so a compile counts against them. ``save`` runs every ``sync.exchange.progress_every`` s."""
         step = self.local_step
         start, loss, last_log = time.monotonic(), float("nan"), (time.perf_counter(), local.done)
         saved, taken = start, 0
@@ -97,7 +97,7 @@ class LocalTraining:
                 started = None
             if self.stop or (taken >= steps if steps is not None else time.monotonic() - start >= seconds):
                 return loss
-            if save is not None and 0 < self.cfg.sync.progress_every <= time.monotonic() - saved:
+            if save is not None and 0 < self.cfg.sync.exchange.progress_every <= time.monotonic() - saved:
                 save()
                 saved = time.monotonic()
 

@@ -18,6 +18,7 @@ gradient, its posted norm as the norm).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -40,7 +41,7 @@ from edit_jax.runtime.executables import ExecutableStore
 class OuterRound:
     """The compiled outer step of one plan (compiled once per participant count). ``codec``: the
     posts' form, ``NONE`` (float32 Δ) or a sparse codec (packed posts, ``packed.py``).
-    ``carried_weight`` (``sync.carried_weight``): a post's carried steps (a round or more stale)
+    ``carried_weight`` (``sync.exchange.carried_weight``): a post's carried steps (a round or more stale)
     count at this fraction in its share of the steps, as its worker re-based their Δ at it.
     ``store``: where the compiled programs are kept whole (``runtime/executables.py``; None: off)."""
 
@@ -55,7 +56,7 @@ class OuterRound:
         self.store = store or ExecutableStore(None)
         self.opt = make_outer_optimizer(plan.outer)
         self.cpu = jax.devices("cpu")[0]
-        self._fn = jax.jit(self._step)
+        self._fn, self._flush_fn = jax.jit(self._step), jax.jit(self._flush)
         self._programs: dict[int, Any] = {}  # participant count -> compiled program
         self._locks: dict[int, threading.Lock] = {}  # one per count: two counts compile side by side
         self._lock = threading.Lock()
@@ -71,12 +72,12 @@ class OuterRound:
                 spec = lambda x, lead=(): jax.ShapeDtypeStruct(lead + np.shape(x), np.asarray(x).dtype,  # noqa: E731
                                                                sharding=SingleDeviceSharding(self.cpu))
                 args = (jax.tree.map(spec, state.theta), jax.tree.map(spec, state.outer_opt),
-                        jax.tree.map(lambda x: spec(x[0], (n,)), state.detectors),
+                        jax.tree.map(spec, state.extra), jax.tree.map(lambda x: spec(x[0], (n,)), state.detectors),
                         jax.tree.map(lambda x: spec(x, (n,)), state.theta),
                         jax.ShapeDtypeStruct((n,), np.float32, sharding=SingleDeviceSharding(self.cpu)))
                 if self.packed:  # the packed rows per unit and the norms in place of Δ
-                    args = args[:3] + ([spec(x, (n,)) for x in self._rows(state.theta)],
-                                       spec(np.zeros(np.shape(state.detectors.mean)[1], np.float32), (n,)), args[4])
+                    args = args[:4] + ([spec(x, (n,)) for x in self._rows(state.theta)],
+                                       spec(np.zeros(np.shape(state.detectors.mean)[1], np.float32), (n,)), args[5])
                 self._programs[n] = self.store.compile(f"outer_round_{n}", self._fn, args, [self.cpu])
             return self._programs[n]
 
@@ -111,9 +112,10 @@ class OuterRound:
             out.append(np.zeros((n_layers, nl, out[0].shape[1]), np.uint8))
         return out
 
-    def _step(self, theta, outer_opt, dets: Detector, posts, *rest):
+    def _step(self, theta, outer_opt, pooled, dets: Detector, posts, *rest):
         """The rule's sync over the round's posts: float32 Δs (``posts`` θ̄'s tree [N, ...]; the
-        shares follow), or packed rows (``posts`` per unit [N, ...]; the norms [N, U], the shares)."""
+        shares follow), or packed rows (``posts`` per unit [N, ...]; the norms [N, U], the shares).
+        ``pooled``: what the rule kept from the last round (``SyncRule.pooled_extra``), or None."""
         *norms, shares = rest
         if not self.rule.asynchronous:  # rounds by step count: every post is tau steps, no step shares
             shares = None
@@ -126,10 +128,45 @@ class OuterRound:
             local, reduction = as_units(jax.tree.map(lambda o, d: o[None] - d, theta, posts), layerwise), WORKERS
         n_layers = jax.tree.leaves(theta["layers"])[0].shape[0] if layerwise else 0
         spec = SyncSpec(self.plan.penalty, self.plan.outer, self.opt, n_layers, n, reduction=reduction)
-        outer = OuterState(as_units(theta, layerwise), as_units(outer_opt, layerwise), dets, np.int32(0))
+        outer = OuterState(as_units(theta, layerwise), as_units(outer_opt, layerwise), dets, np.int32(0),
+                           self._spread(pooled, n))
         _, _, outer, figures = workers_sync(self.rule, spec, local, None, outer, shares)
         figures.pop("inner_reset")  # (no inner optimizer state comes with a post)
-        return of_units(outer.params, layerwise), of_units(outer.opt_state, layerwise), outer.detector, figures
+        return (of_units(outer.params, layerwise), of_units(outer.opt_state, layerwise), self._pool(outer.extra),
+                outer.detector, figures)
+
+    def _spread(self, pooled, n: int):
+        """The rule's kept state as its ``n`` workers' subtree, laid out as the rule's units."""
+        if pooled is None:
+            return None
+        return self.rule.spread_extra({k: as_units(v, self.layerwise) for k, v in pooled.items()}, n)
+
+    def _pool(self, extra):
+        pooled = self.rule.pooled_extra(extra) if extra is not None else None
+        return None if pooled is None else {k: of_units(v, self.layerwise) for k, v in pooled.items()}
+
+    def _flush(self, theta, outer_opt, pooled):
+        """What a rule has in flight applied, no new round (CO2's last pending): θ̄ and its outer state."""
+        layerwise, n = self.layerwise, 1
+        n_layers = jax.tree.leaves(theta["layers"])[0].shape[0] if layerwise else 0
+        spec = SyncSpec(self.plan.penalty, self.plan.outer, self.opt, n_layers, n, reduction=WORKERS)
+        units = as_units(theta, layerwise)
+        dets = Detector.zeros((n, 1 + n_layers), 2)
+        outer = OuterState(units, as_units(outer_opt, layerwise), dets, np.int32(0), self._spread(pooled, n))
+        local = jax.tree.map(lambda x: x[None], units)
+        _, _, outer, _ = workers_sync(self.rule, spec, local, None, outer, flush=True)
+        return of_units(outer.params, layerwise), of_units(outer.opt_state, layerwise)
+
+    def flushed(self, state: RoundState) -> RoundState:
+        """``state`` with what its rule has in flight applied (CO2: the last round's mean pseudo
+        gradient), for what reads the run's model (evaluation, ``exchange_state.npz``); ``state``
+        itself when nothing is (every other rule)."""
+        if state.extra is None:
+            return state
+        put = lambda t: jax.device_put(t, self.cpu)  # noqa: E731
+        theta, outer_opt = jax.device_get(self._flush_fn(put(state.theta), put(state.outer_opt), put(state.extra)))
+        host = lambda t: jax.tree.map(np.asarray, t)  # noqa: E731
+        return dataclasses.replace(state, theta=host(theta), outer_opt=host(outer_opt))
 
     def initial(self, theta: Any, slots: int, n_units: int, window: int) -> RoundState:
         """Round 0: θ̄ = the initial params, a fresh outer state, zero detectors for every slot."""
@@ -137,7 +174,10 @@ class OuterRound:
         outer_opt = init_outer_opt_state(self.opt, theta, self.layerwise)
         det = Detector.zeros((slots, n_units), window)
         host = lambda t: jax.tree.map(np.asarray, t)  # noqa: E731
-        return RoundState(0, host(theta), host(outer_opt), host(det), 0, [0] * slots)
+        units = as_units(theta, self.layerwise)
+        extra = self.rule.init_extra(jax.tree.map(lambda x: x[None], units))  # one worker's: nothing in flight
+        pooled = self._pool(extra) if extra is not None else None
+        return RoundState(0, host(theta), host(outer_opt), host(det), 0, [0] * slots, extra=host(pooled))
 
     def apply(self, state: RoundState, posts: list[Post]) -> tuple[RoundState, dict]:
         """Round state r from r - 1 and the round's posts (in sorted worker order)."""
@@ -154,9 +194,9 @@ class OuterRound:
         dets = jax.tree.map(lambda x: x[ids], state.detectors)
         put = lambda t: jax.device_put(t, self.cpu)  # noqa: E731
         step = self.program(state, len(posts))
-        theta, outer_opt, new_dets, figures = step(put(state.theta), put(state.outer_opt), put(dets),
-                                                               put(deltas), *map(put, extra),
-                                                               put(np.asarray(shares, np.float32)))
+        theta, outer_opt, pooled, new_dets, figures = step(put(state.theta), put(state.outer_opt), put(state.extra),
+                                                           put(dets), put(deltas), *map(put, extra),
+                                                           put(np.asarray(shares, np.float32)))
         host = lambda t: jax.tree.map(np.asarray, jax.device_get(t))  # noqa: E731
         all_dets = host(state.detectors)
         all_dets = jax.tree.map(lambda a, n: _set_rows(a, ids, n), all_dets, host(new_dets))
@@ -164,7 +204,8 @@ class OuterRound:
         for p in posts:
             cursors[p.worker] = p.cursor
         new = RoundState(state.round + 1, host(theta), host(outer_opt), all_dets,
-                         state.tally + int(sum(p.steps_since for p in posts)), cursors, [int(i) for i in ids])
+                         state.tally + int(sum(p.steps_since for p in posts)), cursors, [int(i) for i in ids],
+                         extra=host(pooled))
         # (figures["unit_flagged"], [U, N]: which units of which post were flagged: a packed
         # poster settles its residual by them)
         return new, {k: np.asarray(v).tolist() for k, v in host(figures).items()}

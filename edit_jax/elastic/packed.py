@@ -1,4 +1,4 @@
-"""Compressed posts (``sync.exchange`` with ``sync.wire.kind = topk2 | topk4``; issues 38 and 39):
+"""Compressed posts (``sync.exchange.url`` with ``sync.wire.kind = topk2 | topk4``; issues 38 and 39):
 the post is the sparse wire's packed form, the same codec as the in-program exchange
 (``localsgd/sparse.py``: top-k per chunk, 2/4-bit levels, 12-bit indices, packed uint8).
 

@@ -1,6 +1,6 @@
 """The exchange waits out its storage: ``PatientExchange`` wraps a backend (``exchange.py``,
 ``s3.py``) and retries an operation that failed for a reason that may pass by itself, for up to
-``sync.exchange_patience`` seconds, with backoff (0.2 s doubling to 10 s, jittered).
+``sync.exchange.patience`` seconds, with backoff (0.2 s doubling to 10 s, jittered).
 
 Transient: for a directory, an ``OSError`` whose errno says the file system is read-only, full,
 over quota, failing (EIO), stale (NFS), refusing permissions, or whose root is gone (unmounted,
@@ -34,7 +34,7 @@ def transient_reason(ex, err: BaseException) -> str | None:
     """Why ``err`` (raised by backend ``ex``) may pass by itself, in a few words; None: permanent."""
     if isinstance(err, ExchangeError):
         text = str(err)
-        return (text.split(": ", 1)[-1] if text.startswith("sync.exchange") else text) if err.transient else None
+        return (text.split(": ", 1)[-1] if text.startswith("sync.exchange.url") else text) if err.transient else None
     if isinstance(err, OSError) and not isinstance(err, (FileExistsError, IsADirectoryError)):
         if err.errno in TRANSIENT_ERRNOS:
             return os.strerror(err.errno).lower()
@@ -96,8 +96,8 @@ class PatientExchange:
                 self._note(op, why)
                 if left <= 0 or self.stopped():
                     raise ExchangeUnavailable(
-                        f"sync.exchange {self.url}: {op} failed for {self.patience_s:g} s "
-                        f"(sync.exchange_patience): {why}", transient=True) from e
+                        f"sync.exchange.url {self.url}: {op} failed for {self.patience_s:g} s "
+                        f"(sync.exchange.patience): {why}", transient=True) from e
                 until = time.monotonic() + min(left, pause * (0.5 + 0.5 * random.random()))
                 while time.monotonic() < until and not self.stopped():  # (in slices: SIGTERM ends it soon)
                     time.sleep(min(0.1, max(0.0, until - time.monotonic())))

@@ -37,8 +37,8 @@ class RoundRecovery:
         """Round r again, from the posts of ``members`` (None: any) that still pass the check, as its
         manifest's next version (create-exclusive: of several workers that found the same fault, one
         writes it, all read it). Its published state instead, where there is one or its closer
-        publishes one within ``sync.grace`` s: the round was applied and kept (no θ̄ split)."""
-        until = time.monotonic() + self.cfg.sync.grace
+        publishes one within ``sync.exchange.grace`` s: the round was applied and kept (no θ̄ split)."""
+        until = time.monotonic() + self.cfg.sync.exchange.grace
         while self._newest_good_state(r, required=False) is None:
             if time.monotonic() >= until or self.stop:
                 break
@@ -59,12 +59,12 @@ class RoundRecovery:
         """The run ended on a round this process applied and another closed. Its closer publishes
         the round's state and record; one that died between its manifest and its state leaves
         neither, and no round r + 1 comes whose closer would publish them (``apply``). So after
-        ``sync.grace`` s without the state, this worker publishes both, ``published_for`` the
+        ``sync.exchange.grace`` s without the state, this worker publishes both, ``published_for`` the
         closer's slot (creates are exclusive: a closer only slow writes nothing after it)."""
         last = self.applied
         if self.stop or not last or last[0].round != shared.round or last[0].closer == self.me:
             return
-        until = time.monotonic() + self.cfg.sync.grace
+        until = time.monotonic() + self.cfg.sync.exchange.grace
         while not self.ex.list(R.state_key(shared.round)):
             if time.monotonic() >= until:
                 self._publish(shared, *last, published_for=last[0].closer)

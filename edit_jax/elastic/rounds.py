@@ -4,14 +4,14 @@ manifests and the published round state, as whole objects under fixed keys.
 Round r (r >= 1) turns the round state r - 1 (θ̄, the outer optimizer's state, every worker slot's
 anomaly detectors, the step tally) into round state r:
 
-1. each worker that applied round r - 1 trains for ``sync.tau_time`` seconds (a lock-step rule:
+1. each worker that applied round r - 1 trains for ``sync.time.tau`` seconds (a lock-step rule:
    ``sync.tau`` steps), then **posts**
    ``posts/rXXXXXXXX/wYYYY.npz``: its pseudo gradient Δ = θ̄_{r-1} − θ_i (every leaf, float32; with
    a sparse ``sync.wire.kind`` its packed rows and true norms, ``packed.py``), its steps since its
    last round (A-EDiT's step share), its data cursor, its loss;
 2. the round **closes** when every expected worker posted (those whose newest announcement,
    ``members/wYYYY.json``, names round r: a worker announces the round it will post at whenever it
-   joins or applies a round) or ``sync.grace`` seconds after the first post that a
+   joins or applies a round) or ``sync.exchange.grace`` seconds after the first post that a
    waiting worker saw (each waiter measures from its own post: the earliest poster closes first, so
    the others wait at most ``grace``). Any waiter may close it: it lists the posts and *creates*
    ``rounds/rXXXXXXXX.json`` (the manifest: participants, sorted; the hash of θ̄_{r-1} as the closer
@@ -25,7 +25,7 @@ anomaly detectors, the step tally) into round state r:
    restart start from) and removes posts and states older than ``KEEP_ROUNDS`` rounds.
 
 A post that arrives after its round closed is late: its worker catches up (applies the rounds it
-missed) and, with ``sync.late_posts=carry``, re-bases its progress onto the new θ̄ (its Δ is part
+missed) and, with ``sync.exchange.late_posts=carry``, re-bases its progress onto the new θ̄ (its Δ is part
 of its next post), or with ``drop`` restarts from θ̄ (a record says which).
 """
 
@@ -208,21 +208,28 @@ class RoundState:
     cursors: list[int]  # each slot's data cursor as of its newest post in a round
     members: list[int] = field(default_factory=list)  # the round's participants
     finished: bool = False
+    # The rule's own state kept between rounds (``SyncRule.pooled_extra``: CO2's mean pseudo gradient
+    # in flight); None for the others, whose states' bytes and hashes are as before it existed.
+    extra: Any = None
 
     @property
     def global_step(self) -> int:
         """The run's step as one program's: inner steps of every slot over the slots (tokens / batch)."""
         return self.tally // len(self.cursors)
 
+    def arrays(self) -> tuple:
+        """What the state's bytes and hash hold: θ̄, the outer state, the detectors, the rule's extra."""
+        return self.theta, self.outer_opt, self.detectors, self.extra
+
     def digest(self) -> str:
-        return tree_hash((self.theta, self.outer_opt, self.detectors))
+        return tree_hash(self.arrays())
 
     def encode(self, run: str = "", key: bytes | None = None, publisher: str = "") -> bytes:
         """The state's bytes; ``publisher`` (host:pid) makes two processes' bytes of one state differ,
         so a create whose answer was lost can tell its own object from another publisher's."""
         meta = {"round": self.round, "tally": self.tally, "cursors": self.cursors, "members": self.members,
                 "finished": self.finished, "hash": self.digest(), **({"publisher": publisher} if publisher else {})}
-        leaves = [np.asarray(x) for x in jax.tree.leaves((self.theta, self.outer_opt, self.detectors))]
+        leaves = [np.asarray(x) for x in jax.tree.leaves(self.arrays())]
         return pack(leaves, seal(meta, None, run, key))  # (its checksum: the hash of its arrays)
 
     @staticmethod
@@ -231,14 +238,13 @@ class RoundState:
         why = broken_seal(m, None, check.run, check.key) if check is not None else None
         if why:
             raise BadObject(f"exchange object {what}: {why}")
-        want = jax.tree.leaves((template.theta, template.outer_opt, template.detectors))
+        want = jax.tree.leaves(template.arrays())
         if len(leaves) != len(want) or any(a.shape != np.shape(b) for a, b in zip(leaves, want)):
             raise ValueError(f"exchange object {what}: the round state does not fit this config's model "
                              f"({len(leaves)} arrays, expected {len(want)} of the config's shapes)")
-        tree = jax.tree.unflatten(jax.tree.structure((template.theta, template.outer_opt, template.detectors)),
-                                  leaves)
-        out = RoundState(int(m["round"]), *tree, int(m["tally"]), [int(c) for c in m["cursors"]],
-                         [int(w) for w in m["members"]], bool(m["finished"]))
+        theta, outer_opt, detectors, extra = jax.tree.unflatten(jax.tree.structure(template.arrays()), leaves)
+        out = RoundState(int(m["round"]), theta, outer_opt, detectors, int(m["tally"]), [int(c) for c in m["cursors"]],
+                         [int(w) for w in m["members"]], bool(m["finished"]), extra)
         if out.digest() != m["hash"]:
             raise ValueError(f"exchange object {what}: its arrays do not match the hash written with them")
         return out
@@ -300,7 +306,7 @@ def posted_rounds(ex: Exchange, worker: int) -> list[int]:
 
 def _member(ex: Exchange, key: str) -> dict:
     """A member announcement, or {} if it is not a readable one (skipped: a worker announces again
-    at its next round, and a round waits at most ``sync.grace`` for a slot it cannot read)."""
+    at its next round, and a round waits at most ``sync.exchange.grace`` for a slot it cannot read)."""
     data = ex.get(key)
     try:
         info = json.loads(data.decode()) if data else {}
@@ -360,7 +366,7 @@ def beats(ex: Exchange, of: dict[int, dict] | None = None) -> dict[int, int]:
 def expected(ex: Exchange, r: int, behind: int = 0, of: dict[int, dict] | None = None) -> list[int]:
     """Who round r waits for: the workers whose newest announcement names round r (each worker
     announces the round it will post at next whenever it joins or applies a round, so a worker
-    that died is awaited by one round at most, for ``sync.grace`` seconds). ``behind``: also those
+    that died is awaited by one round at most, for ``sync.exchange.grace`` seconds). ``behind``: also those
     whose announcement names one of the ``behind`` rounds before (a lock-step rule's rounds close
     on posts, not on the clock: a worker a round behind, catching up, would otherwise never be
     awaited by a faster one and post late to every round)."""

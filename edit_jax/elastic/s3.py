@@ -1,5 +1,5 @@
 """The exchange in object storage over the S3 API (AWS S3, or an S3-compatible store with
-conditional writes): ``sync.exchange = "s3://BUCKET/PREFIX"``.
+conditional writes): ``sync.exchange.url = "s3://BUCKET/PREFIX"``.
 
 Each key is one object under ``PREFIX/``. S3 makes a PUT whole or absent (a reader never sees half
 an object) and reads strongly consistent, so ``put`` is one PUT. ``create`` is a conditional PUT
@@ -42,7 +42,7 @@ def _boto(url: str):
         from botocore.exceptions import BotoCoreError, ClientError
     except ImportError as e:
         raise ExchangeError(
-            f"sync.exchange {url!r}: an s3:// exchange needs boto3, which is not installed ({e}): "
+            f"sync.exchange.url {url!r}: an s3:// exchange needs boto3, which is not installed ({e}): "
             "pip install 'edit-jax[s3]'"
         ) from e
     return boto3, Config, BotoCoreError, ClientError
@@ -72,20 +72,20 @@ def parse_s3_url(url: str) -> tuple[str, str, str | None]:
     """``s3://bucket/some/prefix?endpoint=URL`` -> (bucket, prefix ending in "/" or "", endpoint)."""
     parts = urlsplit(url)
     if parts.scheme != "s3" or not parts.netloc:
-        raise ExchangeError(f"sync.exchange: expected s3://BUCKET/PREFIX, got {url!r}")
+        raise ExchangeError(f"sync.exchange.url: expected s3://BUCKET/PREFIX, got {url!r}")
     query = parse_qs(parts.query, keep_blank_values=True)
     unknown = sorted(set(query) - {"endpoint"})
     if unknown:
-        raise ExchangeError(f"sync.exchange {url!r}: unknown option(s) {unknown}; the only one is ?endpoint=URL")
+        raise ExchangeError(f"sync.exchange.url {url!r}: unknown option(s) {unknown}; the only one is ?endpoint=URL")
     endpoint = query["endpoint"][-1] if "endpoint" in query else None
     if endpoint is not None and urlsplit(endpoint).scheme not in ("http", "https"):
-        raise ExchangeError(f"sync.exchange {url!r}: endpoint must be an http(s):// URL, got {endpoint!r}")
+        raise ExchangeError(f"sync.exchange.url {url!r}: endpoint must be an http(s):// URL, got {endpoint!r}")
     prefix = parts.path.strip("/")
     if prefix:
         try:
             _check_key(prefix)
         except ValueError:
-            raise ExchangeError(f"sync.exchange {url!r}: malformed prefix {prefix!r}") from None
+            raise ExchangeError(f"sync.exchange.url {url!r}: malformed prefix {prefix!r}") from None
     return parts.netloc, prefix + "/" if prefix else "", endpoint
 
 
@@ -122,7 +122,7 @@ class S3Exchange:
         except (self._BotoCoreError, self._ClientError) as e:
             raise self._error("open the bucket", None, e) from e
         except ValueError as e:  # botocore's "Invalid endpoint", a bad region name
-            raise ExchangeError(f"sync.exchange {self.url!r}: malformed endpoint or region ({self._where()}): {e}") from None
+            raise ExchangeError(f"sync.exchange.url {self.url!r}: malformed endpoint or region ({self._where()}): {e}") from None
 
     @classmethod
     def from_url(cls, url: str) -> S3Exchange:
@@ -138,9 +138,9 @@ class S3Exchange:
         return self.prefix + _check_key(key)
 
     def _error(self, op: str, key: str | None, err: Exception) -> ExchangeError:
-        """A failure as an ExchangeError naming ``sync.exchange``, the URL and what to check."""
+        """A failure as an ExchangeError naming ``sync.exchange.url``, the URL and what to check."""
         what = f"{op} {key!r}" if key is not None else op
-        where = f"sync.exchange {self.url!r}: cannot {what}"
+        where = f"sync.exchange.url {self.url!r}: cannot {what}"
         if isinstance(err, self._ClientError):
             code, status = _code(err), _status(err)
             # HeadBucket's 404 has no body (code "404"); other calls name NoSuchBucket.
@@ -187,7 +187,7 @@ class S3Exchange:
                     return self._ours_after_resend(key, data, e)
                 time.sleep(_CONFLICT_BACKOFF_S * (2**attempt) * (0.5 + random.random()))
         raise ExchangeError(
-            f"sync.exchange {self.url!r}: cannot create {key!r}: {_CONFLICT_TRIES} conditional writes "
+            f"sync.exchange.url {self.url!r}: cannot create {key!r}: {_CONFLICT_TRIES} conditional writes "
             "in a row met a conflicting write (409 ConditionalRequestConflict)"
         )
 

@@ -14,7 +14,7 @@ was merged into θ̄ without a word. So:
   θ̄ hash equal to the closer's θ̄_{r-1}, its wire (``packed.check_post``) and its arrays' shapes.
   A post that fails is left out of the round; the manifest says why (``Manifest.rejected``) and
   the round's record carries it. A worker whose post was left out is late (its steps carried
-  into its next post, ``sync.late_posts``).
+  into its next post, ``sync.exchange.late_posts``).
 
 Objects of a run started before seals existed (no ``run`` in ``run/start.json``) are read as they
 are: without an id there is nothing to compare, and their checksums are the .npz's own CRCs.

@@ -8,7 +8,7 @@ step program, the data (its slot's rows of the global batch), the exchange. Then
 
     join: the newest round state (published, then replayed up to the newest manifest)
     until the token budget is spent:
-        local steps for sync.tau_time seconds (a lock-step rule: sync.tau steps)
+        local steps for sync.time.tau seconds (a lock-step rule: sync.tau steps)
         post Δ = θ̄ − θ_i to round r; wait for round r's manifest (closing it when due)
         apply round r (and any it missed); restart from θ̄ (a late post: carried or dropped)
 
@@ -70,17 +70,17 @@ class RoundMismatch(RuntimeError):
 class ElasticWorker(LocalTraining, RoundRecovery):
     def __init__(self, cfg: Config, worker: int, run_dir: str, say=print, exchange: Exchange | None = None):
         self.cfg = cfg
-        if not cfg.sync.exchange and exchange is None:
-            raise ValueError("sync.exchange: required for an elastic worker (a directory or s3://bucket/prefix)")
+        if not cfg.sync.exchange.url and exchange is None:
+            raise ValueError("sync.exchange.url: required for an elastic worker (a directory or s3://bucket/prefix)")
         if not 0 <= worker < cfg.mesh.replica:
             raise ValueError(f"--worker: expected a worker slot 0..{cfg.mesh.replica - 1} (mesh.replica slots), got {worker}")
         self.me, self.run_dir, self.say = worker, run_dir, say
-        if problem := exchange_problem(run_dir, cfg.sync.exchange):  # before the exchange is opened (which makes it)
+        if problem := exchange_problem(run_dir, cfg.sync.exchange.url):  # before the exchange is opened (which makes it)
             raise NotAdmitted(problem)
-        # Storage faults waited out for sync.exchange_patience (patience.py), the open included.
-        self.ex = exchange or open_patient(cfg.sync.exchange, cfg.sync.exchange_patience, say, f"edit-jax worker {worker}")
+        # Storage faults waited out for sync.exchange.patience (patience.py), the open included.
+        self.ex = exchange or open_patient(cfg.sync.exchange.url, cfg.sync.exchange.patience, say, f"edit-jax worker {worker}")
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
-        every_s, quiet_s = beat_interval(cfg.sync.grace)
+        every_s, quiet_s = beat_interval(cfg.sync.exchange.grace)
         self.heartbeat, self.watch = Heartbeat(self.ex, worker, self.owner, every_s), BeatWatch(quiet_s)
         # Admitted before anything is written (no run-dir file, record or post): the run's config,
         # with the run's `steps`, or NotAdmitted (admission.py); then its slot, before any work.
@@ -101,7 +101,7 @@ class ElasticWorker(LocalTraining, RoundRecovery):
         self.val = val_batches(corpus, cfg.data.seq_len, cfg.batch_size // cfg.mesh.replica, cfg.eval_batches) if cfg.eval_batches else []
         self.codec = Codec.from_sync(cfg.sync)
         self.wire = self.codec.name  # what the posts and records carry
-        self.outer = OuterRound(self.plan, self.codec, cfg.sync.carried_weight, self.exe)
+        self.outer = OuterRound(self.plan, self.codec, cfg.sync.exchange.carried_weight, self.exe)
         self._encode = jax.jit(lambda d, e: PK.encode_post(d, e, self.codec, self.outer.layerwise))
         self.my_flags: dict[int, list] = {}  # round -> this worker's per-unit flags (packed posts' residual)
         self.applied: tuple | None = None  # the last round applied here: (manifest, posts without Δ, figures)
@@ -232,13 +232,15 @@ class ElasticWorker(LocalTraining, RoundRecovery):
                      **({"published_for": published_for} if published_for is not None else {})})
         before = (new.tally - sum(p.steps_since for p in posts)) // slots
         crossed = lambda every: new.finished or (every > 0 and step // every > before // every)  # noqa: E731
+        model = self.outer.flushed(new) if crossed(self.cfg.checkpoint_every) or crossed(self.cfg.eval_every) else new
         if crossed(self.cfg.checkpoint_every):  # what `edit-jax sample / export` read (rundir/trained.py)
-            self.save_model(new)
+            self.save_model(model)
         if self.val and crossed(self.cfg.eval_every):
-            self.record({"step": step, "val_loss": self.evaluate(new.theta), "round": new.round})
+            self.record({"step": step, "val_loss": self.evaluate(model.theta), "round": new.round})
 
     def save_model(self, state: R.RoundState) -> None:
-        """The round state as ``RUN/exchange_state.npz`` (written aside, then renamed over)."""
+        """The round state as ``RUN/exchange_state.npz`` (written aside, then renamed over): the run's
+        model, what its rule had in flight applied (``OuterRound.flushed``: CO2's last round)."""
         path = os.path.join(self.run_dir, EXCHANGE_STATE)
         replace_file(path, state.encode(), tmp=f"{path}.w{self.me}.tmp")
 
@@ -253,8 +255,8 @@ class ElasticWorker(LocalTraining, RoundRecovery):
         except R.BadObject:
             m = None
         if m is None or not m.closed_at:
-            return self.cfg.sync.tau_time
-        return min(self.cfg.sync.tau_time, max(0.0, self.cfg.sync.tau_time - (time.time() - m.closed_at)))
+            return self.cfg.sync.time.tau
+        return min(self.cfg.sync.time.tau, max(0.0, self.cfg.sync.time.tau - (time.time() - m.closed_at)))
 
     def announce(self, r: int) -> None:
         """Round r will wait for this worker (``rounds.expected``); the announcement names this
@@ -264,7 +266,7 @@ class ElasticWorker(LocalTraining, RoundRecovery):
 
     def check_slot_free(self) -> None:
         """Refuses to start on a slot another live process announced on (``rounds.live_owner``)."""
-        other = R.live_owner(self.ex, self.me, self.owner, 2 * (self.cfg.sync.tau_time + self.cfg.sync.grace))
+        other = R.live_owner(self.ex, self.me, self.owner, 2 * (self.cfg.sync.time.tau + self.cfg.sync.exchange.grace))
         if other:
             raise SlotInUse(f"--worker {self.me}: slot {self.me} of exchange {self.ex.url} is in use by "
                             f"{other} (host:pid); pick another slot (0..{self.cfg.mesh.replica - 1}) or stop it")
@@ -297,13 +299,13 @@ class ElasticWorker(LocalTraining, RoundRecovery):
 
     def patience(self, posted_at: float) -> float:
         """How long after its post this worker waits for the others before it closes the round
-        without them: ``sync.grace``; for a lock-step rule, plus this worker's last round (post to
+        without them: ``sync.exchange.grace``; for a lock-step rule, plus this worker's last round (post to
         post). Lock-step rounds close on posts: with the grace alone, a worker whose tau steps take
         more than a grace longer (a restart compiling beside it, one resumed after a stop) posts to
         a round already closed, carries its steps, and is late again at the next round: the fastest
         worker ran alone for minutes under the kill loop (docs/benchmarks/elastic.md). Awaiting a
         round's length more keeps a worker up to one round slower in every round."""
-        grace = self.cfg.sync.grace
+        grace = self.cfg.sync.exchange.grace
         if self.plan.rule.asynchronous or self.last_posted_at is None:
             return grace
         return grace + max(posted_at - self.last_posted_at, 0.0)
@@ -355,7 +357,7 @@ class ElasticWorker(LocalTraining, RoundRecovery):
         local.state = self.restart_from(shared, local.state, count=local.done)
         if self.wire != "none":  # the residual lives in this process: zeros, unless its saved progress resumes
             local.residual = PK.zero_residual(shared.theta, self.outer.layerwise, self.codec)
-        resumed = self.cfg.sync.progress_every > 0 and self.resume_progress(shared, local)
+        resumed = self.cfg.sync.exchange.progress_every > 0 and self.resume_progress(shared, local)
         wire = {"wire": self.wire, "residual": "saved" if resumed else "zeros"} if self.wire != "none" else {}
         self.record({"step": shared.global_step, "worker": self.me, "joined": shared.round, **self.caught_up, **wire})
         self.say(f"edit-jax worker {self.me}: joined at round {shared.round} (data cursor {local.done})")
@@ -381,7 +383,7 @@ class ElasticWorker(LocalTraining, RoundRecovery):
                 local.since, local.carried = 0, 0
                 continue
             # Late: the round closed without this worker's post (it was stopped, or slow).
-            carry = self.cfg.sync.late_posts == "carry"
+            carry = self.cfg.sync.exchange.late_posts == "carry"
             # (a packed post not used sent nothing: the residual stays what it was before it)
             delta = jax.tree.unflatten(jax.tree.structure(shared.theta), delta) if carry else None
             local.state = self.restart_from(shared, local.state, delta=delta, stale=True)
@@ -390,7 +392,7 @@ class ElasticWorker(LocalTraining, RoundRecovery):
             else:
                 local.since = 0
             self.record({"step": shared.global_step, "worker": self.me, "late_post": post.round,
-                         "late_steps": post.steps_since, "late_posts": self.cfg.sync.late_posts, "caught_up_to": shared.round})
+                         "late_steps": post.steps_since, "late_posts": self.cfg.sync.exchange.late_posts, "caught_up_to": shared.round})
         self.hand_over_last(shared)
         self.record({"step": shared.global_step, "worker": self.me, "finished_round": shared.round,
                      "theta_hash": shared.digest()})

@@ -125,17 +125,20 @@ def from_method(method: str, **sync_fields) -> LocalSGDRule:
     (a ``ConfigError`` naming ``sync.<field>``)."""
     if method not in methods.METHODS:
         raise ValueError(f"method: expected one of {', '.join(methods.METHODS)}, got {method!r}")
-    for key in [k for k in sync_fields if f"sync.{k}" in RENAMED]:  # a field that moved into a section
+    for key in [k for k in sync_fields if f"sync.{k}" in RENAMED  # a field that moved into a section
+                and not dataclasses.is_dataclass(sync_fields[k])]:  # (not the section named as it was: exchange)
         _, section, name = new_key(f"sync.{key}").split(".")
+        value = sync_fields.pop(key)  # (first: the URL's old key is its section's name)
         current = sync_fields.get(section, getattr(SyncConfig(), section))
-        sync_fields[section] = dataclasses.replace(current, **{name: sync_fields.pop(key)})
+        sync_fields[section] = dataclasses.replace(current, **{name: value})
     fields = {f.name for f in dataclasses.fields(SyncConfig)}
     bad = sorted(set(sync_fields) - fields)
     if bad:
         raise ValueError(f"from_method: unknown sync field(s) {bad} (SyncConfig's fields)")
+    default = SyncConfig()
     for key, why in (("fragments", "streaming fragments"), ("warmup_steps", "a synchronous warmup"),
                      ("exchange", "the exchange")):
-        if key in sync_fields and sync_fields[key] != getattr(SyncConfig, key):
+        if key in sync_fields and sync_fields[key] != getattr(default, key):
             raise ValueError(f"sync.{key}: {why} is the trainer's (edit-jax train), not built into LocalSGD")
     cfg = Config(sync=SyncConfig(method=method, **sync_fields))
     if not methods.keeps_outer(method):

@@ -54,8 +54,8 @@ class Compressed(RuleWrapper):
                 f"must be one of {', '.join(EF_DTYPES)}, got {w.residual_dtype!r}")
         require(w.residual_dtype == "float32" or w.error_feedback, "sync.wire.residual_dtype",
                 f"stores the residual: needs {ef}=true")
-        require(w.residual_dtype == "float32" or not s.exchange, "sync.wire.residual_dtype",
-                "bfloat16 halves the device-resident residual of the in-program sync; exchange workers (sync.exchange) "
+        require(w.residual_dtype == "float32" or not s.exchange.url, "sync.wire.residual_dtype",
+                "bfloat16 halves the device-resident residual of the in-program sync; exchange workers (sync.exchange.url) "
                 "keep theirs in host memory as float32, bit for bit the in-program float32 sync: leave it float32")
         require(w.kind not in BITS or w.error_feedback, ef,
                 f"sync.wire.kind={w.kind} sends {w.k} of every {w.chunk} values: without the "

@@ -299,7 +299,7 @@ def plan_for(cfg: Config) -> MethodPlan:
     outer = rule.outer_spec(OuterSpec(o.optimizer, o.lr, o.momentum, o.nesterov, o.b2))
     plan = Plan(m.name, rule, rule.in_forward, penalty, outer)
     if rule.asynchronous:
-        schedule = TimeSchedule(rule.keeps_outer, rule.in_forward, s.warmup_steps, s.tau_time, s.min_total_steps,
+        schedule = TimeSchedule(rule.keeps_outer, rule.in_forward, s.warmup_steps, s.time.tau, s.time.min_total_steps,
                                 cfg.steps * cfg.mesh.replica)
     else:
         schedule = StepSchedule(rule.keeps_outer, rule.in_forward, s.warmup_steps, s.tau, fragments=s.fragments)

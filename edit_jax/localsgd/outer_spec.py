@@ -46,7 +46,7 @@ class Penalty:
     def from_config(s: SyncConfig) -> "Penalty":
         p = s.penalty
         return Penalty(p.anomaly, p.anomaly_alpha, p.anomaly_warmup, p.anomaly_threshold, p.weighting,
-                       p.temperature, p.clip, p.clip_threshold, s.step_weight_ratio)
+                       p.temperature, p.clip, p.clip_threshold, s.time.step_weight_ratio)
 
 
 __all__ = ["OuterSpec", "Penalty", "OUTER_OPTIMIZERS"]

@@ -15,8 +15,9 @@ A rule owns:
 
 - its part of the outer state: ``OuterState.extra`` is the rule's own subtree (None for most; CO2's
   in-flight pseudo gradients; the compressed wrapper's error-feedback residuals), with its
-  ``init_extra``, ``extra_specs``, ``remap_extra`` (elastic resume) and ``extra_from_format2``
-  (checkpoints written before rules owned their subtree);
+  ``init_extra``, ``extra_specs``, ``remap_extra`` (elastic resume), ``extra_from_format2``
+  (checkpoints written before rules owned their subtree) and ``pooled_extra`` / ``spread_extra``
+  (what the exchange's round state keeps of it between rounds whose workers differ);
 - its hyperparameters (CO2's staleness-gap penalty and momentum clamp: ``build`` reads them from
   the sync config, ``outer_spec`` adds the clamp to the outer optimizer);
 - its timing: where it runs (``in_forward``: inside the forward, else after the step) and when
@@ -142,6 +143,16 @@ class SyncRule:
         """The inverse: the format-2 fields this rule's subtree was saved as."""
         return {}
 
+    def pooled_extra(self, extra: Any) -> Any:
+        """The subtree of a sync's N workers ([N, ...]) as the one value a driver whose workers
+        change from sync to sync keeps until the next (the exchange's round state). None: nothing to
+        keep (no subtree, or one that stays with each worker, as error feedback's residual does)."""
+        return None
+
+    def spread_extra(self, pooled: Any, n: int) -> Any:
+        """``pooled_extra``'s value as the subtree of the next sync's ``n`` workers."""
+        return None
+
     # -- the sync --------------------------------------------------------------------------------
 
     def after_step(self, params, outer, opt_state, spec: SyncSpec, shares=None, span: Span | None = None,
@@ -214,6 +225,12 @@ class RuleWrapper(SyncRule):
 
     def extra_as_format2(self, extra):
         return self.rule.extra_as_format2(extra)
+
+    def pooled_extra(self, extra):
+        return self.rule.pooled_extra(extra)
+
+    def spread_extra(self, pooled, n: int):
+        return self.rule.spread_extra(pooled, n)
 
     def after_step(self, *args, **kw):
         return self.rule.after_step(*args, **kw)

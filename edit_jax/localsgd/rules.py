@@ -38,7 +38,7 @@ def validate(cfg: Config) -> None:
                 require(value == default, f"sync.{owner.owned_section}.{f.name}",
                         f"is used by method {_methods_of(lambda r: _holds(r, owner))} only (method is {s.method!r}); "
                         f"got {value}")
-    if s.exchange:
+    if s.exchange.url:
         validate_exchange(cfg, rule)
     rule.check_config(cfg)
 
@@ -48,28 +48,28 @@ def validate_exchange(cfg: Config, rule: SyncRule) -> None:
     worker slots (each its rows of the global batch), ``mesh.processes`` of them started by the
     launcher, the rest by hand. A round's outer step is the rule's, on the host: rounds by wall
     clock for a timed rule (A-EDiT), else after ``sync.tau`` steps of each worker (DiLoCo, EDiT,
-    Post Local SGD). A rule with state of its own per worker in the round (CO2's pseudo gradients in
-    flight) is not built for it."""
+    Post Local SGD, CO2: its pseudo gradients in flight kept in the round state as their mean,
+    ``SyncRule.pooled_extra``)."""
     mesh, s = cfg.mesh, cfg.sync
     def exchangeable(r: SyncRule) -> bool:
-        return r.keeps_outer and not _holds(r, StaleSync)
-    require(exchangeable(rule), "sync.exchange",
+        return r.keeps_outer
+    require(exchangeable(rule), "sync.exchange.url",
             f"workers meeting through an exchange run method {_methods_of(exchangeable)}, got method={s.method}")
     require(1 <= mesh.processes <= mesh.replica, "mesh.processes",
-            f"with sync.exchange: the workers the launcher starts, 1..mesh.replica={mesh.replica} (the worker "
+            f"with sync.exchange.url: the workers the launcher starts, 1..mesh.replica={mesh.replica} (the worker "
             f"slots), got {mesh.processes}")
     require(s.warmup_steps == 0, "sync.warmup_steps",
-            "must be 0 with sync.exchange: the synchronous warmup is a collective across all workers, which the "
+            "must be 0 with sync.exchange.url: the synchronous warmup is a collective across all workers, which the "
             f"exchange exists to avoid (a fault in it stops everyone); got {s.warmup_steps}")
-    require(s.fragments == 1, "sync.fragments", f"with sync.exchange a round syncs every unit; got {s.fragments}")
-    require(cfg.max_seconds == 0, "max_seconds", "not with sync.exchange: stop a worker with a signal (the "
+    require(s.fragments == 1, "sync.fragments", f"with sync.exchange.url a round syncs every unit; got {s.fragments}")
+    require(cfg.max_seconds == 0, "max_seconds", "not with sync.exchange.url: stop a worker with a signal (the "
             "others go on), the run ends at its token budget (steps x mesh.replica)")
     require(s.wire.kind in ("none", "topk2", "topk4"), "sync.wire.kind",
-            "with sync.exchange a post is float32 (none) or the sparse wire's packed rows (topk2, topk4; "
+            "with sync.exchange.url a post is float32 (none) or the sparse wire's packed rows (topk2, topk4; "
             "elastic/packed.py); int8 / bf16 posts are not built (in-program int8 at N >= 3 requantizes the "
             f"reduced chunk, which has no counterpart when every worker sums the posts itself), got {s.wire.kind}")
     require(s.outer_sharding == "shard" and not s.cpu_offload, "sync.outer_sharding",
-            "with sync.exchange θ̄ and the outer state live in each worker's host memory (leave sync.outer_sharding"
+            "with sync.exchange.url θ̄ and the outer state live in each worker's host memory (leave sync.outer_sharding"
             "=shard, sync.cpu_offload=false)")
 
 

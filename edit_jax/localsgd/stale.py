@@ -143,6 +143,16 @@ class StaleSync(SyncRule):
     def extra_as_format2(self, extra):
         return {"pending": extra["pending"]}
 
+    # The exchange's rounds (elastic/outer_round.py) change workers from round to round: what the
+    # next round applies is the mean of this round's pending (sync_stale sums the workers' and
+    # divides by their count), so the round state keeps the mean and hands each worker of the next
+    # round a copy. With the same workers in both rounds, the trainer's result (up to rounding).
+    def pooled_extra(self, extra):
+        return {"pending": jax.tree.map(lambda x: jnp.mean(x, axis=0), extra["pending"])}
+
+    def spread_extra(self, pooled, n: int):
+        return {"pending": jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)), pooled["pending"])}
+
     # -- the sync --------------------------------------------------------------------------------
 
     def after_step(self, params, outer, opt_state, spec: SyncSpec, shares=None, span: Span | None = None,

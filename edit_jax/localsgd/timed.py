@@ -17,7 +17,7 @@ from edit_jax.localsgd.rule import RuleWrapper, SyncRule
 
 
 class Timed(RuleWrapper):
-    """``rule``'s sync every ``sync.tau_time`` seconds; workers step at their own pace."""
+    """``rule``'s sync every ``sync.time.tau`` seconds; workers step at their own pace."""
 
     def __init__(self, rule: SyncRule):
         super().__init__(rule)
@@ -35,17 +35,11 @@ class Timed(RuleWrapper):
     @staticmethod
     def validate_fields(s: SyncConfig) -> None:
         """The timing fields' ranges (whatever the method: a bad value is a mistake either way)."""
-        require(s.tau_time > 0, "sync.tau_time", f"must be positive, got {s.tau_time}")
-        require(s.min_total_steps >= 1, "sync.min_total_steps", f"must be >= 1, got {s.min_total_steps}")
-        require(0.0 <= s.step_weight_ratio <= 1.0, "sync.step_weight_ratio",
-                f"must be in [0, 1], got {s.step_weight_ratio}")
-        require(s.grace > 0, "sync.grace", f"must be positive (seconds a round waits for posts), got {s.grace}")
-        require(s.late_posts in ("carry", "drop"), "sync.late_posts", f"expected carry or drop, got {s.late_posts!r}")
-        require(s.progress_every >= 0, "sync.progress_every", f"must be >= 0 seconds (0: off), got {s.progress_every}")
-        require(0.0 <= s.carried_weight <= 1.0, "sync.carried_weight",
-                f"must be in [0, 1] (1: carried steps count as fresh ones), got {s.carried_weight}")
-        require(not s.progress_every or s.exchange, "sync.progress_every",
-                "saves an exchange worker's unposted steps: set sync.exchange too, or 0")
+        t = s.time
+        require(t.tau > 0, "sync.time.tau", f"must be positive, got {t.tau}")
+        require(t.min_total_steps >= 1, "sync.time.min_total_steps", f"must be >= 1, got {t.min_total_steps}")
+        require(0.0 <= t.step_weight_ratio <= 1.0, "sync.time.step_weight_ratio",
+                f"must be in [0, 1], got {t.step_weight_ratio}")
 
     @staticmethod
     def validate(cfg: Config) -> None:
@@ -56,7 +50,7 @@ class Timed(RuleWrapper):
         mesh, s = cfg.mesh, cfg.sync
         require(s.fragments == 1, "sync.fragments",
                 f"staggered fragments follow the step count (every tau steps); method {s.method} syncs by wall clock")
-        if s.exchange:  # workers as separate programs: the exchange's rules (``rules.validate_exchange``)
+        if s.exchange.url:  # workers as separate programs: the exchange's rules (``rules.validate_exchange``)
             return
         require(mesh.processes == mesh.replica and mesh.replica > 1, "mesh.processes",
                 f"method {s.method} runs one process per worker: set mesh.processes=mesh.replica={mesh.replica} "

@@ -24,6 +24,8 @@ import stat
 import time
 from typing import Callable
 
+from edit_jax.config.renames import quiet, upgrade
+
 LOCK_NAME = "run.lock"
 
 
@@ -211,20 +213,20 @@ def _same_exchange(a: str, b: str) -> bool:
 
 
 def exchange_problem(run_dir: str, exchange: str) -> str | None:
-    """Why ``run_dir`` is not the dir of a run on ``exchange`` (``sync.exchange``; "": an in-program
+    """Why ``run_dir`` is not the dir of a run on ``exchange`` (``sync.exchange.url``; "": an in-program
     run): its ``config.json`` names another exchange, or none (an in-program run's), or one (for an
     in-program run). A run dir holds one run's records: an exchange run's launcher and workers write
     it (elastic/admission.py), an in-program run its own. None when it has no readable config.json."""
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
-            theirs = json.load(f).get("sync", {}).get("exchange", "") or ""
+            theirs = upgrade(json.load(f), quiet).get("sync", {}).get("exchange", {}).get("url", "") or ""
     except (OSError, ValueError, AttributeError):
         return None
     if _same_exchange(theirs, exchange):
         return None
-    what = f"sync.exchange={theirs}" if theirs else "no sync.exchange (an in-program run)"
-    mine = exchange or "an in-program run (no sync.exchange)"
-    return (f"sync.exchange: run dir {run_dir!r} belongs to another run ({what}, its config.json), not "
+    what = f"sync.exchange.url={theirs}" if theirs else "no sync.exchange.url (an in-program run)"
+    mine = exchange or "an in-program run (no sync.exchange.url)"
+    return (f"sync.exchange.url: run dir {run_dir!r} belongs to another run ({what}, its config.json), not "
             f"{mine}; use another --run-dir, or that exchange")
 
 

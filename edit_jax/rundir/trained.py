@@ -75,7 +75,7 @@ def _older_hint(steps: list[int], step: int) -> str:
 
 
 def load_exchange_state(run_dir: str) -> TrainedModel:
-    """θ̄ of an exchange-mode A-EDiT run (``sync.exchange``): its closer saves the newest round state
+    """θ̄ of an exchange-mode A-EDiT run (``sync.exchange.url``): its closer saves the newest round state
     as ``RUN_DIR/exchange_state.npz`` every ``checkpoint_every`` steps and at the end
     (elastic/worker.py): the leaves of (θ̄, outer state, detectors) and their hash, checked here."""
     path = os.path.join(run_dir, "exchange_state.npz")

@@ -257,7 +257,7 @@ def validate(cfg: Config) -> None:
     support, and ``debug.slowdown`` (A-EDiT's own rules: ``localsgd/timed.py``). No JAX backend:
     checked before JAX starts."""
     mesh = cfg.mesh
-    require(mesh.processes in (1, mesh.replica) or cfg.sync.exchange, "mesh.processes",  # exchange: timed.py
+    require(mesh.processes in (1, mesh.replica) or cfg.sync.exchange.url, "mesh.processes",  # exchange: timed.py
             f"must be 1 (one program drives every replica) or mesh.replica={mesh.replica} (one process per "
             f"worker), got {mesh.processes}")
     require(mesh.heartbeat_seconds >= 1, "mesh.heartbeat_seconds", f"must be >= 1, got {mesh.heartbeat_seconds}")

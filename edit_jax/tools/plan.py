@@ -167,8 +167,8 @@ def plan(cfg, device_memory_gb: float = 80.0, target: GpuTarget | None = None, l
         "steps": steps,
         "tau_window": window,
     }
-    if cfg.sync.exchange:  # what is planned above is the in-program A-EDiT: say what the exchange's workers differ in
-        out["exchange"] = {"url": cfg.sync.exchange, "devices_per_worker": s, "tau_time": cfg.sync.tau_time,
+    if cfg.sync.exchange.url:  # what is planned above is the in-program A-EDiT: say what the exchange's workers differ in
+        out["exchange"] = {"url": cfg.sync.exchange.url, "devices_per_worker": s, "tau_time": cfg.sync.time.tau,
                            "wire": cfg.sync.wire.kind}
     if target is not None:  # the verdict is XLA:GPU's own peak, not the estimate
         peak = max(v["xla_gpu"]["memory"]["peak_bytes"] for v in steps.values())
@@ -213,7 +213,7 @@ def report(p: dict) -> str:
         lines += gpu_plan.report_lines(p)
     if "exchange" in p:
         x = p["exchange"]
-        lines.append(f"exchange: these are the in-program figures. With sync.exchange the workers are separate "
+        lines.append(f"exchange: these are the in-program figures. With sync.exchange.url the workers are separate "
                      f"programs (mesh.shard={x['devices_per_worker']} devices each) meeting through {x['url']}: a "
                      f"worker runs only the 'local' step, sends nothing across replica (a post of its pseudo gradient, "
                      f"wire {x['wire']}, every {x['tau_time']:g} s) and keeps θ̄ and the outer state in host memory, "

@@ -7,7 +7,7 @@
   signal or max_seconds about once a second of steps (``AGREE_S``). The numbers are the same
   either way (tests/test_multiprocess.py).
 - ``AsyncWorkers``: A-EDiT after its warmup (one process per worker). Each worker takes local
-  steps at its own pace, as a program over its own devices only; when ``sync.tau_time`` seconds
+  steps at its own pace, as a program over its own devices only; when ``sync.time.tau`` seconds
   have passed since the last meeting it enters the next one: every worker's step counts are
   exchanged and ``TimeSchedule.decide`` makes one decision, identical everywhere (skip, or run
   EDiT's sync over the global mesh with each worker's share of the steps in the weights).

@@ -153,12 +153,12 @@ def train(cfg: Config, run_dir: str | None = None, *, progress: bool = True, dev
     With ``mesh.processes > 1`` this runs in each of the worker processes (started by launch.py or
     a cluster launcher); process 0 holds the run dir's lock and writes the run's files.
 
-    Raises ``ConfigError`` (also for an exchange run's dir: its config.json names a ``sync.exchange``,
+    Raises ``ConfigError`` (also for an exchange run's dir: its config.json names a ``sync.exchange.url``,
     runlock.py), ``RunDirError`` (run dir not writable), ``RunLockError`` (another run holds it),
     ``DivergedError`` (non-finite state; nothing non-finite saved) besides the input errors.
     """
     validate(cfg)
-    problem = run_dir and exchange_problem(run_dir, cfg.sync.exchange)  # an exchange run's dir is its launcher's
+    problem = run_dir and exchange_problem(run_dir, cfg.sync.exchange.url)  # an exchange run's dir is its launcher's
     if problem:
         raise ConfigError(problem)
     multi = cfg.mesh.processes > 1
