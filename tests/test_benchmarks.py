@@ -18,7 +18,7 @@ import pytest
 from tests.helpers import REPO
 from tests.stages import one_stage
 
-BENCHES = ("bench_data", "bench_edit", "bench_faults", "bench_gpu", "bench_kill", "bench_late_posts", "bench_links",
+BENCHES = ("bench_data", "bench_edit", "codec_roundtrip", "bench_faults", "bench_gpu", "bench_kill", "bench_late_posts", "bench_links",
            "bench_live", "bench_outages", "bench_sample",
            "bench_sparse_wire", "bench_spike", "bench_step", "bench_straggler", "compare_methods", "plan_presets",
            "pool_live", "reproduce_placement", "spike_experiment")
@@ -26,7 +26,7 @@ BENCHES = ("bench_data", "bench_edit", "bench_faults", "bench_gpu", "bench_kill"
 # kill, spike and straggler benches time `edit-jax train` processes, so theirs start processes).
 SMOKE = ("bench_step", "bench_faults", "bench_sample", "plan_presets", "reproduce_placement", "bench_edit",
          "bench_data", "bench_gpu", "spike_experiment", "bench_kill", "bench_spike", "bench_straggler", "bench_links",
-         "bench_sparse_wire", "bench_late_posts", "bench_live", "compare_methods")
+         "bench_sparse_wire", "bench_late_posts", "bench_live", "compare_methods", "codec_roundtrip")
 
 
 def _module(name):
@@ -62,7 +62,8 @@ ONE_STAGE = {"bench_straggler": ("default", 70), "spike_experiment": ("default",
              "bench_sample": ("default", 9), "bench_gpu": ("default", 10), "bench_kill": ("3.12", 58),
              "bench_spike": ("3.12", 16), "bench_edit": ("3.12", 21), "bench_faults": ("3.12", 9),
              "bench_data": ("3.12", 13), "bench_links": ("default", 17), "bench_sparse_wire": ("default", 20),
-             "bench_late_posts": ("default", 25), "bench_live": ("default", 75), "compare_methods": ("3.12", 21)}
+             "bench_late_posts": ("default", 25), "bench_live": ("default", 75), "compare_methods": ("3.12", 21),
+             "codec_roundtrip": ("3.12", 10)}
 
 
 def _stage_skip(name: str) -> None:
@@ -107,6 +108,12 @@ def test_bench_smoke(name, tmp_path, monkeypatch, capsys):
     if name == "bench_faults":  # the loop's own timings (train(on_timing=)): saves and steps seen
         assert result["save"]["async"]["saves"] == 2 and result["save"]["sync"]["saves"] == 2
         assert result["save"]["async"]["normal_median_s"] > 0
+    if name == "codec_roundtrip":  # the candidate within issue 59's bounds; the shipped topk2's outlier error beside
+        table = result["table"]
+        for chunks in ("one outlier in 1e-3 noise", "10 nonzeros (< k)", "at topk2's level boundary",
+                       "Student-t, 1.5 d.o.f. (7 seeds)"):
+            assert max(table[chunks][f"topk{b} candidate"]["one_round_worst"] for b in (2, 4)) <= 0.5, chunks
+        assert table["one outlier in 1e-3 noise"]["topk2"]["one_round_worst"] > 3.5
     if name == "bench_step":  # the one-program experiment over the public StepPrograms.local_step
         assert {"mesh/local", "mesh/one:local"} <= set(result["kinds"])
     if name == "bench_live":  # both runs ended by SIGTERM (130), one kill restarted, the joiner joined
