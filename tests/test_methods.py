@@ -67,13 +67,14 @@ def test_the_rule_of_a_row_decides_its_timing_and_owns_its_hyperparameters(monke
     mp = plan_for(cfg)
     assert isinstance(mp.plan.rule, Timed) and not mp.plan.layerwise and isinstance(mp.schedule, TimeSchedule)
     assert str(mp.schedule.sync_kind()) == "local_then_sync"
-    # The exchange runs every rule that keeps θ̄ but CO2's (its in-flight state is per worker): the
-    # message names them from the table, the registered one included.
+    # The exchange runs every rule that keeps θ̄ (CO2's too, its in-flight state pooled in the round
+    # state): the baseline's refusal names them from the table, the registered one included.
     base = ["mesh.replica=2", "mesh.shard=1", "mesh.processes=2", "sync.exchange.url=/nowhere", "sync.warmup_steps=0"]
-    assert load_config(os.path.join(REPO, "configs/tiny.py"), ["method=diloco", *base]).sync.method == "diloco"
-    names = "post_local_sgd . diloco . edit . a_edit . timed_diloco"
+    for ok in ("diloco", "co2"):
+        assert load_config(os.path.join(REPO, "configs/tiny.py"), [f"method={ok}", *base]).sync.method == ok
+    names = "post_local_sgd . diloco . edit . a_edit . co2 . timed_diloco"
     with pytest.raises(ConfigError, match=f"sync.exchange.*method {names}"):
-        load_config(os.path.join(REPO, "configs/tiny.py"), ["method=co2", *base])
+        load_config(os.path.join(REPO, "configs/tiny.py"), ["method=baseline", *base])
 
 
 def test_only_fields_the_user_set_are_announced():
