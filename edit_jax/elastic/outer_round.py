@@ -176,8 +176,7 @@ class OuterRound:
         host = lambda t: jax.tree.map(np.asarray, t)  # noqa: E731
         units = as_units(theta, self.layerwise)
         extra = self.rule.init_extra(jax.tree.map(lambda x: x[None], units))  # one worker's: nothing in flight
-        pooled = self._pool(extra) if extra is not None else None
-        return RoundState(0, host(theta), host(outer_opt), host(det), 0, [0] * slots, extra=host(pooled))
+        return RoundState(0, host(theta), host(outer_opt), host(det), 0, [0] * slots, extra=host(self._pool(extra)))
 
     def apply(self, state: RoundState, posts: list[Post]) -> tuple[RoundState, dict]:
         """Round state r from r - 1 and the round's posts (in sorted worker order)."""

@@ -232,10 +232,11 @@ class ElasticWorker(LocalTraining, RoundRecovery):
                      **({"published_for": published_for} if published_for is not None else {})})
         before = (new.tally - sum(p.steps_since for p in posts)) // slots
         crossed = lambda every: new.finished or (every > 0 and step // every > before // every)  # noqa: E731
-        model = self.outer.flushed(new) if crossed(self.cfg.checkpoint_every) or crossed(self.cfg.eval_every) else new
-        if crossed(self.cfg.checkpoint_every):  # what `edit-jax sample / export` read (rundir/trained.py)
+        save, evaluate = crossed(self.cfg.checkpoint_every), self.val and crossed(self.cfg.eval_every)
+        model = self.outer.flushed(new) if save or evaluate else new  # (CO2: its last round applied)
+        if save:  # what `edit-jax sample / export` read (rundir/trained.py)
             self.save_model(model)
-        if self.val and crossed(self.cfg.eval_every):
+        if evaluate:
             self.record({"step": step, "val_loss": self.evaluate(model.theta), "round": new.round})
 
     def save_model(self, state: R.RoundState) -> None:
