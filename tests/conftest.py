@@ -16,6 +16,11 @@ if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = _flags
 
+# No compiling ahead (train.compile_ahead): the tests' short runs use few of a run's programs, and
+# compiling all of them would cost each run seconds; tests/test_compile_ahead.py turns it on. The
+# CLI processes the tests start inherit it.
+os.environ.setdefault("EDIT_JAX_COMPILE_AHEAD", "0")
+
 # One JAX compilation cache for the whole session (edit_jax/runtime/compile_cache.py: "auto" means
 # $EDIT_JAX_COMPILE_CACHE when set): the tests train the same tiny programs again and again, in
 # this process and in the CLI processes they start, which inherit the variable (BUILD_NOTES §3,

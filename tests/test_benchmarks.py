@@ -18,7 +18,7 @@ import pytest
 from tests.helpers import REPO
 from tests.stages import one_stage
 
-BENCHES = ("bench_data", "bench_edit", "codec_roundtrip", "bench_faults", "bench_gpu", "bench_kill", "bench_late_posts", "bench_links",
+BENCHES = ("bench_compile", "bench_data", "bench_edit", "codec_roundtrip", "bench_faults", "bench_gpu", "bench_kill", "bench_late_posts", "bench_links",
            "bench_live", "bench_outages", "bench_sample",
            "bench_sparse_wire", "bench_spike", "bench_step", "bench_straggler", "compare_methods", "plan_presets",
            "pool_live", "reproduce_placement", "spike_experiment")
@@ -26,7 +26,7 @@ BENCHES = ("bench_data", "bench_edit", "codec_roundtrip", "bench_faults", "bench
 # kill, spike and straggler benches time `edit-jax train` processes, so theirs start processes).
 SMOKE = ("bench_step", "bench_faults", "bench_sample", "plan_presets", "reproduce_placement", "bench_edit",
          "bench_data", "bench_gpu", "spike_experiment", "bench_kill", "bench_spike", "bench_straggler", "bench_links",
-         "bench_sparse_wire", "bench_late_posts", "bench_live", "compare_methods", "codec_roundtrip")
+         "bench_sparse_wire", "bench_late_posts", "bench_live", "compare_methods", "codec_roundtrip", "bench_compile")
 
 
 def _module(name):
@@ -63,7 +63,7 @@ ONE_STAGE = {"bench_straggler": ("default", 70), "spike_experiment": ("default",
              "bench_spike": ("3.12", 16), "bench_edit": ("3.12", 21), "bench_faults": ("3.12", 9),
              "bench_data": ("3.12", 13), "bench_links": ("default", 17), "bench_sparse_wire": ("default", 20),
              "bench_late_posts": ("default", 25), "bench_live": ("default", 75), "compare_methods": ("3.12", 21),
-             "codec_roundtrip": ("3.12", 10)}
+             "codec_roundtrip": ("3.12", 10), "bench_compile": ("default", 40)}
 
 
 def _stage_skip(name: str) -> None:
@@ -114,6 +114,11 @@ def test_bench_smoke(name, tmp_path, monkeypatch, capsys):
                        "Student-t, 1.5 d.o.f. (7 seeds)"):
             assert max(table[chunks][f"topk{b} candidate"]["one_round_worst"] for b in (2, 4)) <= 0.5, chunks
         assert table["one outlier in 1e-3 noise"]["topk2"]["one_round_worst"] > 3.5
+    if name == "bench_compile":  # every program of the run, compiled one by one and side by side
+        (one,), (side,) = result["runs"]["one_by_one"], result["runs"]["side_by_side"]
+        programs = {"step hsdp", "evaluation", "save report", "save checksums"}  # (the smoke: tiny's baseline)
+        assert set(one["seconds"]) == set(side["seconds"]) == programs
+        assert 0 < result["longest_s"] <= result["sum_s"] and result["side_by_side_s"] > 0
     if name == "bench_step":  # the one-program experiment over the public StepPrograms.local_step
         assert {"mesh/local", "mesh/one:local"} <= set(result["kinds"])
     if name == "bench_live":  # both runs ended by SIGTERM (130), one kill restarted, the joiner joined

@@ -17,7 +17,8 @@ def test_timings_and_time_across_a_resume(tmp_path):
     train(cfg, str(tmp_path), progress=False, devices=devices, stop_after=2, on_timing=first.append)
     t2 = [json.loads(line)["time"] for line in open(tmp_path / "metrics.jsonl") if "val_loss" in line][-1]
     train(cfg, str(tmp_path), progress=False, devices=devices, on_timing=got.append)
-    assert {r["timing"] for r in first + got} == set(TIMING_KINDS)
+    # (compile_ahead: the suite runs without it, tests/test_compile_ahead.py with it)
+    assert {r["timing"] for r in first + got} == set(TIMING_KINDS) - {"compile_ahead"}
     adv = [r for r in got if r["timing"] == "advance"]
     assert [r["step"] for r in adv] == [3, 4] and adv[0]["includes_compile"]
     assert all(0 <= r["data_s"] <= r["advance_s"] for r in adv)

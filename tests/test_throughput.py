@@ -1,4 +1,4 @@
-"""The speed figures of training records: ``lr``, ``tokens_per_s_per_device`` and ``mfu``."""
+"""The speed figures of training records: ``lr``, ``tokens_per_s_per_device``, ``mfu`` and ``mfu_causal``."""
 
 import math
 
@@ -36,6 +36,8 @@ def test_records_carry_lr_tokens_per_device_and_mfu():
         assert r["lr"] == pytest.approx(_lr(r["step"] - 1, 3e-3, 2, 6, 0.1), rel=1e-6), r
         assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / 4)
         assert r["mfu"] == pytest.approx(_flops_per_token(cfg.model, 32) * r["tokens_per_s"] / (0.5e12 * 4))
+        causal = _flops_per_token(cfg.model, 32) - 6 * cfg.model.n_layers * cfg.model.d_model * 32  # scores halved
+        assert r["mfu_causal"] == pytest.approx(causal * r["tokens_per_s"] / (0.5e12 * 4))
     assert records[0]["lr"] == 0.0 and records[2]["lr"] == pytest.approx(3e-3)
 
 

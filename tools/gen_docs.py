@@ -70,18 +70,26 @@ def config_fields(cls=None, prefix: str = "") -> list[tuple[str, type, str, obje
     out = []
     for f in dataclasses.fields(cls):
         typ = hints[f.name]
-        if dataclasses.is_dataclass(typ):
-            out += config_fields(typ, f"{prefix}{f.name}.")
+        if dataclasses.is_dataclass(typ):  # (the model section: its default family's class, Llama's)
+            out += config_fields(type(f.default_factory()), f"{prefix}{f.name}.")
         else:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            out.append((prefix + f.name, cls, f.name, default))
+            out.append((prefix + f.name, _defining_class(cls, f.name), f.name, default))
     return out
 
 
+def _own_annotations(cls) -> dict:
+    return {s.target.id: s.annotation for s in ast.parse(inspect.getsource(cls)).body[0].body
+            if isinstance(s, ast.AnnAssign)}
+
+
+def _defining_class(cls, name: str):
+    """The class of ``cls``'s MRO whose body declares field ``name`` (a family config's inherited fields)."""
+    return next(c for c in cls.__mro__ if dataclasses.is_dataclass(c) and name in _own_annotations(c))
+
+
 def _type_name(cls, name: str) -> str:
-    text = ast.unparse(next(s.annotation for s in ast.parse(inspect.getsource(cls)).body[0].body
-                            if isinstance(s, ast.AnnAssign) and s.target.id == name))
-    return text
+    return ast.unparse(_own_annotations(cls)[name])
 
 
 def _cell(text: str) -> str:
@@ -91,7 +99,7 @@ def _cell(text: str) -> str:
 def config_page() -> str:
     from edit_jax import config as C
 
-    comments = source_comments(C.__file__)
+    comments = source_comments(C.sections.__file__)
     out = [HEADER, "# Configuration reference\n\n",
            "Every field of `edit_jax/config/sections.py`, as `key=value` on the command line (`edit-jax train ... "
            "sync.tau=8`), in a config file's `get_config()` or in a run's `config.json`. Defaults are the "
@@ -126,12 +134,16 @@ def config_page() -> str:
 RECORDS = {
     "Training (one per `log_every` steps)": {
         "step": "the step just done (1-based)", "loss": "training loss (mean over the workers)",
-        "grad_norm": "global gradient norm before clipping", "lr": "inner learning rate",
+        "grad_norm": "global gradient norm before clipping",
+        "lr": "inner learning rate (its schedule computed on the host: optax's to ~1e-6)",
         "tokens_per_s": "tokens per second of the whole run", "tokens_per_s_per_device": "the same per device",
         "step_time": "seconds per step over the records' window", "kind": "step kind (`hsdp`, `local`, `sync_forward`, ...)",
-        "mfu": "model FLOPs utilisation: on A100 / H100 / H200 or with `log.peak_tflops` set",
+        "mfu": "model FLOPs utilisation: on A100 / H100 / H200 or with `log.peak_tflops` set (attention "
+               "counted whole, PaLM's count)",
+        "mfu_causal": "the same with causal attention's scores counted for the half computed (MaxText's count)",
         "replica_loss": "with several replicas: each replica's loss (`loss` is their mean)",
-        "includes_compile": "`true` when the record's window includes a step kind's first step (its compile)",
+        "includes_compile": "`true` when a program compiled (or loaded from the compile cache) inside the record's "
+                            "window, as JAX reports its compiles; with `train.compile_ahead` (the default) no step's",
         "worker_step_time": "multi-process: each worker's own local step time (shows a straggler)",
     },
     "Sync (`\"sync\": true`, one per sync that ran)": {"step": "the step of the sync", "sync": "`true`"},

@@ -14,11 +14,13 @@ A leaf package (it imports nothing from the rest of ``edit_jax``: every part imp
 
 from edit_jax.config.parse import (ALIASES, apply_overrides, dumps, from_dict, get_field, require, to_dict,
                                    with_fields)
-from edit_jax.config.sections import (COMPRESS, CO2Config, Config, ConfigError, DataConfig, DebugConfig, LogConfig,
-                                      MeshConfig, ModelConfig, OptimConfig, OuterConfig, PenaltyConfig, SpikeConfig,
-                                      SyncConfig, TimeConfig, ExchangeConfig, TrainConfig, WireConfig)
+from edit_jax.config.sections import (COMPRESS, MODEL_CONFIGS, CO2Config, Config, ConfigError, DataConfig, DebugConfig,
+                                      ExchangeConfig, FamilyConfig, LlamaConfig, LogConfig, MeshConfig, ModelConfig,
+                                      OptimConfig, OuterConfig, PenaltyConfig, SpikeConfig, SyncConfig, TimeConfig,
+                                      TrainConfig, WireConfig, model_config_class)
 
-__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "PenaltyConfig",
-           "OuterConfig", "WireConfig", "CO2Config", "TimeConfig", "ExchangeConfig", "DebugConfig", "LogConfig", "TrainConfig", "SpikeConfig",
-           "ConfigError", "COMPRESS", "ALIASES", "apply_overrides", "require", "to_dict", "from_dict", "dumps",
-           "get_field", "with_fields"]
+__all__ = ["Config", "FamilyConfig", "ModelConfig", "LlamaConfig", "MODEL_CONFIGS", "model_config_class", "MeshConfig",
+           "DataConfig", "OptimConfig", "SyncConfig", "PenaltyConfig", "OuterConfig", "WireConfig", "CO2Config",
+           "TimeConfig", "ExchangeConfig", "DebugConfig", "LogConfig", "TrainConfig", "SpikeConfig", "ConfigError",
+           "COMPRESS", "ALIASES", "apply_overrides", "require", "to_dict", "from_dict", "dumps", "get_field",
+           "with_fields"]

@@ -9,7 +9,7 @@ import math
 import os
 
 from edit_jax.config.parse import require
-from edit_jax.config.sections import COMPRESS, Config
+from edit_jax.config.sections import COMPRESS, Config, ModelConfig
 
 INT32 = 2 ** 31 - 1  # the largest count a step's program holds (int32: JAX runs with x64 off)
 
@@ -30,12 +30,11 @@ def check_fields(cfg: Config) -> None:
     (``edit_jax.validate`` runs this first, then them)."""
     m, mesh, d, o, s, sp = cfg.model, cfg.mesh, cfg.data, cfg.optim, cfg.sync, cfg.train.spike
     _require_finite(cfg)
-    for key, val in [("steps", cfg.steps), ("batch_size", cfg.batch_size), ("model.d_model", m.d_model),
-                     ("model.n_layers", m.n_layers), ("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
-                     ("model.ffn_dim", m.ffn_dim), ("model.vocab_size", m.vocab_size), ("mesh.replica", mesh.replica),
+    for key, val in [("steps", cfg.steps), ("batch_size", cfg.batch_size),
+                     ("model.n_layers", m.n_layers), ("model.vocab_size", m.vocab_size), ("mesh.replica", mesh.replica),
                      ("mesh.shard", mesh.shard), ("data.seq_len", d.seq_len), ("log_every", cfg.log_every),
                      ("eval_batches", cfg.eval_batches), ("sync.tau", s.tau), ("keep_checkpoints", cfg.keep_checkpoints),
-                     ("model.scan_unroll", m.scan_unroll), ("data.unit_bytes", d.unit_bytes),
+                     ("data.unit_bytes", d.unit_bytes),
                      ("train.spike.window", sp.window), ("train.spike.mads", sp.mads), ("train.spike.margin", sp.margin)]:
         require(val > 0, key, f"must be positive, got {val}")
     for key, val in [("eval_every", cfg.eval_every), ("checkpoint_every", cfg.checkpoint_every),
@@ -47,19 +46,12 @@ def check_fields(cfg: Config) -> None:
     for key, val in [("steps", cfg.steps), ("optim.warmup_steps", o.warmup_steps), ("optim.decay_steps", o.decay_steps),
                      ("sync.warmup_steps", s.warmup_steps), ("sync.tau", s.tau)]:  # (JAX's integers: x64 is off)
         require(val <= INT32, key, f"steps are counted in int32 on the device: expected at most 2^31 - 1, got {val}")
-    require(m.d_model % m.n_heads == 0, "model.n_heads", f"must divide model.d_model={m.d_model}, got {m.n_heads}")
-    require(m.head_dim % 2 == 0, "model.n_heads", f"head dim d_model/n_heads={m.head_dim} must be even for rotary embeddings")
-    require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", f"must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
     for key, val, allowed in [("model.compute_dtype", m.compute_dtype, ("float32", "bfloat16", "float16")),
-                              ("model.remat_saves", m.remat_saves, ("nothing", "dots", "dots_attention")),
-                              ("model.attention", m.attention, ("auto", "xla", "cudnn")),
                               ("sync.wire.kind", s.wire.kind, COMPRESS),
                               ("sync.outer_sharding", s.outer_sharding, ("shard", "replica_shard"))]:
         require(val in allowed, key, f"expected one of {', '.join(allowed)}, got {val!r}")
-    require(m.attention != "cudnn" or m.compute_dtype in ("bfloat16", "float16"), "model.attention",
-            f"cudnn flash attention needs model.compute_dtype bfloat16 or float16, got {m.compute_dtype!r} "
-            "(use attention=auto or xla)")
-    require(m.loss_chunk >= 0, "model.loss_chunk", f"must be >= 0 (0: the whole sequence), got {m.loss_chunk}")
+    if isinstance(m, ModelConfig):  # (another family checks its own fields: its module's validate)
+        _check_llama(m, mesh.shard)
     require(o.grad_accum > 0, "optim.grad_accum", f"must be positive, got {o.grad_accum}")
     require(o.grad_accum == 1 or cfg.batch_size % (mesh.replica * mesh.shard * o.grad_accum) == 0, "optim.grad_accum",
             f"each device's {cfg.batch_size // max(mesh.replica * mesh.shard, 1)} sequences (batch_size "
@@ -69,9 +61,6 @@ def check_fields(cfg: Config) -> None:
     require(cfg.batch_size % workers == 0, "batch_size",
             f"global batch {cfg.batch_size} must be divisible by mesh.replica x mesh.shard = "
             f"{mesh.replica} x {mesh.shard} = {workers}")
-    # Every parameter is FSDP-sharded over `shard` along one of its dims (see sharding.py).
-    for key, dim in [("model.d_model", m.d_model), ("model.ffn_dim", m.ffn_dim), ("model.vocab_size", m.vocab_size)]:
-        require(dim % mesh.shard == 0, key, f"must be divisible by mesh.shard={mesh.shard} (FSDP shards it), got {dim}")
     require(0.0 < d.val_fraction < 1.0, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
     require(o.lr > 0, "optim.lr", f"must be positive, got {o.lr}")
     require(cfg.max_seconds >= 0, "max_seconds", f"must be >= 0 (0: no time limit), got {cfg.max_seconds}")
@@ -106,6 +95,26 @@ def check_fields(cfg: Config) -> None:
     require(s.wire.kind == "none" or s.outer_sharding == "shard", "sync.wire.kind",
             f"{s.wire.kind!r} needs sync.outer_sharding='shard' (with 'replica_shard' the exchange moves θ_i, not "
             "the pseudo gradient)")
+
+
+def _check_llama(m: ModelConfig, shard: int) -> None:
+    """The "llama" family's own fields: sizes, heads, kernels."""
+    for key, val in [("model.d_model", m.d_model), ("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
+                     ("model.ffn_dim", m.ffn_dim), ("model.scan_unroll", m.scan_unroll)]:
+        require(val > 0, key, f"must be positive, got {val}")
+    require(m.d_model % m.n_heads == 0, "model.n_heads", f"must divide model.d_model={m.d_model}, got {m.n_heads}")
+    require(m.head_dim % 2 == 0, "model.n_heads", f"head dim d_model/n_heads={m.head_dim} must be even for rotary embeddings")
+    require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", f"must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
+    for key, val, allowed in [("model.remat_saves", m.remat_saves, ("nothing", "dots", "dots_attention")),
+                              ("model.attention", m.attention, ("auto", "xla", "cudnn"))]:
+        require(val in allowed, key, f"expected one of {', '.join(allowed)}, got {val!r}")
+    require(m.attention != "cudnn" or m.compute_dtype in ("bfloat16", "float16"), "model.attention",
+            f"cudnn flash attention needs model.compute_dtype bfloat16 or float16, got {m.compute_dtype!r} "
+            "(use attention=auto or xla)")
+    require(m.loss_chunk >= 0, "model.loss_chunk", f"must be >= 0 (0: the whole sequence), got {m.loss_chunk}")
+    # Every parameter is FSDP-sharded over `shard` along one of its dims (see sharding.py).
+    for key, dim in [("model.d_model", m.d_model), ("model.ffn_dim", m.ffn_dim), ("model.vocab_size", m.vocab_size)]:
+        require(dim % shard == 0, key, f"must be divisible by mesh.shard={shard} (FSDP shards it), got {dim}")
 
 
 def _check_compile_cache(value: str) -> None:

@@ -10,7 +10,7 @@ import json
 import typing
 from typing import Any
 
-from edit_jax.config.sections import Config, ConfigError
+from edit_jax.config.sections import Config, ConfigError, FamilyConfig, model_config_class
 
 ALIASES = {"method": "sync.method"}  # `method=NAME` is shorthand for `sync.method=NAME`
 
@@ -54,11 +54,17 @@ def _parse_value(key: str, text: str, typ: Any) -> Any:
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     """Returns a copy of ``cfg`` with ``key=value`` overrides applied (dotted keys)."""
     cfg = from_dict(to_dict(cfg))
+    pairs = []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value (e.g. steps=100)")
         key, text = item.split("=", 1)
-        key = ALIASES.get(key.strip(), key.strip())
+        pairs.append((ALIASES.get(key.strip(), key.strip()), text))
+    # model.family first: it chooses the model section's class, whose fields the other keys name
+    for key, text in sorted(pairs, key=lambda kv: kv[0] != "model.family"):
+        if key == "model.family":
+            cfg.model = _with_family(cfg.model, text)
+            continue
         obj, parts = cfg, key.split(".")
         for depth, part in enumerate(parts):
             types_ = _field_types(type(obj))
@@ -67,6 +73,8 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
                 known = [f"{prefix}.{k}" if prefix else k for k in types_]
                 close = difflib.get_close_matches(key, known, n=3)
                 hint = f"; did you mean {', '.join(close)}?" if close else f"; known keys: {', '.join(known)}"
+                if isinstance(obj, FamilyConfig):  # the keys of the section the family chose
+                    hint = f" (model.family={obj.family!r} takes {type(obj).__name__}){hint}"
                 raise ConfigError(f"unknown config key '{key}'{hint}")
             if depth == len(parts) - 1:
                 if dataclasses.is_dataclass(types_[part]):
@@ -77,6 +85,23 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
                 if not dataclasses.is_dataclass(obj):
                     raise ConfigError(f"config key '{'.'.join(parts[:depth + 1])}' is not a section")
     return cfg
+
+
+def _family_class(d: Any, key: str) -> type:
+    family = d.get("family", FamilyConfig.family) if isinstance(d, dict) else FamilyConfig.family
+    if not isinstance(family, str):
+        raise ConfigError(f"config key '{key}.family': expected str, got {family!r}")
+    return model_config_class(family)
+
+
+def _with_family(model: FamilyConfig, family: str) -> FamilyConfig:
+    """``model`` as family ``family``'s config: the fields every family has carried over, the
+    family's own at their defaults (the keys after ``model.family`` set them)."""
+    cls = model_config_class(family)
+    if type(model) is cls:
+        return dataclasses.replace(model, family=family)
+    common = {f.name: getattr(model, f.name) for f in dataclasses.fields(FamilyConfig)}
+    return cls(**{**common, "family": family})
 
 
 def to_dict(cfg) -> dict:
@@ -93,9 +118,18 @@ def from_dict(d: dict, cls=Config, prefix: str = "") -> Any:
     for k, v in d.items():
         key = f"{prefix}{k}"
         if k not in types_:
+            if issubclass(cls, FamilyConfig):  # e.g. Llama's d_model given to a family of other fields
+                family = d.get("family", "llama")
+                llamas = family != "llama" and model_config_class(family) is model_config_class("llama")
+                unregistered = " (a family with fields of its own registers its class first: models.family.register)" \
+                    if llamas else ""
+                raise ConfigError(f"unknown config key '{key}': model.family={family!r} takes "
+                                  f"{cls.__name__}, whose fields are {', '.join(types_)}{unregistered}")
             raise ConfigError(f"unknown config key '{key}'")
         typ = types_[k]
-        if dataclasses.is_dataclass(typ):
+        if typ is FamilyConfig:  # the model section: the class its family registered
+            kwargs[k] = from_dict(v, _family_class(v, key), key + ".")
+        elif dataclasses.is_dataclass(typ):
             kwargs[k] = from_dict(v, typ, key + ".")
         elif typing.get_origin(typ) is tuple:
             if not isinstance(v, (list, tuple)):

@@ -7,6 +7,7 @@ from ``key=value`` overrides and JSON dicts; ``checks.py`` checks what the field
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 
 class ConfigError(ValueError):
@@ -14,18 +15,39 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class ModelConfig:
+class FamilyConfig:
+    """What every model family's config holds: the fields the training machinery itself reads (the
+    data's vocabulary check, the layer-wise sync's units, the step's dtype, the Hugging Face start).
+    A family with fields of its own subclasses it and registers the class with the family
+    (``models.family.register``); the ``model`` section then parses as that class, chosen by
+    ``model.family``. ``STRUCTURAL``: the fields that shape the params (a checkpoint of another value
+    cannot be restored)."""
+
+    STRUCTURAL: ClassVar[tuple[str, ...]] = ("family", "vocab_size", "n_layers")
+
     family: str = "llama"  # a name in edit_jax.models.family.FAMILIES (the model's module)
     vocab_size: int = 320  # byte tokenizer (256 bytes + EOS) padded to a multiple of 64
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 4  # < n_heads gives grouped-query attention
-    ffn_dim: int = 384
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
+    n_layers: int = 4  # the stacked blocks (the layer-wise sync's units: the root and each layer)
     compute_dtype: str = "float32"  # "bfloat16" on GPU; params are always float32
+    # A Hugging Face Llama directory (config.json + *.safetensors) to start from: its architecture
+    # replaces the llama family's sizes, its weights the random init, for every method (hf/load.py).
+    init_from: str = ""
+
+
+@dataclass
+class ModelConfig(FamilyConfig):
+    """The "llama" family's config (also ``LlamaConfig``): a Llama decoder's sizes and kernels."""
+
+    STRUCTURAL: ClassVar[tuple[str, ...]] = (*FamilyConfig.STRUCTURAL, "d_model", "n_heads", "n_kv_heads", "ffn_dim",
+                                             "tie_embeddings")
+
+    d_model: int = 128  # the residual stream's width
+    n_heads: int = 4  # query heads (head dim = d_model / n_heads, even for the rotary embedding)
+    n_kv_heads: int = 4  # < n_heads gives grouped-query attention
+    ffn_dim: int = 384  # the SwiGLU MLP's hidden width
+    rope_theta: float = 10000.0  # the rotary embedding's base
+    norm_eps: float = 1e-5  # RMSNorm's epsilon
+    tie_embeddings: bool = False  # the output head is the embedding's transpose
     remat: bool = False  # recompute each layer in the backward pass (saves activation memory)
     # What a remat layer keeps beside its input: "nothing" (least memory), "dots" (the projections'
     # outputs: no matmul rerun), "dots_attention" (also cuDNN attention's output and statistics).
@@ -33,7 +55,7 @@ class ModelConfig:
     # Layers per iteration of the layer scan (lax.scan's unroll): 1 keeps one loop body; >= n_layers
     # unrolls the stack completely (no per-layer slicing/stacking copies; longer compiles).
     scan_unroll: int = 1
-    init_std: float = 0.02
+    init_std: float = 0.02  # the random init's standard deviation
     # Attention kernel for jax.nn.dot_product_attention: "xla" (any backend), "cudnn" (cuDNN flash
     # attention: GPU, bf16/fp16; never materialises the [seq, seq] scores), "auto" (cudnn where
     # it applies, else xla; CPU runs xla).
@@ -42,9 +64,6 @@ class ModelConfig:
     # fp32 logits are made, used and dropped (recomputed in the backward), so the step never
     # holds [batch, seq, vocab] fp32 logits: 16 x 4096 x 32000 of them are 8.4 GB per device.
     loss_chunk: int = 1024
-    # A Hugging Face Llama directory (config.json + *.safetensors) to start from: its architecture
-    # replaces the fields above, its weights the random init, for every method (hf/load.py).
-    init_from: str = ""
 
     @property
     def head_dim(self) -> int:
@@ -248,11 +267,15 @@ class TrainConfig:
     # Checkpoints written in the background (orbax async, one process only): a save returns once
     # the arrays are copied to host memory. Off by default: on CPU it was slower (BUILD_NOTES §9).
     async_checkpoint: bool = False
+    # Compile every program the run will use before step 1, side by side in threads (the steps of
+    # each kind, the evaluation, the checkpoint's checks), so no step pays a compile (the first sync
+    # would). $EDIT_JAX_COMPILE_AHEAD=0 turns it off too (the test suite: its short runs use few).
+    compile_ahead: bool = True
 
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: FamilyConfig = field(default_factory=ModelConfig)  # the class model.family registered (Llama's)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -276,8 +299,18 @@ class Config:
 
 
 COMPRESS = ("none", "bf16", "int8", "topk2", "topk4")
+LlamaConfig = ModelConfig
+# model.family -> the class its ``model`` section parses as (``models.family.register`` adds a
+# family's; a family registered without one reads Llama's fields, as every family did before).
+MODEL_CONFIGS: dict[str, type] = {"llama": ModelConfig}
 
 
-__all__ = ["Config", "ModelConfig", "MeshConfig", "DataConfig", "OptimConfig", "SyncConfig", "PenaltyConfig",
-           "OuterConfig", "WireConfig", "CO2Config", "TimeConfig", "ExchangeConfig", "DebugConfig", "LogConfig", "TrainConfig", "SpikeConfig",
-           "ConfigError", "COMPRESS"]
+def model_config_class(family: str) -> type:
+    """The class of the ``model`` section of a config whose ``model.family`` is ``family``."""
+    return MODEL_CONFIGS.get(family, ModelConfig)
+
+
+__all__ = ["Config", "FamilyConfig", "ModelConfig", "LlamaConfig", "MODEL_CONFIGS", "model_config_class", "MeshConfig",
+           "DataConfig", "OptimConfig", "SyncConfig", "PenaltyConfig", "OuterConfig", "WireConfig", "CO2Config",
+           "TimeConfig", "ExchangeConfig", "DebugConfig", "LogConfig", "TrainConfig", "SpikeConfig", "ConfigError",
+           "COMPRESS"]

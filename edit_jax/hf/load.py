@@ -123,11 +123,18 @@ def _overridden(overrides: list[str]) -> dict[str, str]:
     return out
 
 
+def _require_llama(cfg: Config) -> None:
+    if cfg.model.family != "llama":  # the reader maps Llama's config.json and tensors onto Llama's params
+        raise ConfigError(f"config key 'model.init_from': a Hugging Face Llama directory starts the 'llama' family "
+                          f"only, not model.family={cfg.model.family!r}; unset it")
+
+
 def adopt_architecture(cfg: Config, overrides: list[str] = ()) -> Config:
     """``cfg`` with its architecture fields from ``model.init_from`` (unchanged when that is unset).
     A command-line override of such a field that disagrees with the directory is an error naming it."""
     if not cfg.model.init_from:
         return cfg
+    _require_llama(cfg)
     arch = read_architecture(cfg.model.init_from)
     given = _overridden(list(overrides))
     for name, value in arch.items():
@@ -145,6 +152,7 @@ def validate(cfg: Config) -> None:
     path = cfg.model.init_from
     if not path:
         return
+    _require_llama(cfg)
     for name, value in read_architecture(path).items():
         if getattr(cfg.model, name) != value:
             raise ConfigError(f"config key 'model.{name}': {getattr(cfg.model, name)!r}, but model.init_from="

@@ -248,6 +248,23 @@ class TimeSchedule:
         return SyncDecision(run, shares, int(round(total_done / len(steps_done))), finished)
 
 
+def step_kinds(schedule, cfg) -> list[str]:
+    """The step kinds ``schedule`` runs, in first-use order (the warmup, one tau window and a bit).
+    A kind first runs next to the warmup's end or to a fragment group's due step, so only the steps
+    around those are asked (a warmup or tau of 10^9 steps is planned at once, not stepped through)."""
+    kinds = []
+    w, tau, f = schedule.warmup, max(cfg.sync.tau, 1), max(cfg.sync.fragments, 1)
+    horizon = w + 2 * tau + 2
+    due = {0, w, *(w + j for g in range(f) for j in (g * tau // f, tau + g * tau // f))}
+    for k in sorted({k + d for k in due for d in (-1, 0, 1, 2) if 0 <= k + d < horizon}):
+        name = str(schedule.kind(k))
+        if name not in kinds:
+            kinds.append(name)
+    if hasattr(schedule, "sync_kind") and str(schedule.sync_kind()) not in kinds:  # A-EDiT: by wall time
+        kinds.append(str(schedule.sync_kind()))
+    return kinds
+
+
 Schedule = StepSchedule | TimeSchedule  # each answers kind, init_outer_due, outer_is_live
 
 
@@ -328,6 +345,6 @@ def keeps_outer(name: str) -> bool:
     return method(name).keeps_outer
 
 
-__all__ = ["METHODS", "Method", "Plan", "OuterSpec", "Penalty", "MethodPlan", "StepSchedule", "TimeSchedule", "SyncDecision",
+__all__ = ["step_kinds", "METHODS", "Method", "Plan", "OuterSpec", "Penalty", "MethodPlan", "StepSchedule", "TimeSchedule", "SyncDecision",
            "Schedule", "STEP_KINDS", "SYNC_KINDS", "StepKind", "HSDP", "LOCAL",
            "OUTER_OPTIMIZERS", "plan_for", "normalise", "method", "sync_fields_for", "validate", "keeps_outer"]

@@ -22,6 +22,8 @@ the step code reaches the model only through it:
   llama family makes them ``model.loss_chunk`` positions at a time); used where present;
 - optionally ``attention_impl(cfg, backend) -> str``: the attention kernel the family will use on
   ``backend`` ("gpu", "cpu"), which the step programs resolve for their mesh's devices;
+- optionally ``causal_flops_per_token(cfg, seq_len) -> float``: the same FLOPs with causal attention
+  counted for the half it computes (records then carry ``mfu_causal`` beside ``mfu``);
 - ``forward``'s ``layer_segments`` (the streaming sync, ``sync.fragments > 1``): a list of
   ``(n, xs)`` covering the layers in order; the stack is scanned segment by segment, a segment's
   layers with its own hook inputs ``xs`` (None: a segment that only gathers), and ``ys["layers"]``
@@ -33,9 +35,13 @@ model (a user's own Flax model, no config): params ``{"root", "layers"}`` with t
 every unit through the hook, ``hook_xs`` in and ``ys`` out laid out like the params.
 
 The hook is where FSDP gathers a unit and where EDiT syncs it, so any model with this contract
-trains with every method. To add a family: a module with those four functions and one line in
-``FAMILIES``. This module does not import JAX (configs are validated, ``validate`` below, before
-JAX starts).
+trains with every method. To add a family: a module with those four functions and one line,
+``register(name, module, config_class)``. ``config_class`` (a ``config.FamilyConfig`` subclass with
+the family's own fields) is what the config's ``model`` section parses as when ``model.family`` is
+``name``: register before a config of that family is read (without one, the family reads Llama's
+``ModelConfig``). Optionally the module's ``validate(cfg)`` checks its own fields (raising
+``ConfigError`` naming the key) before any work. This module does not import JAX (configs are
+validated, ``validate`` below, before JAX starts).
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Protocol, runtime_checkable
 
-from edit_jax.config import Config, require
+from edit_jax.config import MODEL_CONFIGS, Config, FamilyConfig, ModelConfig, model_config_class, require
 from edit_jax.models import sizes
 
 FAMILIES = {"llama": "edit_jax.models.llama"}
@@ -59,7 +65,7 @@ CONTRACT = ("init_params", "forward", "token_loss_sum", "flops_per_token")  # an
 
 
 Params = Any  # {"root": {...}, "layers": {... every leaf stacked on a leading layer axis ...}}
-OPTIONAL = ("loss_sum", "attention_impl")  # used where a family has them
+OPTIONAL = ("loss_sum", "attention_impl", "validate", "causal_flops_per_token")  # used where a family has them
 
 
 class Hook(Protocol):
@@ -122,13 +128,34 @@ def model_family(name: str) -> ModuleType:
     return module
 
 
+def register(name: str, module: str, config_class: type | None = None) -> None:
+    """Adds family ``name``: ``module`` (an importable module path) meets the contract;
+    ``config_class`` (a ``FamilyConfig`` subclass; None: Llama's ``ModelConfig``) is its ``model``
+    section. The module is imported when the family is first used, not here."""
+    config_class = ModelConfig if config_class is None else config_class
+    if not (isinstance(config_class, type) and issubclass(config_class, FamilyConfig)):
+        raise TypeError(f"model family {name!r}: its config class must subclass edit_jax.config.FamilyConfig "
+                        f"(the fields every family has), got {config_class!r}")
+    FAMILIES[name] = module
+    MODEL_CONFIGS[name] = config_class
+
+
 def validate(cfg: Config) -> None:
-    """``model.family`` names a family of ``FAMILIES``; its sizes fit XLA's int64 (``sizes.py``)."""
-    require(cfg.model.family in FAMILIES, "model.family",
-            f"expected one of {', '.join(FAMILIES)}; got {cfg.model.family!r}")
-    if cfg.model.family == "llama":  # sizes XLA cannot address abort in C++: refused here, in Python ints
+    """``model.family`` names a family of ``FAMILIES`` and the model section is its config class;
+    Llama's sizes fit XLA's int64 (``sizes.py``); another family's own ``validate`` where it has one."""
+    name = cfg.model.family
+    require(name in FAMILIES, "model.family", f"expected one of {', '.join(FAMILIES)}; got {name!r}")
+    expected = model_config_class(name)
+    require(type(cfg.model) is expected, "model.family",
+            f"{name!r} reads its model section as {expected.__module__}.{expected.__qualname__}, but the config's "
+            f"model section is a {type(cfg.model).__qualname__}: build it with {expected.__qualname__}(...)")
+    if name == "llama":  # sizes XLA cannot address abort in C++: refused here, in Python ints
         sizes.validate(cfg)
+        return
+    own = getattr(model_family(name), "validate", None)
+    if own is not None:
+        own(cfg)
 
 
 __all__ = ["FAMILIES", "CONTRACT", "OPTIONAL", "HOOK_SAVED", "Params", "Hook", "ScannedModel", "ModelFamily",
-           "SplitHook", "model_family", "validate"]
+           "SplitHook", "model_family", "register", "validate"]

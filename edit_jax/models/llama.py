@@ -334,3 +334,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     per_layer = cfg.d_model * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * cfg.d_model * cfg.ffn_dim
     matmul_params = cfg.n_layers * per_layer + cfg.d_model * cfg.vocab_size
     return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.d_model * seq_len
+
+
+def causal_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """``flops_per_token`` with the attention scores counted for the causal half only (the work a
+    causal kernel does; MaxText's count): the PaLM count overstates it by ~14% at 1B, seq 4096."""
+    return flops_per_token(cfg, seq_len) - 6.0 * cfg.n_layers * cfg.d_model * seq_len

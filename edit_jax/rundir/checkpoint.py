@@ -37,11 +37,10 @@ from edit_jax.localsgd.state import STATE_FORMAT
 from edit_jax.rundir.integrity import checksum_mismatches, state_checksums
 from edit_jax.runtime.restarts import ENV_DEBUG
 
-# Keys whose change makes a checkpoint's arrays unusable (their shapes or structure depend on them).
+# Keys whose change makes a checkpoint's arrays unusable (their shapes or structure depend on them),
+# beside the model family config's STRUCTURAL fields (Llama's: vocab_size, d_model, n_layers, ...).
 # mesh.replica is absent on purpose: the number of workers may change across a restart (elastic).
-STRUCTURAL_KEYS = ["model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads",
-                   "model.ffn_dim", "model.tie_embeddings", "mesh.shard", "sync.method",
-                   "sync.penalty.anomaly_warmup"]
+STRUCTURAL_KEYS = ["mesh.shard", "sync.method", "sync.penalty.anomaly_warmup"]
 
 
 class CheckpointError(RuntimeError):
@@ -395,8 +394,9 @@ class Checkpointer:
 
     def check_compatible(self, meta: dict, cfg: Config, step: int) -> None:
         saved, now = upgrade(meta.get("config", {}), quiet), to_dict(cfg)  # (keys since moved: as today's)
-        diffs = [f"{k}: checkpoint {_get(saved, k)!r}, config {_get(now, k)!r}"
-                 for k in STRUCTURAL_KEYS if _get(saved, k) != _get(now, k)]
+        saved.setdefault("model", {}).setdefault("family", "llama")  # (written before there were families)
+        diffs = [f"{k}: checkpoint {_get(saved, k)!r}, config {_get(now, k)!r}" for k in
+                 [f"model.{f}" for f in type(cfg.model).STRUCTURAL] + STRUCTURAL_KEYS if _get(saved, k) != _get(now, k)]
         diffs += Codec.from_sync(cfg.sync).resume_refusal(Codec.from_sync(saved.get("sync") or {}))  # the residual
         if diffs:
             raise CheckpointError(f"checkpoint {os.path.join(self.directory, str(step))} is incompatible with the "

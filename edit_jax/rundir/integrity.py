@@ -179,6 +179,23 @@ def finite_report(state: Any) -> dict[str, np.ndarray]:
     return {k: host_value(got[k]) for k in ("params", "opt_state", "opt_state (shared)", "outer")}
 
 
+def save_programs(state: Any) -> list[tuple[str, Any, tuple]]:
+    """(name, jitted function, abstract arguments) of the programs a save of ``state`` (arrays or
+    ``jax.ShapeDtypeStruct`` values of a ``TrainState``) runs: its finiteness report and checksums, for
+    compiling ahead (``training/ahead.py``)."""
+    def on_device(x):
+        kind = getattr(x.sharding, "memory_kind", None)
+        if kind in ("pinned_host", "unpinned_host"):  # as _on_device moves them
+            sharding = x.sharding.with_memory_kind(next(iter(x.sharding.device_set)).default_memory().kind)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        return x
+
+    state = jax.tree.map(on_device, state)
+    n = jax.tree.leaves(state.params)[0].shape[0]
+    positions = tuple(range(len(_paths(state))))
+    return [("save report", _finite_fn(n), (state,)), ("save checksums", _checksums, (state, positions))]
+
+
 def nonfinite_parts(report: dict[str, np.ndarray]) -> list[str]:
     """Human-readable list of what is non-finite in ``report`` (empty: all finite)."""
     out = []
@@ -193,4 +210,5 @@ def nonfinite_parts(report: dict[str, np.ndarray]) -> list[str]:
     return out
 
 
-__all__ = ["state_checksums", "part_checksums", "checksum_mismatches", "finite_report", "nonfinite_parts"]
+__all__ = ["state_checksums", "part_checksums", "checksum_mismatches", "finite_report", "nonfinite_parts",
+           "save_programs"]

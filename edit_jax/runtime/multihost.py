@@ -204,7 +204,13 @@ _CONTROL: dict = {}  # the control mesh's device ids -> its gather (one jit: it 
 
 
 def _gather_rows(row: np.ndarray) -> np.ndarray:
-    """Every process's ``row`` (int32, same shape everywhere), stacked [processes, ...]."""
+    """Every process's ``row`` (int32, 1-D, same length everywhere), stacked [processes, len]. Sent
+    padded to a power of two of at least 8 values, so that one program serves every short row (a
+    barrier, the loop's agreement, a meeting's counts): compiled at the run's first barrier, not
+    inside a step."""
+    n = row.size
+    width = max(8, 1 << max(n - 1, 0).bit_length())
+    row = np.concatenate([row.ravel(), np.zeros(width - n, np.int32)])
     mesh = _control_mesh()
     key = tuple(d.id for d in mesh.devices.flat)
     if key not in _CONTROL:
@@ -214,7 +220,7 @@ def _gather_rows(row: np.ndarray) -> np.ndarray:
     arr = jax.make_array_from_single_device_arrays((mesh.size,) + row.shape,
                                                    named(mesh, PartitionSpec("process")),
                                                    [jax.device_put(row[None], mine)])
-    return np.asarray(_CONTROL[key](arr).addressable_data(0))
+    return np.asarray(_CONTROL[key](arr).addressable_data(0))[:, :n]
 
 
 def exchange(values) -> np.ndarray:

@@ -29,9 +29,10 @@ import sys
 
 import jax
 
+from edit_jax.config import ModelConfig
 from edit_jax.localsgd.compress import ring_bits_per_param
 from edit_jax.localsgd.fragments import unit_param_counts
-from edit_jax.localsgd.methods import plan_for
+from edit_jax.localsgd.methods import plan_for, step_kinds
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import BATCH_SPEC, named
 from edit_jax.rundir.runlock import output_path_problem
@@ -42,23 +43,6 @@ from edit_jax.tools.memory_estimate import compute_bytes, gpu_estimate
 from edit_jax.validate import ConfigError, load_config
 
 GIB = 1024 ** 3
-
-
-def step_kinds(schedule, cfg) -> list[str]:
-    """The step kinds ``schedule`` runs, in first-use order (the warmup, one tau window and a bit).
-    A kind first runs next to the warmup's end or to a fragment group's due step, so only the steps
-    around those are asked (a warmup or tau of 10^9 steps is planned at once, not stepped through)."""
-    kinds = []
-    w, tau, f = schedule.warmup, max(cfg.sync.tau, 1), max(cfg.sync.fragments, 1)
-    horizon = w + 2 * tau + 2
-    due = {0, w, *(w + j for g in range(f) for j in (g * tau // f, tau + g * tau // f))}
-    for k in sorted({k + d for k in due for d in (-1, 0, 1, 2) if 0 <= k + d < horizon}):
-        name = str(schedule.kind(k))
-        if name not in kinds:
-            kinds.append(name)
-    if hasattr(schedule, "sync_kind") and str(schedule.sync_kind()) not in kinds:  # A-EDiT: by wall time
-        kinds.append(str(schedule.sync_kind()))
-    return kinds
 
 
 def state_bytes(abstract_state) -> dict:
@@ -123,10 +107,15 @@ def plan(cfg, device_memory_gb: float = 80.0, target: GpuTarget | None = None, l
     for kind in step_kinds(programs.schedule, cfg):
         # a sync step keeps its synced units' shards in the compute dtype for the backward
         synced = gpu_plan.sync_units(programs, kind)[1] * c if kind.startswith("sync_forward") else None
-        estimates[kind] = gpu_estimate(cfg, state["params"]["device_bytes"], kind, synced)
-        need = state["total_device_bytes"] + estimates[kind]["total_bytes"]
         compiled = programs.lowered(kind, abstract, batch).compile()
         mem = compiled.memory_analysis()
+        if isinstance(cfg.model, ModelConfig):
+            estimates[kind] = gpu_estimate(cfg, state["params"]["device_bytes"], kind, synced)
+        else:  # the analytic estimate is Llama's: another family's is what XLA compiled (CPU or the target)
+            temp = float(getattr(mem, "temp_size_in_bytes", 0.0))
+            estimates[kind] = {"kind": kind, "parts": {"compiled_temp": temp}, "phases": {"compiled": temp},
+                               "peak_phase": "compiled", "total_bytes": temp, "fused_attention": False}
+        need = state["total_device_bytes"] + estimates[kind]["total_bytes"]
         parsed = hlo.hlo_collectives(compiled.as_text(), (n, s), default_trip=cfg.model.n_layers)
         cross, within = hlo.collective_totals(parsed, True), hlo.collective_totals(parsed, False)
         steps[kind] = {
@@ -157,9 +146,9 @@ def plan(cfg, device_memory_gb: float = 80.0, target: GpuTarget | None = None, l
         "device_memory_gb": device_memory_gb,
         "gpu_estimate_total_gb": need / GIB,
         "config": {"method": cfg.sync.method, "mesh": [n, s], "batch_size": cfg.batch_size,
-                   "seq_len": cfg.data.seq_len, "grad_accum": cfg.optim.grad_accum, "remat": cfg.model.remat,
-                   "compute_dtype": cfg.model.compute_dtype, "attention": cfg.model.attention,
-                   "loss_chunk": cfg.model.loss_chunk},
+                   "seq_len": cfg.data.seq_len, "grad_accum": cfg.optim.grad_accum, "family": cfg.model.family,
+                   "compute_dtype": cfg.model.compute_dtype, **{k: getattr(cfg.model, k, None)  # (Llama's fields)
+                                                                for k in ("remat", "attention", "loss_chunk")}},
         "state_per_device": state,
         "gpu_estimate": estimate,
         "gpu_estimate_by_kind": estimates,
@@ -173,7 +162,7 @@ def plan(cfg, device_memory_gb: float = 80.0, target: GpuTarget | None = None, l
     if target is not None:  # the verdict is XLA:GPU's own peak, not the estimate
         peak = max(v["xla_gpu"]["memory"]["peak_bytes"] for v in steps.values())
         out["target"] = {"name": target.name, "description": target.description, "memory_bytes": target.memory_bytes,
-                         "attention": programs.model_cfg.attention,
+                         "attention": getattr(programs.model_cfg, "attention", None),
                          "compiler_options": {k: str(v) for k, v in programs.compiler_options.items()}}
         out["xla_gpu_max_peak_bytes"] = peak
         out["xla_gpu_fits"] = out["fits"] = bool(peak <= device_memory_gb * GIB)
@@ -202,7 +191,9 @@ def report(p: dict) -> str:
                      f"per step (tau = {p['tau_window']['tau']}); a full sync sends "
                      f"{p['tau_window']['sync_bits_per_param']:.3f} bits per parameter (config, {p['tau_window']['wire']}: "
                      f"{p['tau_window']['config_sync_bits_per_param']:.3f})")
-    lines.append(f"GPU estimate GiB ({est['kind']}, peak in the {est['peak_phase']} backward): "
+    where = "as compiled: the estimate is Llama's" if est["peak_phase"] == "compiled" else \
+        f"peak in the {est['peak_phase']} backward"
+    lines.append(f"GPU estimate GiB ({est['kind']}, {where}): "
                  + ", ".join(f"{k} {_gb(v)}" for k, v in est["parts"].items() if v)
                  + f" (fused attention: {est['fused_attention']})")
     lines.append(f"{'fits' if p['estimate_fits'] else 'does NOT fit'}: state {_gb(st['total_device_bytes'])} + estimate "

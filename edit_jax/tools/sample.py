@@ -3,9 +3,11 @@
     edit-jax sample --run-dir runs/demo --prompt "def " --max-tokens 200 --temperature 0.8 --top-k 40 --top-p 0.95
 
 The params (θ̄, see trained.py) go to one device (the default one; no mesh). Generation uses a KV
-cache (decode.py) under ``jax.jit``: one compiled prefill over a fixed-length window and one
-compiled single-token decode step, each choosing the next token on the device (temperature,
-top-k, top-p, a key derived from the seed and the token's index, so a seed gives the same text).
+cache (decode.py; another model family than Llama: its token window, run through the family's own
+forward at every step, which gives the same tokens as a cache for a causal model) under ``jax.jit``:
+one compiled prefill over a fixed-length window and one compiled single-token decode step, each
+choosing the next token on the device (temperature, top-k, top-p, a key derived from the seed and
+the token's index, so a seed gives the same text).
 
 The prompt is read as the start of a document: an EOS token goes first, as in the packed training
 stream, and generation stops at the next EOS (the end of that document) or after max_tokens.
@@ -26,8 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from edit_jax.config import ModelConfig
-from edit_jax.models.decode import forward_cached, init_cache
+from edit_jax.config import FamilyConfig
+from edit_jax.models import decode
+from edit_jax.models.family import model_family
 from edit_jax.rundir.trained import TrainedModelError, load_tokenizer, load_trained
 
 
@@ -54,6 +57,25 @@ def choose(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, vo
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+class WindowDecoder:
+    """``decode``'s two calls for a family without a KV cache: the "cache" is the token window
+    [batch, context]; a call writes its tokens at ``pos`` and runs the family's whole forward over
+    the window (causal: the empty slots after ``pos`` change no logit before them)."""
+
+    def __init__(self, family: str):
+        self.model = model_family(family)
+
+    @staticmethod
+    def init_cache(cfg, batch: int, length: int) -> jax.Array:
+        del cfg
+        return jnp.zeros((batch, length), jnp.int32)
+
+    def forward_cached(self, cfg, params, tokens: jax.Array, window: jax.Array, pos) -> tuple[jax.Array, jax.Array]:
+        window = jax.lax.dynamic_update_slice_in_dim(window, tokens.astype(jnp.int32), pos, axis=1)
+        logits, _ = self.model.forward(cfg, params, window, lambda unit, xs, which: (unit, None))
+        return jax.lax.dynamic_slice_in_dim(logits, pos, tokens.shape[1], axis=1), window
+
+
 @dataclass
 class Generation:
     tokens: np.ndarray  # [batch, n] generated ids (with stop_at_eos: EOS-padded after each row's first EOS)
@@ -66,8 +88,9 @@ class Generation:
 class Sampler:
     """Compiled prefill and decode step for one model on one device."""
 
-    def __init__(self, cfg: ModelConfig, params, context: int, eos_id: int, vocab_limit: int, device=None):
+    def __init__(self, cfg: FamilyConfig, params, context: int, eos_id: int, vocab_limit: int, device=None):
         self.cfg, self.context, self.eos_id, self.vocab_limit = cfg, int(context), int(eos_id), int(vocab_limit)
+        self.decoder = decode if cfg.family == "llama" else WindowDecoder(cfg.family)
         if self.context < 2:
             raise ValueError(f"context must be >= 2, got {context}")
         self.device = device or jax.devices()[0]
@@ -79,14 +102,14 @@ class Sampler:
     def _prefill_fn(self, params, window, n, key, t, temperature, top_k, top_p):
         """window [batch, context] (tokens in the first n slots) -> (next ids, cache); the draw
         for generated token t uses fold_in(key, t)."""
-        cache = init_cache(self.cfg, window.shape[0], self.context)
-        logits, cache = forward_cached(self.cfg, params, window, cache, 0)
+        cache = self.decoder.init_cache(self.cfg, window.shape[0], self.context)
+        logits, cache = self.decoder.forward_cached(self.cfg, params, window, cache, 0)
         last = jax.lax.dynamic_index_in_dim(logits, n - 1, axis=1, keepdims=False)
         return choose(last, jax.random.fold_in(key, t), temperature, top_k, self.vocab_limit, top_p), cache
 
     def _decode_fn(self, params, cache, tokens, pos, key, t, temperature, top_k, top_p):
         """One token per row at position pos -> (next ids, cache)."""
-        logits, cache = forward_cached(self.cfg, params, tokens[:, None], cache, pos)
+        logits, cache = self.decoder.forward_cached(self.cfg, params, tokens[:, None], cache, pos)
         return choose(logits[:, 0], jax.random.fold_in(key, t), temperature, top_k, self.vocab_limit, top_p), cache
 
     def generate(self, prompt: np.ndarray, max_tokens: int, *, temperature: float = 0.8, top_k: int = 40,

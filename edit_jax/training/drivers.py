@@ -36,6 +36,7 @@ from edit_jax.localsgd.optim import with_step_counts
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import BATCH_SPEC, named
 from edit_jax.runtime import multihost
+from edit_jax.runtime.compiles import compiles
 from edit_jax.runtime.multihost import parse_slowdown
 from edit_jax.training.throughput import StepFigures
 
@@ -93,6 +94,21 @@ def loss_divergence(loss: np.ndarray, grad_norm: np.ndarray, all_must_be_finite:
             f"{_to_list(grad_norm)}); stopping")
 
 
+class RecordWindow:
+    """The time a training record reports, from step ``step``: its seconds per step and whether a
+    program compiled inside it (JAX's own compile events, ``runtime/compiles.py``)."""
+
+    def __init__(self, step: int):
+        self.t, self.step, self.compiles = time.perf_counter(), step, compiles().mark()
+
+    def close(self, step: int) -> tuple[float, bool]:
+        """(seconds per step since, compiled since); the next window starts here."""
+        now, compiled = time.perf_counter(), compiles().since(self.compiles) > 0
+        dt = (now - self.t) / max(step - self.step, 1)
+        self.t, self.step, self.compiles = now, step, compiles().mark()
+        return dt, compiled
+
+
 def _to_list(a: np.ndarray):
     return a.item() if a.size == 1 else a.tolist()
 
@@ -105,9 +121,7 @@ class LockStep:
         self.schedule = programs.schedule
         self.multi = jax.process_count() > 1
         self.in_flight: list = []
-        self.timed_kinds: set[StepKind] = set()
-        self.kinds_since_record: set[StepKind] = set()
-        self.last_record: tuple[float, int] | None = None  # (time, step) of the last training record
+        self.last_record: RecordWindow | None = None  # where the next training record's time starts
         # debug.slowdown (a testing knob): this process's local steps take `slow` x as long.
         self.slow = parse_slowdown(self.cfg.debug.slowdown).get(jax.process_index(), 1.0) if self.multi else 1.0
         self.local_steps_timed = 0
@@ -150,11 +164,10 @@ class LockStep:
         if stop or time_up:
             return Advance(state, k, stop=stop, time_up=time_up)
         if self.last_record is None:
-            self.last_record = (time.perf_counter(), k)
+            self.last_record = RecordWindow(k)
         if schedule.init_outer_due(k):
             state = self.m.init_outer_fn()(state)
         kind = schedule.kind(k)
-        self.kinds_since_record.add(kind)
         t0 = time.perf_counter()
         before = _copy(state.params) if self._spikes(k) else None  # the step donates its input
         batch = self.batch(k)
@@ -178,9 +191,7 @@ class LockStep:
             return adv
         self.record_next = False
         metrics = multihost.host_values(metrics)  # waits for the steps since the last record
-        now = time.perf_counter()
-        dt = (now - self.last_record[0]) / max(k - self.last_record[1], 1)  # evaluation time excluded (mark)
-        self.last_record = (now, k)
+        dt, compiled = self.last_record.close(k)  # evaluation time excluded (mark)
         adv.loss = float(np.mean(metrics["loss"]))  # per replica -> mean on the host
         tokens_per_s = cfg.batch_size * cfg.data.seq_len / dt
         rec = {"step": k, "loss": adv.loss, "grad_norm": float(np.mean(metrics["grad_norm"])),
@@ -191,10 +202,8 @@ class LockStep:
             own = np.median(self.own_local_times) if self.own_local_times else np.nan
             rec["worker_step_time"] = _to_list(multihost.exchange_floats([own])[:, 0])
             self.own_local_times = []
-        if self.kinds_since_record - self.timed_kinds:  # a first step of a kind also compiled it
+        if compiled:
             rec["includes_compile"] = True
-        self.timed_kinds |= self.kinds_since_record
-        self.kinds_since_record = set()
         adv.records.append(rec)
         adv.diverged = loss_divergence(metrics["loss"], metrics["grad_norm"], kind.name == "hsdp", k)
         if kind.syncs:
@@ -227,10 +236,15 @@ class LockStep:
 
     def mark(self, k: int) -> None:
         """Time from here on is step time again (after an evaluation or a checkpoint)."""
-        self.last_record = (time.perf_counter(), k)
+        self.last_record = RecordWindow(k)
 
     def data_extra(self) -> dict:
         return {}
+
+
+def shares_array(shares) -> jax.Array:
+    """A-EDiT's step shares as its sync step takes them ([N] float32, on the default device)."""
+    return jnp.asarray(np.asarray(shares, np.float32))
 
 
 @jax.jit
@@ -247,7 +261,7 @@ def _set_step(state, step: int, shardings):
     """``state`` with its step counter and every inner optimizer step count set to ``step``: the
     learning-rate schedule then follows the global mean step (A-EDiT). Each count gets a buffer
     of its own (the next step donates them all)."""
-    new = state.replace(step=jnp.asarray(step, jnp.int32), opt_state=with_step_counts(state.opt_state, step))
+    new = state.replace(step=np.asarray(step, np.int32), opt_state=with_step_counts(state.opt_state, step))
     return jax.device_put(new, shardings)
 
 
@@ -271,17 +285,21 @@ class WorkerSteps:
             self.since_sync = 0
 
 
+def worker_programs(glob: StepPrograms) -> StepPrograms:
+    """The programs of this process's worker in A-EDiT's asynchronous phase (its own devices)."""
+    return StepPrograms.for_config(multihost.local_config(glob.cfg), multihost.meshes(glob.cfg)[1])
+
+
 class AsyncWorkers:
     """A-EDiT after the warmup: this process's worker (one process per worker)."""
 
     def __init__(self, glob: StepPrograms, stream: ReplicaStreams, corrupt: CorruptSpec | None, k: int,
-                 data_state: dict | None):
+                 data_state: dict | None, loc: StepPrograms | None = None):
         cfg = glob.cfg
         self.cfg, self.glob, self.stream, self.corrupt = cfg, glob, stream, corrupt
         self.schedule: TimeSchedule = glob.schedule
         self.me, self.n = jax.process_index(), cfg.mesh.replica
-        _, lmesh = multihost.meshes(cfg)
-        self.loc = StepPrograms.for_config(multihost.local_config(cfg), lmesh)
+        self.loc = loc or worker_programs(glob)  # (compiled ahead when given: training/ahead.py)
         self.g_abstract, self.l_abstract = glob.abstract_state(), self.loc.abstract_state()
         saved = data_state or {}
         done = saved.get("worker_steps") or [k] * self.n
@@ -292,7 +310,7 @@ class AsyncWorkers:
         self.slow = parse_slowdown(cfg.debug.slowdown).get(self.me, 1.0)
         self.paced = 0
         self.last_meeting = time.monotonic()
-        self.last_record = (time.perf_counter(), self.steps.done)
+        self.last_record = RecordWindow(self.steps.done)
         self.rows = cfg.batch_size // self.n
         self.figures = StepFigures(cfg, cfg.mesh.shard, jax.devices()[0].device_kind)  # this worker's devices
         self.lr_spike = parse_lr_spike(cfg.debug.lr_spike)
@@ -335,12 +353,11 @@ class AsyncWorkers:
         k = self.steps.done
         if not (force or k % self.cfg.log_every == 0):
             return None
-        now = time.perf_counter()
-        dt = (now - self.last_record[0]) / max(k - self.last_record[1], 1)
-        self.last_record = (now, k)
+        dt, compiled = self.last_record.close(k)
         tokens_per_s = self.rows * self.cfg.data.seq_len / dt
         return {"step": k, "worker": self.me, "global_step": global_step, "loss": loss, "grad_norm": gnorm,
-                "tokens_per_s": tokens_per_s, **self.figures(k, tokens_per_s), "step_time": dt, "kind": str(kind)}
+                "tokens_per_s": tokens_per_s, **self.figures(k, tokens_per_s), "step_time": dt, "kind": str(kind),
+                **({"includes_compile": True} if compiled else {})}
 
     def advance(self, state, k: int, wants: Wants) -> Advance:
         schedule, own = self.schedule, []
@@ -391,24 +408,25 @@ class AsyncWorkers:
         adv.loss = float(np.nanmean(losses))  # the workers' mean, as one program's
         adv.watched = [{"step": decision.mean_step, "loss": adv.loss, "replica_loss": [float(x) for x in losses]}]
         self.last_meeting = time.monotonic()
-        self.last_record = (time.perf_counter(), self.steps.done)  # meeting time is not step time
+        self.last_record = RecordWindow(self.steps.done)  # meeting time is not step time
         return adv
 
     def _sync(self, state, shares):
         """EDiT's sync over the global mesh, this worker's rows of its next batch in the step."""
         kind = self.schedule.sync_kind()
         batch = multihost.global_batch(self.glob.mesh, self._rows(), self.cfg.batch_size)
-        g_state, metrics = self.glob.step_fn(kind)(self.global_state(state), batch, jnp.asarray(shares, jnp.float32))
+        g_state, metrics = self.glob.step_fn(kind)(self.global_state(state), batch, shares_array(shares))
         loss, gnorm = (float(multihost.local_value(metrics[k])[0]) for k in ("loss", "grad_norm"))
         sync = {k: multihost.local_value(v) for k, v in metrics.items() if k not in ("loss", "grad_norm")}
         return multihost.to_local(g_state, self.l_abstract), loss, gnorm, sync
 
     def mark(self, k: int) -> None:
-        self.last_record = (time.perf_counter(), self.steps.done)
+        self.last_record = RecordWindow(self.steps.done)
 
     def data_extra(self) -> dict:
         """Every worker's counts, saved with the data state (they differ between workers)."""
         return {"worker_steps": list(self.all_steps), "worker_steps_since": list(self.all_since)}
 
 
-__all__ = ["LockStep", "AsyncWorkers", "WorkerSteps", "Wants", "Advance", "loss_divergence", "MAX_IN_FLIGHT", "AGREE_S"]
+__all__ = ["LockStep", "AsyncWorkers", "worker_programs", "shares_array", "RecordWindow", "WorkerSteps", "Wants",
+           "Advance", "loss_divergence", "MAX_IN_FLIGHT", "AGREE_S"]

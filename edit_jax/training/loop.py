@@ -47,7 +47,7 @@ from edit_jax.data import check_model_vocab, load_corpus, make_train_stream, val
 from edit_jax.data.batches import ReplicaStreams
 from edit_jax.data.corrupt import CorruptSpec, parse_corrupt
 from edit_jax.hf.load import initial_params
-from edit_jax.localsgd.methods import MethodPlan, plan_for
+from edit_jax.localsgd.methods import MethodPlan, TimeSchedule, plan_for
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.rundir.checkpoint import Checkpointer, CheckpointError, data_checksum
 from edit_jax.rundir.records import replace_file
@@ -55,8 +55,9 @@ from edit_jax.rundir.sink import RunRecords
 from edit_jax.rundir.trained import store_run_tokenizer
 from edit_jax.runtime import multihost
 from edit_jax.runtime.mesh import make_mesh
-from edit_jax.training.drivers import Advance, AsyncWorkers, LockStep, Wants
+from edit_jax.training.drivers import Advance, AsyncWorkers, LockStep, Wants, worker_programs
 from edit_jax.training.evaluate import Evaluator
+from edit_jax.training.ahead import compile_run_ahead
 from edit_jax.training.hooks import End, Hooks, Rewind
 from edit_jax.training.resume import DivergedError, check_before_save, restore_verified, set_aside_untrusted
 from edit_jax.training.result import TrainResult, announce
@@ -162,6 +163,11 @@ class Training:
         self.hooks.add("checkpoint", self.checkpoint_on_cadence, every=self.cfg.checkpoint_every)
         if setup.ckpt is not None and not self.multi:  # a background save that is written counts now
             self.hooks.add("checkpoint written", lambda adv, before, now: self.finish_save(poll=True))
+        # A-EDiT's asynchronous phase runs its worker's own programs (built here: compiled ahead)
+        self.worker = worker_programs(self.programs) if isinstance(self.programs.schedule, TimeSchedule) else None
+        if self.k < self.cfg.steps:
+            compile_run_ahead(self.programs, self.evaluator, self.state, setup, say, self.elapsed(), self.worker,
+                              stopped=lambda: self.stop.signal is not None)
 
     def elapsed(self) -> float:  # since this invocation started (the sink adds the earlier invocations')
         return time.perf_counter() - self.t_start
@@ -177,7 +183,7 @@ class Training:
                     return End(interrupted=False)
                 if self.setup.method_plan.asynchronous_at(self.k):  # each worker at its own pace from here
                     self.driver = AsyncWorkers(self.programs, self.setup.stream, self.setup.corrupt, self.k,
-                                               self.setup.data_state)
+                                               self.setup.data_state, self.worker)
                     self.state, self.workers_apart = self.driver.enter(self.state), True
             t0 = time.perf_counter()
             adv = self.driver.advance(self.state, self.k, self._wants())

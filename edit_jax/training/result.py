@@ -32,7 +32,8 @@ class TrainResult:
 #    "data_s" (building the batch), "hooks_s" ({hook name: s}), "includes_compile"}
 #   {"timing": "save", "step", "at" (its start), "save_s" (time the loop was blocked), "final"}
 #   {"timing": "written", "step", "at"}: the save's (background) write found finished
-TIMING_KINDS = ("advance", "save", "written")
+#   {"timing": "compile_ahead", "at" (its start), "wall_s", "seconds" ({program: s})}: training/ahead.py
+TIMING_KINDS = ("advance", "save", "written", "compile_ahead")
 
 
 def announce(setup, run_dir: str | None, say) -> None:

@@ -8,8 +8,10 @@ kind in ``PEAK_BF16_TFLOPS``; on other devices (the CPU) records carry no ``mfu`
 
 from __future__ import annotations
 
+from functools import partial
+
 from edit_jax.config import Config
-from edit_jax.localsgd.optim import lr_schedule
+from edit_jax.localsgd.optim import host_lr
 from edit_jax.models.family import model_family
 
 # Dense bf16 TFLOP/s of one device (vendor data sheets, without sparsity), by a substring of
@@ -43,9 +45,12 @@ class StepFigures:
     record of ``devices`` devices that ran at ``tokens_per_s``."""
 
     def __init__(self, cfg: Config, devices: int, device_kind: str):
-        self.lr = lr_schedule(cfg.optim, cfg.steps)
+        self.lr = partial(host_lr, cfg.optim, cfg.steps)  # on the host: no JAX op inside the loop
         self.devices = devices
-        self.flops_per_token = model_family(cfg.model.family).flops_per_token(cfg.model, cfg.data.seq_len)
+        family = model_family(cfg.model.family)
+        self.flops_per_token = family.flops_per_token(cfg.model, cfg.data.seq_len)
+        causal = getattr(family, "causal_flops_per_token", None)  # (optional in the family contract)
+        self.causal_flops_per_token = causal(cfg.model, cfg.data.seq_len) if causal is not None else None
         self.peak = peak_tflops(cfg, device_kind)
 
     def __call__(self, step: int, tokens_per_s: float) -> dict:
@@ -53,6 +58,8 @@ class StepFigures:
         fig = {"lr": float(self.lr(max(step - 1, 0))), "tokens_per_s_per_device": tokens_per_s / self.devices}
         if self.peak is not None:
             fig["mfu"] = self.flops_per_token * tokens_per_s / (self.peak * 1e12 * self.devices)
+            if self.causal_flops_per_token is not None:
+                fig["mfu_causal"] = self.causal_flops_per_token * tokens_per_s / (self.peak * 1e12 * self.devices)
         return fig
 
 
