@@ -36,6 +36,8 @@ _API = {
     "load_config": "edit_jax.validate",
     "Config": "edit_jax.config",
     "ModelConfig": "edit_jax.config",
+    "FamilyConfig": "edit_jax.config",
+    "LlamaConfig": "edit_jax.config",
     "MeshConfig": "edit_jax.config",
     "DataConfig": "edit_jax.config",
     "OptimConfig": "edit_jax.config",
