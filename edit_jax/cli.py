@@ -344,6 +344,18 @@ def main(argv: list[str] | None = None) -> int:
     return _main(sys.argv[1:] if argv is None else argv)
 
 
+COMMANDS = {  # what each does, for `edit-jax --help`
+    "train": "train a model with a method (EDiT, A-EDiT, DiLoCo, CO2, ...) from a config; resumes a run dir",
+    "plan": "compile a config's steps without running them: memory per device, collectives, fits or not",
+    "tokenize": "tokenize text into shards a run reads (data.paths)",
+    "placement": "search a device placement for a heterogeneous network (DT-FM's cost model)",
+    "sample": "generate text from a run's model",
+    "export": "write a run's model as a Hugging Face Llama directory",
+    "plot": "plot runs' records (loss against tokens, time or steps)",
+    "worker": "one A-EDiT worker meeting the others through an exchange (sync.exchange.url)",
+}
+
+
 def _main(argv: list[str]) -> int:
     _cpu_without_gpus()
     commands = {"train": _train, "placement": lambda a: __import__("edit_jax.placement.cli", fromlist=["main"]).main(a),
@@ -354,9 +366,11 @@ def _main(argv: list[str]) -> int:
                 "plan": lambda a: __import__("edit_jax.tools.plan", fromlist=["main"]).main(a),
                 "worker": _worker}
     if not argv or argv[0] not in commands:
-        print("usage: edit-jax {train,plan,tokenize,placement,sample,export,plot,worker} [options]  "
-              "(edit-jax COMMAND --help for details)", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        wanted = bool(argv) and argv[0] in ("-h", "--help")
+        print("usage: edit-jax COMMAND [options]  (edit-jax COMMAND --help for details)\n\ncommands:\n"
+              + "\n".join(f"  {name:<10} {what}" for name, what in COMMANDS.items()),
+              file=sys.stdout if wanted else sys.stderr)
+        return 0 if wanted else 2
     return commands[argv[0]](argv[1:])
 
 

@@ -261,3 +261,12 @@ def test_a_signal_while_the_workers_start_reaches_every_worker_once():
     attempt.pass_on()  # nothing new: nothing written
     outs = [p.communicate(timeout=10)[0] for p in attempt.procs]
     assert outs == ["2 1\n15 2\n", "2 1\n15 2\n"]
+
+
+def test_help_says_what_each_command_does(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in ("train", "plan", "tokenize", "placement", "sample", "export", "plot", "worker"):
+        assert re.search(rf"^  {name} +\S", out, re.M), (name, out)  # listed with its line
+    assert set(cli.COMMANDS) == {"train", "plan", "tokenize", "placement", "sample", "export", "plot", "worker"}
+    assert cli.main(["nonsense"]) == 2 and "commands:" in capsys.readouterr().err
