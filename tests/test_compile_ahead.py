@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import jax
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 
 from edit_jax.config import OptimConfig
 from edit_jax.localsgd.optim import host_lr, lr_schedule
+from edit_jax.training.ahead import compile_ahead
 from edit_jax.training.train import train
 from edit_jax.validate import load_config
 from tests.helpers import run_session
@@ -75,3 +77,13 @@ def test_the_records_learning_rate_is_optaxs(optim):
     want = np.asarray(jax.vmap(schedule)(np.arange(total + 5)))
     got = np.array([host_lr(optim, total, k) for k in range(total + 5)])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9)
+
+
+def test_a_program_that_fails_ahead_is_named_and_left_to_its_first_use():
+    def broken():
+        raise ValueError("no such shape")
+    ahead = compile_ahead({"step local": lambda: None, "step sync_forward": broken})
+    assert set(ahead.seconds) == {"step local"} and ahead.failed == {"step sync_forward": "ValueError: no such shape"}
+    assert "not ahead, compiled at first use instead: step sync_forward (ValueError: no such shape)" in ahead.line()
+    stopped = compile_ahead({f"p{i}": lambda: time.sleep(0.05) for i in range(40)}, threads=1, stopped=lambda: True)
+    assert len(stopped.seconds) < 10 and stopped.wall_s < 1.0  # a signal drops the programs not yet started

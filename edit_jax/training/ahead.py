@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
@@ -43,15 +43,21 @@ class Ahead:
 
     seconds: dict[str, float]
     wall_s: float
+    failed: dict[str, str] = field(default_factory=dict)  # program -> why it could not compile ahead
 
     def line(self) -> str:
         longest = max(self.seconds.values(), default=0.0)
+        failed = (f"; not ahead, compiled at first use instead: "
+                  + "; ".join(f"{name} ({why})" for name, why in self.failed.items())) if self.failed else ""
         return (f"edit-jax: compiled {len(self.seconds)} programs ahead in {self.wall_s:.1f} s "
-                f"(the longest {longest:.1f} s, side by side)")
+                f"(the longest {longest:.1f} s, side by side){failed}")
 
 
 def _abstract(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    def one(x):
+        sharding = getattr(x, "sharding", None)  # (a host value: placed as the call will place it)
+        return jax.ShapeDtypeStruct(np.shape(x), np.result_type(x), **({"sharding": sharding} if sharding else {}))
+    return jax.tree.map(one, tree)
 
 
 def run_programs(programs: StepPrograms, evaluator: Evaluator, state: Any, eval_rows: tuple[int, int] | None,
@@ -105,9 +111,11 @@ def _worker_programs(glob: StepPrograms, worker: StepPrograms, state: Any, batch
 
 def compile_ahead(jobs: dict[str, Callable[[], Any]], threads: int | None = None,
                   stopped: Callable[[], bool] = lambda: False) -> Ahead:
-    """Runs ``jobs`` (``run_programs``) side by side; the first error is raised, as the loop would.
-    ``stopped`` (a signal arrived): the jobs not yet started are dropped (those under way finish:
-    XLA's compile cannot be cut short), and the loop then stops before its first step."""
+    """Runs ``jobs`` (``run_programs``) side by side. Compiling ahead only saves time, so a job that
+    fails is named in ``Ahead.failed`` and the run goes on: the program compiles at its first use,
+    where a real error (a model that cannot compile) is raised as it always was. ``stopped`` (a
+    signal arrived): the jobs not yet started are dropped (those under way finish: XLA's compile
+    cannot be cut short), and the loop then stops before its first step."""
     def timed(job):
         t0 = time.perf_counter()
         job()
@@ -117,15 +125,19 @@ def compile_ahead(jobs: dict[str, Callable[[], Any]], threads: int | None = None
     workers = max(1, min(len(jobs), threads or os.cpu_count() or 1))
     with ThreadPoolExecutor(workers, thread_name_prefix="compile-ahead") as pool:
         futures = {pool.submit(timed, job): name for name, job in jobs.items()}
-        seconds, pending = {}, set(futures)
+        seconds, failed, pending = {}, {}, set(futures)
         while pending:
             done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-            seconds.update({futures[f]: f.result() for f in done})
+            for f in done:
+                if f.exception() is None:
+                    seconds[futures[f]] = f.result()
+                else:
+                    failed[futures[f]] = f"{type(f.exception()).__name__}: {str(f.exception())[:200]}"
             if stopped():
                 for f in pending:
                     f.cancel()
                 break
-    return Ahead(seconds, time.perf_counter() - t0)
+    return Ahead(seconds, time.perf_counter() - t0, failed)
 
 
 def compile_run_ahead(programs: StepPrograms, evaluator: Evaluator, state: Any, setup: Any, say, at: float,
