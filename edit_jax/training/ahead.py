@@ -56,7 +56,8 @@ class Ahead:
 def _abstract(tree: Any) -> Any:
     def one(x):
         sharding = getattr(x, "sharding", None)  # (a host value: placed as the call will place it)
-        return jax.ShapeDtypeStruct(np.shape(x), np.result_type(x), **({"sharding": sharding} if sharding else {}))
+        dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)
+        return jax.ShapeDtypeStruct(np.shape(x), dtype, **({"sharding": sharding} if sharding else {}))
     return jax.tree.map(one, tree)
 
 
