@@ -96,6 +96,6 @@ def test_a_family_of_ones_own_trains_with_every_guarantee(toy, tmp_path):
     seq = list(prompt)
     model = family.model_family("toy")
     for t in range(6):
-        logits, _ = model.forward(trained.cfg.model, trained.params, jnp.asarray([seq]), lambda u, x, w: (u, None))
+        logits, _ = model.forward(trained.cfg.model, trained.params, jnp.asarray([seq]), family.identity_hook)
         seq.append(int(np.argmax(np.asarray(logits)[0, -1, :256])))
     assert gen.tokens[0].tolist() == seq[3:], (gen.tokens, seq)

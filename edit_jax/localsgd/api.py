@@ -64,7 +64,7 @@ from edit_jax.localsgd.sharding import REPLICA  # the mesh axis the workers live
 from edit_jax.localsgd.stacked import WORKERS, as_units, of_units, workers_sync
 from edit_jax.localsgd.state import OuterState, init_outer_opt_state
 from edit_jax.localsgd.sync import local_blocks, with_replica_dim
-from edit_jax.models.family import HOOK_SAVED
+from edit_jax.models.family import HOOK_SAVED, identity_hook
 
 LOCAL, SYNC_FORWARD, LOCAL_THEN_SYNC, HSDP = "local", "sync_forward", "local_then_sync", "hsdp"
 
@@ -84,12 +84,6 @@ class LocalSGDState(NamedTuple):
     # The rule's own per-worker subtree (``SyncRule.init_extra``), [N, ...]: CO2's pseudo gradients
     # in flight, a lossy wire's error-feedback residuals; None for the others.
     extra: Any = None
-
-
-def identity_hook(unit, unit_xs, which):
-    """The hook of a step without a sync: the unit unchanged, no output."""
-    del unit_xs, which
-    return unit, None
 
 
 # ----------------------------------------------------------------------------- the trainer

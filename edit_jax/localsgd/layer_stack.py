@@ -25,10 +25,7 @@ from typing import Any, Callable
 
 import jax
 
-
-def _identity_hook(unit, unit_xs, which):
-    del unit_xs, which
-    return unit, None
+from edit_jax.models.family import identity_hook
 
 
 class _Bound:
@@ -77,7 +74,7 @@ class LayerStack:
                 raise ValueError("forward: m.blocks is called once per forward (it runs every layer)")
             keys = jax.random.split(k_layers, self.n_layers)
             layers.append(jax.vmap(lambda kk: self.block.init(kk, x, **k)["params"])(keys))
-            return self._scan(layers[0], None, _identity_hook, x, None, k)[0]
+            return self._scan(layers[0], None, identity_hook, x, None, k)[0]
 
         self.forward(_Bound(call, blocks), *args, **kw)
         missing = [name for name in self.root if name not in root_params]
@@ -90,7 +87,7 @@ class LayerStack:
               rngs: dict | None = None, **kw) -> tuple[Any, dict]:
         """``(the forward's output, ys)``: the root's params through ``hook`` first (None: the
         identity), then each block's inside the scan; ``ys = {"root": ..., "layers": ...}``."""
-        hook = _identity_hook if hook is None else hook
+        hook = identity_hook if hook is None else hook
         xs = hook_xs if hook_xs is not None else {"root": None, "layers": None}
         root, root_ys = hook(params["root"], xs["root"], "root")
         layer_ys = []

@@ -104,6 +104,12 @@ class ModelFamily(Protocol):
     def flops_per_token(self, cfg: Any, seq_len: int) -> float: ...
 
 
+def identity_hook(unit, unit_xs, which):
+    """The hook of a forward without a sync: the unit unchanged, no output (``Hook``)."""
+    del unit_xs, which
+    return unit, None
+
+
 @dataclass(frozen=True)
 class SplitHook:
     """A hook in two halves. ``sync(unit, xs, which) -> (unit', ys)``: EDiT's sync of the unit's
@@ -158,4 +164,4 @@ def validate(cfg: Config) -> None:
 
 
 __all__ = ["FAMILIES", "CONTRACT", "OPTIONAL", "HOOK_SAVED", "Params", "Hook", "ScannedModel", "ModelFamily",
-           "SplitHook", "model_family", "register", "validate"]
+           "SplitHook", "identity_hook", "model_family", "register", "validate"]

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from edit_jax.config import ConfigError, ModelConfig
-from edit_jax.models.family import HOOK_SAVED, SplitHook
+from edit_jax.models.family import HOOK_SAVED, SplitHook, identity_hook
 
 Params = Any
 # hook(unit_params, unit_xs, which) -> (params ready for compute, unit_ys); which: "root" | "layer"
@@ -182,10 +182,6 @@ def remat_policy(cfg: ModelConfig, base: Callable) -> Callable:
     if cfg.remat_saves == "dots_attention":
         extra = policies.save_from_both_policies(extra, _saves_attention)
     return policies.save_from_both_policies(base, extra)
-
-
-def identity_hook(unit_params, unit_xs, which):
-    return unit_params, None
 
 
 def forward(cfg: ModelConfig, params: Params, tokens: jax.Array, hook: Hook = identity_hook,

@@ -96,16 +96,22 @@ def _leaf_checksum(x: jax.Array, salt: int) -> jax.Array:
     return jnp.sum(bits * mult, dtype=jnp.uint32)
 
 
+def _device_memory(sharding: Any) -> Any:
+    """``sharding`` in its devices' default memory when it is in host memory (``sync.cpu_offload``),
+    else None: the leaf stays where it is."""
+    kind = getattr(sharding, "memory_kind", None)
+    if kind is None or kind not in ("pinned_host", "unpinned_host"):
+        return None
+    default = next(iter(sharding.device_set)).default_memory().kind
+    return None if kind == default else sharding.with_memory_kind(default)
+
+
 def _on_device(tree: Any) -> Any:
     """Leaves kept in host memory (``sync.cpu_offload``: θ̄ and the trace) copied to device memory:
     XLA will not mix host- and device-memory operands in one reduction."""
     def one(x):
-        sharding = getattr(x, "sharding", None)
-        kind = getattr(sharding, "memory_kind", None)
-        if kind is None or kind not in ("pinned_host", "unpinned_host"):
-            return x
-        default = next(iter(sharding.device_set)).default_memory().kind
-        return x if kind == default else jax.device_put(x, sharding.with_memory_kind(default))
+        sharding = _device_memory(getattr(x, "sharding", None))
+        return x if sharding is None else jax.device_put(x, sharding)
 
     return jax.tree.map(one, tree)
 
@@ -183,12 +189,9 @@ def save_programs(state: Any) -> list[tuple[str, Any, tuple]]:
     """(name, jitted function, abstract arguments) of the programs a save of ``state`` (arrays or
     ``jax.ShapeDtypeStruct`` values of a ``TrainState``) runs: its finiteness report and checksums, for
     compiling ahead (``training/ahead.py``)."""
-    def on_device(x):
-        kind = getattr(x.sharding, "memory_kind", None)
-        if kind in ("pinned_host", "unpinned_host"):  # as _on_device moves them
-            sharding = x.sharding.with_memory_kind(next(iter(x.sharding.device_set)).default_memory().kind)
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-        return x
+    def on_device(x):  # where _on_device puts it
+        sharding = _device_memory(x.sharding)
+        return x if sharding is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
     state = jax.tree.map(on_device, state)
     n = jax.tree.leaves(state.params)[0].shape[0]

@@ -17,17 +17,17 @@ BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 class Compiles:
-    """The process's compile count and seconds (every thread's: compiles ahead run in threads)."""
+    """The process's compile count (every thread's: compiles ahead run in threads)."""
 
     def __init__(self):
-        self.count, self.seconds = 0, 0.0
+        self.count = 0
         self._lock = threading.Lock()
 
     def _heard(self, event: str, duration: float, **_) -> None:
+        del duration
         if event == BACKEND_COMPILE:
             with self._lock:
                 self.count += 1
-                self.seconds += float(duration)
 
     def mark(self) -> int:
         """The count now: a mark for ``since``."""

@@ -30,7 +30,7 @@ import numpy as np
 
 from edit_jax.config import FamilyConfig
 from edit_jax.models import decode
-from edit_jax.models.family import model_family
+from edit_jax.models.family import identity_hook, model_family
 from edit_jax.rundir.trained import TrainedModelError, load_tokenizer, load_trained
 
 
@@ -72,7 +72,7 @@ class WindowDecoder:
 
     def forward_cached(self, cfg, params, tokens: jax.Array, window: jax.Array, pos) -> tuple[jax.Array, jax.Array]:
         window = jax.lax.dynamic_update_slice_in_dim(window, tokens.astype(jnp.int32), pos, axis=1)
-        logits, _ = self.model.forward(cfg, params, window, lambda unit, xs, which: (unit, None))
+        logits, _ = self.model.forward(cfg, params, window, identity_hook)
         return jax.lax.dynamic_slice_in_dim(logits, pos, tokens.shape[1], axis=1), window
 
 
