@@ -16,7 +16,7 @@ fully hidden sync. With ``--profile DIR`` one traced sync step per kernel: each 
 ``replica`` (named from XLA's own program) with its time and how much of it overlapped GEMM /
 attention kernels on the same device (``overlap_fraction``).
 
-Measured on one H100 (BUILD_NOTES section 3, "GPU"; JSON in docs/gpu/): the peak memory the device
+Measured on one H100 (docs/benchmarks/gpu.md; JSON in docs/gpu/): the peak memory the device
 allocator saw beside XLA's own figure per compiled step (``memory_analysis``, what ``edit-jax plan
 --target`` reports); ``--no-remat`` keeps every activation.
 """

@@ -99,7 +99,7 @@ def run_one(args, name: str, method: str, corrupted: bool, extra: list[str]) -> 
     from edit_jax.validate import validate
 
     # The outer settings the experiment was run with (the presets' before the method comparison
-    # re-tuned them), pinned so this command keeps reproducing BUILD_NOTES' numbers.
+    # re-tuned them), pinned so this command keeps reproducing docs/benchmarks/spike.md's numbers.
     overrides = [f"eval_every={args.eval_every}", "checkpoint_every=0", "log_every=10", "sync.per_unit_metrics=true",
                  "sync.outer.lr=0.8", "sync.outer.momentum=0.85", *extra]
     if corrupted:

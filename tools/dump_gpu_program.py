@@ -1,6 +1,6 @@
 """Compiles one step program of a config for a GPU target (no GPU needed: the CUDA plugin and
 ``JAX_PLATFORMS=cpu``), with some of the project's XLA options changed, and writes XLA:GPU's
-optimized HLO text: how the sync-window options of BUILD_NOTES were measured.
+optimized HLO text: how the sync-window options of docs/benchmarks/gpu-program.md were measured.
 
     JAX_PLATFORMS=cpu python tools/dump_gpu_program.py configs/edit_7b.py 7b.txt \\
         --options '{"xla_gpu_all_reduce_combine_threshold_bytes": 1073741824}' model.n_layers=4

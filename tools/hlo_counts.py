@@ -1,4 +1,4 @@
-"""Counts the instructions of an optimized HLO module text: how BUILD_NOTES 18 compared the 7B sync
+"""Counts the instructions of an optimized HLO module text: how docs/benchmarks/sparse.md compared the 7B sync
 step's GPU program with and without the sparse wire.
 
     JAX_PLATFORMS=cpu python tools/dump_gpu_program.py configs/edit_7b.py none.txt

@@ -2,7 +2,7 @@
 # Every method (and the sync variants) on configs/tiny.py, one process and two, into OUT/NAME:
 # the records a refactor must leave unchanged. Run it on the code before and after, then
 #   python tools/compare_records.py BEFORE AFTER --per-worker a_edit_p2
-# (BUILD_NOTES section 2, "Sync rules": the measurement). Usage: tools/method_records.sh OUT
+# (docs/developer/tests-and-ci.md: what to expect). Usage: tools/method_records.sh OUT
 set -u
 OUT=${1:?usage: tools/method_records.sh OUT}
 mkdir -p "$OUT"

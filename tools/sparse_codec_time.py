@@ -1,7 +1,7 @@
 """Times the sparse wire's codec on this machine's first device (a GPU where there is one): encode,
 the decode of N workers' rows and their weighted sum, ``top_k`` alone, and the whole local part of
 an exchange (``sparse.sparse_encode``, decode, residual, sum), for vectors of ROWS chunks of 4096
-values: how BUILD_NOTES 18 timed one 7B layer's share per device on an H100.
+values: how docs/benchmarks/sparse.md timed one 7B layer's share per device on an H100.
 
     python tools/sparse_codec_time.py 6177,8001 --json codec.json   # a 7B layer's and the root's share (8 x 8)
 

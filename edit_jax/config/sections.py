@@ -232,7 +232,7 @@ class DebugConfig:
 
 @dataclass
 class SpikeConfig:
-    """Loss-spike rollback (training/spike.py): the rule, its defaults and why are in BUILD_NOTES."""
+    """Loss-spike rollback (training/spike.py): the rule, its defaults and why are in docs/developer/restarts.md."""
 
     enabled: bool = True  # false: a finite spike is not noticed, a non-finite record exits 3 at once
     window: int = 64  # records of healthy training loss the running median and MAD are taken over
@@ -265,7 +265,7 @@ class TrainConfig:
     # (none), or a directory of your own (e.g. one shared by several run dirs).
     compile_cache: str = "auto"
     # Checkpoints written in the background (orbax async, one process only): a save returns once
-    # the arrays are copied to host memory. Off by default: on CPU it was slower (BUILD_NOTES §9).
+    # the arrays are copied to host memory. Off by default: on CPU it was slower (docs/benchmarks/restarts.md).
     async_checkpoint: bool = False
     # Compile every program the run will use before step 1, side by side in threads (the steps of
     # each kind, the evaluation, the checkpoint's checks), so no step pays a compile (the first sync
