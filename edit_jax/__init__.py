@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+__version__ = "0.8.0"
 
 # name -> the module that defines it
 _API = {
@@ -71,6 +71,7 @@ _API = {
     "save_local_sgd": "edit_jax.rundir.localsgd_checkpoint",
     "LocalSGDRecords": "edit_jax.rundir.localsgd_records",
     "restore_local_sgd": "edit_jax.rundir.localsgd_checkpoint",
+    "saved_local_sgd_steps": "edit_jax.rundir.localsgd_checkpoint",
 }
 
 __all__ = ["__version__", *_API]

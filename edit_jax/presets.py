@@ -55,7 +55,7 @@ def cpu(method: str = "edit", steps: int = 300) -> Config:
     """The demo model on a 2 x 4 CPU-emulated mesh and the stdlib corpus: minutes per method.
 
     Outer lr 0.5 / momentum 0.5: the best setting of `benchmarks/compare_methods.py`'s sweep for each of
-    DiLoCo, EDiT and CO2 (grid lr {0.5, 1.0} x momentum {0.5, 0.85}; BUILD_NOTES section 11). The
+    DiLoCo, EDiT and CO2 (grid lr {0.5, 1.0} x momentum {0.5, 0.85}; docs/benchmarks/methods.md). The
     paper's 0.8 / 0.85 is tuned for 100k-step runs; over a few hundred steps it overshoots."""
     return Config(
         model=preset("demo"),

@@ -8,8 +8,8 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags = (_flags + " --xla_force_host_platform_device_count=64").strip()
 # XLA:CPU's LLVM backend at -O0: the tests' programs are tiny, so LLVM's optimisation passes were
-# most of each compile and the programs run about as fast without them (BUILD_NOTES §3, "Test
-# suite": a 2-process tiny run 0.69x the time). The HLO, the sharding and the collectives are XLA's own
+# most of each compile and the programs run about as fast without them (docs/developer/tests-and-ci.md:
+# a 2-process tiny run 0.69x the time). The HLO, the sharding and the collectives are XLA's own
 # passes and do not change. The CLI processes the tests start keep it (helpers.child_xla_flags);
 # the demo, the benches and users get XLA's default.
 if "xla_backend_optimization_level" not in _flags:
@@ -23,8 +23,8 @@ os.environ.setdefault("EDIT_JAX_COMPILE_AHEAD", "0")
 
 # One JAX compilation cache for the whole session (edit_jax/runtime/compile_cache.py: "auto" means
 # $EDIT_JAX_COMPILE_CACHE when set): the tests train the same tiny programs again and again, in
-# this process and in the CLI processes they start, which inherit the variable (BUILD_NOTES §3,
-# "Test suite": the suite 0.91x the time). Tests of the run dir's own cache unset it.
+# this process and in the CLI processes they start, which inherit the variable (docs/developer/tests-and-ci.md:
+# the suite 0.91x the time). Tests of the run dir's own cache unset it.
 if "EDIT_JAX_COMPILE_CACHE" not in os.environ:
     import atexit
     import shutil

@@ -1,7 +1,8 @@
 """The public API around a user's own model, optimizer and loop (``edit_jax.localsgd.api``).
 
-- ``examples/own_model.py`` (a plain-Flax GPT, its own AdamW and loop) trains with DiLoCo and with
-  EDiT's layer-wise sync, loss falling.
+- ``examples/own_model.py`` (a plain-Flax GPT written the usual way, made layer-wise by
+  ``LayerStack``; its own AdamW and loop) trains with DiLoCo and with EDiT's layer-wise sync, loss
+  falling.
 - One sync against NumPy, written from EDIT.md (Algorithm 2), not from ``outer.py``: DiLoCo (the
   plain mean of the pseudo gradients, Nesterov SGD) over three syncs of an arbitrary pytree; EDiT
   layer-wise with its penalty (softmax(−g/T) weights of the per-unit norms, per-unit clip, the
@@ -76,8 +77,8 @@ def test_example_trains_with_each_rule(rule):
     stage = "default" if rule in pair else "3.12"
     other = pair.get(rule) or next(k for k, v in pair.items() if v == rule)
     one_stage(stage, f"the example with {rule}", 18, other=f"the example with {other}")
-    out = _example().main(["--rule", name, "--tiny", "--steps", "24" if wire else "12"]
-                          + (["--wire", wire] if wire else []))
+    example = _example()
+    out = example.main(["--rule", name, "--tiny", "--steps", "24" if wire else "12"] + (["--wire", wire] if wire else []))
     losses = out["losses"]
     assert len(losses) == (24 if wire else 12) and all(math.isfinite(x) for x in losses)
     assert np.mean(losses[-3:]) < losses[0] - 0.5, losses
@@ -86,7 +87,7 @@ def test_example_trains_with_each_rule(rule):
     for w, o in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.outer_params)):
         np.testing.assert_allclose(np.asarray(w), np.broadcast_to(np.asarray(o), w.shape), rtol=1e-6)
     if rule == "diloco":  # that last sync by NumPy: Δ = mean_i(θ̄ − θ_i), m' = μ m + Δ, θ̄' = θ̄ − lr (Δ + μ m')
-        before, lr, mu = out["before_sync"], 0.7, 0.9  # edit_jax.diloco()'s defaults
+        before, lr, mu = out["before_sync"], example.OUTER["outer_lr"], example.OUTER["outer_momentum"]
         trace = optax.tree_utils.tree_get(before.outer_opt_state, "trace")
         for theta, workers, m, got in zip(jax.tree.leaves(before.outer_params), jax.tree.leaves(before.params),
                                           jax.tree.leaves(trace), jax.tree.leaves(state.outer_params)):

@@ -84,6 +84,7 @@ def _flip_bytes_in_largest_array_file(ckpt_dir, n=64):
 def test_restore_step_flag_and_all_bad(tmp_path):
     """``restore_step`` resumes from an explicit checkpoint and moves newer ones aside (not
     deleted); a damaged explicit step is refused, nothing moved."""
+    one_stage("default", "restore_step and damaged explicit steps", 20)
     cfg = tiny_config(2, 4, steps=6, checkpoint_every=2, keep_checkpoints=3)
     train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
     result = train(cfg, str(tmp_path), progress=False, devices=devs(cfg), restore_step=4)

@@ -23,6 +23,7 @@ from edit_jax.runtime.mesh import make_mesh
 from edit_jax.training.train import train
 from edit_jax.validate import validate
 from tests.helpers import REPO, random_batch, tiny_config
+from tests.stages import one_stage
 
 # One training in a fresh process: JAX's cache-hit events counted, the names of the programs
 # read from the cache (JAX's debug log line) listed, both printed as JSON on the last line.
@@ -59,6 +60,7 @@ def _run(run_dir, kw="{}") -> dict:
 def test_a_restart_reads_the_compiled_programs_from_the_cache(tmp_path):
     """The first run compiles its step program and writes RUN_DIR/compile_cache; the restart, a new
     process, loads the step program from it (JAX's cache-hit events), and adds nothing new for it."""
+    one_stage("default", "a restart reading the compile cache", 21)
     cold = _run(tmp_path)
     entries = sorted(os.listdir(tmp_path / DIR_NAME))
     # (hits in the first run are programs it compiles twice, e.g. the same small op from two places)

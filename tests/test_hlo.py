@@ -54,6 +54,11 @@ def test_group_forms():
     assert parse(mesh + "{'replica','shard'}, to_apply=a", 8) == [list(range(8))]
     assert parse(mesh + "{'shard','replica'}, to_apply=a", 8) == [[0, 2, 4, 6, 1, 3, 5, 7]]
     assert parse(mesh + "{}, to_apply=a", 8) == [[i] for i in range(8)]
+    # A mesh whose devices are not in order names them: positions 0..7 are devices [0, 2, 1, 3, ...].
+    odd = "replica_groups=mesh['a'=2,'b'=2,'c'=2,'d'=1], device_ids=([2,2,2]T(0,2,1)) {'c'}, to_apply=a"
+    assert parse(odd, 8) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    listed = "replica_groups=mesh['a'=2,'b'=2], device_ids=(0,2,1,3) {'b'}, to_apply=a"
+    assert parse(listed, 4) == [[0, 2], [1, 3]]
     with pytest.raises(ValueError, match="not in the mesh"):
         parse(mesh + "{'pipeline'}", 8)
     assert hlo_parse.parse_pairs("source_target_pairs={{0,1},{1,0}}") == [[0, 1], [1, 0]]

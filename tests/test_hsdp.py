@@ -12,6 +12,7 @@ from edit_jax.localsgd.sharding import MeshError, fsdp_dim
 from edit_jax.models import llama as M
 from edit_jax.runtime.mesh import make_mesh
 from tests.helpers import mesh_for, random_batch, tiny_config
+from tests.stages import one_stage
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,7 @@ def test_local_grads_are_per_replica_means():
 
 def test_hsdp_step_matches_single_device_adamw():
     """One full HSDP step (clip + AdamW) equals optax on one device with the whole batch."""
+    one_stage("3.12", "one HSDP step against optax on one device", 22)
     import optax
 
     from edit_jax.localsgd.optim import lr_schedule

@@ -89,6 +89,7 @@ def test_only_fields_the_user_set_are_announced():
 
 
 def test_run_dir_config_says_what_ran(tmp_path):
+    one_stage("3.12", "the run dir's config of a DiLoCo run", 20)
     cfg = tiny_config(2, 2, method="diloco", steps=2, sync={"layerwise": True, "penalty": {"anomaly": True}})
     train(cfg, str(tmp_path), progress=False, devices=jax.devices()[:4])
     saved = json.load(open(tmp_path / "config.json"))["sync"]

@@ -14,6 +14,7 @@ from edit_jax import data as D
 from edit_jax.config import ConfigError, DataConfig
 from edit_jax.data import parquet_stream as PS
 from edit_jax.data import parquet_units as PU
+from tests.stages import one_stage
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -95,6 +96,9 @@ def test_resume_from_any_cursor_gives_identical_batches(files, tmp_path, monkeyp
     """Stopped after k steps (mid unit, across units and epochs), a fresh stream with the saved
     state (through JSON) produces the very same batches; it reads only the cursor's unit and its
     read-ahead, not the units before it."""
+    # The thread reader under the default Python, the process reader under 3.12 (~20 s each).
+    one_stage("default" if workers == 0 else "3.12", f"a resumed parquet stream ({'thread' if workers == 0 else 'process'} "
+              "reader)", 20, other="the other reader")
     cfg = _cfg(files, workers=workers)
     ref = D.make_train_stream(D.load_corpus(cfg), SEQ, BATCH, N, seed=1)
     want = [ref.next() for _ in range(45)]

@@ -57,6 +57,7 @@ def test_pipelined_layers_with_the_real_sync_equal_the_plain_loop():
     the outer state) with the layer loop pipelined as on GPUs equals the plain loop. On one device
     (N = 1, S = 1): no collective, so XLA:CPU can run the pipelined loop; the workers' pseudo
     pseudo gradients are noise added to θ_i."""
+    one_stage("default", "the pipelined layers with the real sync", 26)
     from edit_jax.localsgd.programs import StepPrograms
     from edit_jax.runtime.mesh import make_mesh
     from tests.helpers import tiny_config

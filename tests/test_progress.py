@@ -13,6 +13,7 @@ from edit_jax.config import with_fields
 from edit_jax.elastic import progress as PG
 from edit_jax.elastic import rounds as R
 from edit_jax.rundir.records import read_records
+from tests.stages import one_stage
 from tests.test_elastic import _config
 
 
@@ -36,6 +37,7 @@ def _ignored(run):
 
 
 def test_saved_progress_resumes_exactly_and_only_when_uncounted(tmp_path):
+    one_stage("default", "saved exchange progress on resume", 23)
     from edit_jax.runtime.compile_cache import compile_cache
 
     ex, run = str(tmp_path / "ex"), str(tmp_path / "run")

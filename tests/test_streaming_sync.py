@@ -77,7 +77,7 @@ def test_fragment_of_unit_demo_and_tiny():
                 "model.ffn_dim=384")
     sizes = unit_param_counts(demo)
     assert sizes == [2 * 320 * 128 + 128] + [4 * 128 * 128 + 3 * 128 * 384 + 2 * 128] * 4
-    assert sum(sizes) == 935_040  # the demo model (BUILD_NOTES)
+    assert sum(sizes) == 935_040  # the demo model (docs/benchmarks/demo.md)
     # Root (82,048) + 4 layers (213,248 each): F = 2 -> {root, L0, L1} {L2, L3}; F = 4 -> {root, L0} {L1} {L2} {L3}.
     assert fragment_of_unit(_cfg("model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4",
                                  "model.ffn_dim=384", "sync.tau=4", "sync.fragments=2")) == (0, 0, 0, 1, 1)
@@ -237,6 +237,7 @@ def test_hlo_staggered_sync_step_carries_only_its_group():
     """EDiT, N = 4, S = 2, 3 layers, F = 2 (groups {root, L0} {L1, L2}): the tensor bytes crossing
     `replica` in sync_forward@f are one float32 all-reduce of exactly group f's parameters per
     device, 2(N−1)/N x 4 B x |group f|/S; the two groups add up to the F = 1 sync step."""
+    one_stage("default", "the staggered sync step's HLO", 35)
     cfg1 = _cfg(*EDIT4, "sync.tau=4")
     cfg2 = _cfg(*EDIT4, "sync.tau=4", "sync.fragments=2")
     m1, m2 = StepPrograms.for_config(cfg1, _mesh(cfg1)), StepPrograms.for_config(cfg2, _mesh(cfg2))

@@ -1,1 +1,1 @@
-"""A-EDiT with workers as separate programs that meet through an exchange (issue 38)."""
+"""A-EDiT with workers as separate programs that meet through an exchange (docs/developer/exchange.md)."""

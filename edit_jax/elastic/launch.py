@@ -14,10 +14,10 @@ How a worker starts (``EDIT_JAX_WORKER_START``): "fork" (the default on Linux) f
 launcher, which imported the worker's modules (JAX, the data pipeline, the model: ~1.4 CPU s) once
 and never starts a JAX backend itself; the child sets its own XLA flags and platform, then builds
 its backend and programs as ``edit-jax worker`` would. A restarted worker thus skips the imports,
-which on a machine whose cores the workers share come out of the others' training (BUILD_NOTES
-20). Forking is safe only from a process with one thread and no JAX backend: where that does not
-hold, or with "spawn", each worker is a fresh ``python -m edit_jax worker`` process. A forked
-worker is named ``edit-jax wI`` (``/proc/PID/comm``, what ``ps`` and ``top`` show).
+which on a machine whose cores the workers share come out of the others' training
+(docs/benchmarks/elastic-runs.md). Forking is safe only from a process with one thread and no JAX
+backend: where that does not hold, or with "spawn", each worker is a fresh ``python -m edit_jax
+worker`` process. A forked worker is named ``edit-jax wI`` (``/proc/PID/comm``, what ``ps`` and ``top`` show).
 
 When the storage fails (``patience.py``): ``train`` asks the exchange once before it writes
 anything, for ``PROBE_S`` seconds; an exchange it cannot use is a config error (exit 2, one line,

@@ -10,7 +10,7 @@ fixed: the same inputs give the same bits (``tests/test_elastic.py`` checks it a
 Every round checks it (the manifest's hash); a worker whose host rounds differently takes the
 closer's published state instead (``worker.py``, recorded as ``theta_resync``). The cost is
 host work on each worker: a few element-wise passes over the parameters per participant (norms,
-weights, the weighted sum, clip, Nesterov), against a ``tau_time`` of minutes (BUILD_NOTES 20).
+weights, the weighted sum, clip, Nesterov), against a ``tau_time`` of minutes (docs/developer/exchange.md).
 With a sparse ``sync.wire.kind`` the posts are packed rows and true norms: the same rule runs
 over them with the ``packed.PackedPosts`` reduction (each post decoded as its worker's pseudo
 gradient, its posted norm as the norm).

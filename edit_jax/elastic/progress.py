@@ -3,7 +3,7 @@
 
 Between two posts a worker's progress lives only in its process; a SIGKILL used to lose all of it
 (on the live bench, half a ``tau_time`` of the worker's share per kill: the largest cost of a
-fault, BUILD_NOTES 20). With ``sync.exchange.progress_every`` > 0 the worker writes, that often,
+fault, docs/benchmarks/elastic-runs.md). With ``sync.exchange.progress_every`` > 0 the worker writes, that often,
 ``RUN/progress/wI.npz`` (aside, then renamed over: whole or the previous one):
 
 - ``delta`` = θ̄_round − θ_i (float32, every leaf; θ̄ of the round it last applied),

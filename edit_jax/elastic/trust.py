@@ -1,4 +1,4 @@
-"""What a round accepts (issue 57): a post enters a manifest only once it is read and checked.
+"""What a round accepts (docs/developer/exchange.md): a post enters a manifest only once it is read and checked.
 
 Anything can land in the exchange: a truncated or random object, a post of another wire, a
 post copied from another run of the same config, stray files. One such post named by a manifest

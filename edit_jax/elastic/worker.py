@@ -337,7 +337,8 @@ class ElasticWorker(LocalTraining, RoundRecovery):
         needs them): at the run's first start (round 0) every count 1..slots, nearest to all slots
         first (a round whose membership changed would wait seconds on a compile); a restarted or
         joining worker, from the cache, only its first round's count (the last round's members with
-        itself: loading all cost ~1.3 CPU s of a ~3.5 s restart, BUILD_NOTES 20). Without a cache, all."""
+        itself: loading all cost ~1.3 CPU s of a ~3.5 s restart, docs/benchmarks/elastic-runs.md).
+        Without a cache, all."""
         slots = self.cfg.mesh.replica
         if shared.round == 0 or self.cfg.train.compile_cache in ("", "off"):
             return sorted(range(1, slots + 1), key=lambda c: (abs(c - slots), -c))

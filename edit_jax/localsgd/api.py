@@ -51,10 +51,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from edit_jax.localsgd.api_checks import NonFiniteWatch, base_key, check_ys, checked_step_output, per_worker, \
     put_batch, refuse_nonfinite_sync, stacked_layer_count
+from edit_jax.localsgd.api_layout import state_shardings
 from edit_jax.localsgd.api_rules import LocalSGDRule, co2, compressed, diloco, edit, from_method, post_local_sgd
 from edit_jax.localsgd.nnx_model import NNXModel, transformation
 from edit_jax.localsgd.outer_spec import OuterSpec, Penalty
@@ -77,7 +78,7 @@ class LocalSGDState(NamedTuple):
 
     params: Any  # every worker's params, stacked [N, ...], sharded over `replica`
     opt_state: Any  # every worker's inner optimizer state, stacked [N, ...] likewise
-    outer_params: Any  # θ̄: float32, one copy (no worker axis), replicated
+    outer_params: Any  # θ̄: float32, one copy (no worker axis): replicated, or split (shard_outer)
     outer_opt_state: Any  # the outer optimizer's; layer-wise: {"root": ..., "layers": per-layer, stacked}
     detector: Detector  # anomaly detectors, leading dims [N, U] (U = 1, or 1 + layers for layer-wise)
     step: Any  # inner steps done (np.int32): picks the next step's program without a device read
@@ -101,11 +102,14 @@ class LocalSGD:
     get a random key as one more, last argument (dropout), a different one per worker and step.
     ``donate``: each step consumes the state it is given (its buffers are reused). ``warmup_steps``:
     W synchronous steps first (every step the workers' mean gradient, ``loss_fn`` only), then θ̄ =
-    the workers' params and the rule's schedule counted from W (EDIT.md's warmup)."""
+    the workers' params and the rule's schedule counted from W (EDIT.md's warmup). ``shard_outer``:
+    θ̄ and the outer optimizer state split over every device of the mesh, 1/(N·S) of them per
+    device, as the harness lays them out (``api_layout.py``); else every device holds a whole copy."""
 
     def __init__(self, rule: LocalSGDRule, mesh: Mesh, tau: int, inner_step: Callable | None = None, *,
                  loss_fn: Callable | None = None, optimizer: optax.GradientTransformation | None = None,
-                 seed: int | jax.Array | None = None, donate: bool = True, warmup_steps: int = 0):
+                 seed: int | jax.Array | None = None, donate: bool = True, warmup_steps: int = 0,
+                 shard_outer: bool = False):
         if not isinstance(rule, LocalSGDRule):
             raise ValueError("rule: expected a LocalSGDRule (diloco(), post_local_sgd(), edit(), co2(), "
                              f"compressed(...), from_method(...)), got {rule!r}")
@@ -129,6 +133,7 @@ class LocalSGD:
         # run on the same devices with Auto axes (GSPMD propagates the sharding).
         self.mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
         self.rule, self.tau, self.donate, self.warmup = rule, int(tau), donate, int(warmup_steps)
+        self.shard_outer = bool(shard_outer)
         self.inner_step, self.loss_fn, self.optimizer = inner_step, loss_fn, optimizer
         self.n = int(self.mesh.shape[REPLICA])
         self.batch_axes = tuple(a for a in self.mesh.axis_names if a != REPLICA and self.mesh.shape[a] > 1)
@@ -140,7 +145,8 @@ class LocalSGD:
 
     @classmethod
     def for_nnx(cls, rule: LocalSGDRule, mesh: Mesh, tau: int, model, optimizer, loss_fn: Callable, *,
-                blocks: str | None = None, seed: int | jax.Array | None = None, donate: bool = True) -> "LocalSGD":
+                blocks: str | None = None, seed: int | jax.Array | None = None, donate: bool = True,
+                shard_outer: bool = False) -> "LocalSGD":
         """A Flax NNX ``model`` (an ``nnx.Module``) trained with ``optimizer`` (optax, or an
         ``nnx.Optimizer``: its ``tx``) on ``loss_fn(model, batch) -> loss | (loss, metrics)``: its
         ``nnx.Param`` state is the params (``init()`` takes them from the model), its RNG streams
@@ -154,7 +160,7 @@ class LocalSGD:
                              "edit(layerwise=False), co2(), ...)")
         wrapped = NNXModel(model, blocks if rule.layerwise else None)
         trainer = cls(rule, mesh, tau, loss_fn=wrapped.loss_fn(loss_fn), optimizer=transformation(optimizer),
-                      seed=seed, donate=donate)
+                      seed=seed, donate=donate, shard_outer=shard_outer)
         trainer.nnx = wrapped
         return trainer
 
@@ -394,6 +400,8 @@ class LocalSGD:
             if xs is None:
                 return unit, None
             synced, res = rule.in_forward_sync(unit, xs, which, spec)
+            if self.shard_outer:  # the synced unit laid out as the worker's own copy, not as θ̄'s shards
+                synced = jax.lax.with_sharding_constraint(synced, jax.tree.map(lambda _: P(), synced))
             return checkpoint_name(synced, HOOK_SAVED), res
 
         def worker(params, opt_state, batch, det, extra):
@@ -412,11 +420,7 @@ class LocalSGD:
     # -- layout ------------------------------------------------------------------------------------
 
     def _shardings(self, state: LocalSGDState) -> LocalSGDState:
-        per_worker, shared = NamedSharding(self.mesh, P(REPLICA)), NamedSharding(self.mesh, P())
-        each = lambda t, s: jax.tree.map(lambda _: s, t)  # noqa: E731
-        return LocalSGDState(each(state.params, per_worker), each(state.opt_state, per_worker),
-                             each(state.outer_params, shared), each(state.outer_opt_state, shared),
-                             each(state.detector, per_worker), None, each(state.extra, per_worker))
+        return state_shardings(self.mesh, state, self.shard_outer, self.rule.layerwise)  # (api_layout.py)
 
     def _put_batch(self, batch):
         return put_batch(self.mesh, self.n, self.batch_axes, batch)

@@ -24,7 +24,7 @@ from edit_jax.localsgd.sparse import BITS, CHUNK
 
 # The residual's stored dtype (sync.wire.residual_dtype). bfloat16 halves error feedback's memory (at 7B a
 # float32 residual is one more fp32 copy of a worker's params per device: +6.2% of the H100 peak,
-# BUILD_NOTES 18); the sync reads it into float32 and rounds the new residual once on store.
+# docs/benchmarks/sparse.md); the sync reads it into float32 and rounds the new residual once on store.
 EF_DTYPES = ("float32", "bfloat16")
 
 

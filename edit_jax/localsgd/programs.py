@@ -213,7 +213,7 @@ class StepPrograms:
 
         # On GPUs in two halves, so that the family issues a layer's sync one layer ahead of its
         # gather and compute, where the all-reduce can overlap the previous layer (family.SplitHook;
-        # BUILD_NOTES sections 14 and 19). Not on XLA:CPU (``pipelined_layers``).
+        # docs/developer/gpu-program.md). Not on XLA:CPU (``pipelined_layers``).
         hook = SplitHook(sync_part, gather_part)
         if not self.pipelined_layers:
             hook = hook.__call__

@@ -94,7 +94,7 @@ def gather_unit(local: Any, dims: Any, dtype: Any = None, fused: bool = False) -
     cut back and each leaf's S blocks joined along its FSDP dim. It moves the same bytes as the
     per-leaf gathers plus a local relayout; it pays where each collective has a fixed cost (XLA:CPU
     does not combine all-gathers: every one is a rendezvous of the shard's threads; measured in
-    BUILD_NOTES section 6). GPU backends combine collectives themselves."""
+    docs/benchmarks/step-time.md). GPU backends combine collectives themselves."""
     leaves, treedef = jax.tree.flatten(local)
     dim_list = treedef.flatten_up_to(dims)
     if dtype is not None:

@@ -1,4 +1,4 @@
-"""Sparse low-bit pseudo gradients on the wire (``sync.wire.kind = "topk2" | "topk4"``, issue 39).
+"""Sparse low-bit pseudo gradients on the wire (``sync.wire.kind = "topk2" | "topk4"``; docs/developer/wire.md).
 
 Each worker's pseudo gradient of one unit plus its error-feedback residual, x_i = Δ_i + β·e_i
 (this device's FSDP blocks, flattened as in ``compress.flatten_unit``), is zero-padded to a

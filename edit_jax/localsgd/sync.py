@@ -157,8 +157,8 @@ def reset_nonfinite_workers(opt_state, metrics: dict, opt_specs, norm_axes=SHARD
     """After a sync: a worker whose pseudo gradient (any unit) or inner optimizer state is
     non-finite was flagged and rolled back to θ̄, but its AdamW moments would stay NaN and make
     every later local step NaN. Its per-worker optimizer leaves are zeroed (the shared step
-    count is kept, so the learning-rate schedule and bias correction go on); see BUILD_NOTES,
-    decisions. ``metrics``: the sync's (``unit_pseudo_grad_norm``). Returns (opt_state, [N] bool:
+    count is kept, so the learning-rate schedule and bias correction go on); see
+    docs/developer/decisions.md. ``metrics``: the sync's (``unit_pseudo_grad_norm``). Returns (opt_state, [N] bool:
     which workers were reset, identical everywhere). ``opt_specs``: the inner optimizer state's
     specs (a leaf whose first axis is ``replica`` is per worker)."""
     g_ok = jnp.all(jnp.isfinite(metrics["unit_pseudo_grad_norm"][:, jax.lax.axis_index(REPLICA)]))

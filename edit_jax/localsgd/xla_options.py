@@ -1,6 +1,6 @@
 """XLA options the step programs are compiled with, per platform of the mesh's devices.
 
-On GPUs, what makes EDiT's sync overlap the layers' compute (issue 40; measured in XLA:GPU's
+On GPUs, what makes EDiT's sync overlap the layers' compute (docs/developer/gpu-program.md; measured in XLA:GPU's
 compiled ``sync_forward`` for an H100, ``edit_jax/tools/gpu_window.py``):
 
 - the pipelined layer loop (llama ``_pipelined_layers``): iteration l syncs layer l+1, which
@@ -14,7 +14,7 @@ compiled ``sync_forward`` for an H100, ``edit_jax/tools/gpu_window.py``):
   over the layer: 100% of the GEMM FLOPs with the attention at 7B and at 1B (XLA's default
   threshold: 7B 83%, 1B unchanged at 79%). Per leaf (threshold 0: seven pieces) is worse (7B 78%,
   1B 21%: the small pieces go first and cover little). The bytes are the same (the same elements,
-  cut differently). At 1B two of the four pieces have no compute under them (BUILD_NOTES 19).
+  cut differently). At 1B two of the four pieces have no compute under them (docs/benchmarks/gpu-program.md).
 - ``xla_disable_hlo_passes=dynamic-slice-copy-fusion-async-wrapper``: that pass makes the layer
   loop's dynamic-update-slice copies (the scan writing each layer's sync results and saved
   residuals into their stacks) async pairs, which the scheduler costs at its fixed latency; to
@@ -28,7 +28,7 @@ the program is byte-identical without it); the SOL latency estimator told the li
 program, the estimator does not apply to these modules); the pipelined collectives
 (``xla_gpu_enable_pipelined_all_gather`` and friends: on EDiT's sync step the all-gather pipeliner
 moves the gather of the next layer, the sync's all-reduce before it included, into the previous
-iteration and the program then all-reduces the same layer block more than once, issue 29). A flag
+iteration and the program then all-reduces the same layer block more than once, docs/benchmarks/gpu-program.md). A flag
 the user's ``XLA_FLAGS`` names is left to it (naming ``--xla_disable_hlo_passes`` replaces the
 list). Elsewhere: nothing.
 """

@@ -34,7 +34,7 @@ Hook = Callable[[Params, Any, str], tuple[Params, Any]]
 PRESETS: dict[str, dict] = {
     # tiny: tests and the 8 x 8 CPU mesh; every dim divisible by 8 so any shard count <= 8 works.
     # The small stacks are unrolled (scan_unroll = n_layers): 10-19% off a demo step on CPU, no
-    # per-layer slicing and stacking copies (BUILD_NOTES section 6); compiles stay short.
+    # per-layer slicing and stacking copies (docs/benchmarks/step-time.md); compiles stay short.
     "tiny": dict(vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, scan_unroll=2),
     # demo: the README's main job on 8 CPU devices, a few minutes on 2 cores.
     "demo": dict(vocab_size=320, d_model=128, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=384, scan_unroll=4),

@@ -74,6 +74,19 @@ def save_local_sgd(directory: str, state, keep: int | None = 3) -> str:
     return path
 
 
+def saved_local_sgd_steps(directory: str) -> list[int]:
+    """The steps of the complete checkpoints in ``directory``, oldest first; [] when there are none
+    or no such directory (a save cut short is no step). A loop that resumes when it can:
+    ``if saved_local_sgd_steps(d): state = restore_local_sgd(d, state)``."""
+    if not os.path.isdir(directory):
+        return []
+    manager = _manager(directory, None, create=False)
+    try:
+        return sorted(int(s) for s in manager.all_steps())
+    finally:
+        manager.close()
+
+
 def restore_local_sgd(directory: str, like, step: int | None = None):
     """The checkpoint ``step`` of ``directory`` (default: the newest) as a ``LocalSGDState`` laid out
     as ``like`` (a state of the same trainer, e.g. ``trainer.init(params)``: its shardings are the
@@ -113,4 +126,4 @@ def restore_local_sgd(directory: str, like, step: int | None = None):
     return restored._replace(step=np.int32(meta["step"]))
 
 
-__all__ = ["save_local_sgd", "restore_local_sgd", "FORMAT"]
+__all__ = ["save_local_sgd", "saved_local_sgd_steps", "restore_local_sgd", "FORMAT"]

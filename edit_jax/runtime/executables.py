@@ -4,7 +4,7 @@ JAX's persistent compilation cache (``compile_cache.py``) spares a restart XLA's
 the work before it: tracing the Python function and lowering it to HLO, which is how JAX finds the
 cache entry. For an elastic worker that restarts every minute on shared cores that work is most of
 a restart's CPU (tiny config, warm cache: the local step's trace + lower 0.47-0.67 core-s, its load
-from the cache 0.08-0.12; BUILD_NOTES 20). This store keeps the compiled executable itself
+from the cache 0.08-0.12; docs/benchmarks/elastic-runs.md). This store keeps the compiled executable itself
 (``jax.experimental.serialize_executable``) under a key computed without tracing:
 
 - what the program is: its ``name`` and the caller's ``context`` (the elastic worker passes its

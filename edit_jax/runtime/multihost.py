@@ -192,7 +192,7 @@ def _control_mesh() -> Mesh:
     """One device per process (its lowest id), in process order: the mesh of the control exchanges.
     An all-gather over every device (``process_allgather``) sends a message between every pair of
     devices; over one device per process it sends one per pair of processes (with EDiT tau 8 and a
-    2-bit sync, the control gathers had been two thirds of the bytes between 2 workers: BUILD_NOTES 18)."""
+    2-bit sync, the control gathers had been two thirds of the bytes between 2 workers: docs/benchmarks/sparse.md)."""
     firsts: dict[int, Any] = {}
     for d in jax.devices():
         if d.process_index not in firsts or d.id < firsts[d.process_index].id:

@@ -1,4 +1,5 @@
-"""How much of a layer's compute runs while EDiT's sync is in flight, and is that enough (issue 40).
+"""How much of a layer's compute runs while EDiT's sync is in flight, and is that enough
+(docs/developer/gpu-program.md).
 
 XLA:GPU's optimized program is scheduled: inside the forward layer loop's body, the instructions
 issued between a ``replica`` all-reduce's ``-start`` and its ``-done`` run while it is in flight.

@@ -129,14 +129,17 @@ def iota_groups(text: str) -> list[list[int]]:
     return ids.reshape(out_shape).tolist()
 
 
-_MESH_RE = re.compile(r"^mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_MESH_RE = re.compile(r"^mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}")
+_DEVICE_IOTA_RE = re.compile(r"^\[([\d,]+)\](?:T\(([\d,]+)\))?$")
 
 
 def mesh_groups(text: str) -> list[list[int]]:
     """Expands jax 0.12's mesh form ``mesh['replica'=4,'shard'=2] {'shard'}``: one group for each
     combination of the axes not named in braces, holding the positions (row-major over the mesh's
     axes) that vary over the named axes, in the order they are named. ``{}`` names no axis: every
-    device is a group of its own."""
+    device is a group of its own. ``, device_ids=([dims]T(perm))`` after the axes (a mesh whose
+    devices are not in order) maps each position to its device: arange(prod(dims)) reshaped to
+    dims, transposed by perm, flattened; an explicit ``device_ids=(0,2,1,3)`` likewise."""
     m = _MESH_RE.match(text)
     if m is None:
         raise ValueError(f"cannot parse mesh replica_groups {text[:80]!r}")
@@ -144,7 +147,7 @@ def mesh_groups(text: str) -> list[list[int]]:
     if not axes:
         raise ValueError(f"mesh replica_groups without axes: {text[:80]!r}")
     names = [n for n, _ in axes]
-    chosen = re.findall(r"'([^']+)'", m.group(2))
+    chosen = re.findall(r"'([^']+)'", m.group(3))
     unknown = [c for c in chosen if c not in names]
     if unknown:
         raise ValueError(f"mesh replica_groups name axes {unknown} not in the mesh {names}: {text[:80]!r}")
@@ -156,7 +159,30 @@ def mesh_groups(text: str) -> list[list[int]]:
         base = sum(i * strides[n] for n, i in zip(rest, fixed))
         groups.append([base + sum(i * strides[n] for n, i in zip(chosen, idx))
                        for idx in itertools.product(*(range(sizes[n]) for n in chosen))])
+    if m.group(2):
+        ids = _device_ids(m.group(2).strip(), math.prod(sizes.values()), text)
+        groups = [[ids[p] for p in g] for g in groups]
     return groups
+
+
+def _device_ids(spec: str, count: int, text: str) -> list[int]:
+    """The devices of a mesh's positions, from its ``device_ids=(...)``: ``[dims]T(perm)`` or a list."""
+    import numpy as np
+
+    m = _DEVICE_IOTA_RE.match(spec)
+    if m:
+        dims = [int(x) for x in m.group(1).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(2):
+            ids = ids.transpose([int(x) for x in m.group(2).split(",")])
+        ids = ids.reshape(-1).tolist()
+    elif re.fullmatch(r"[\d,\s]+", spec):
+        ids = [int(x) for x in spec.split(",") if x.strip()]
+    else:
+        raise ValueError(f"cannot parse the mesh's device_ids {spec!r} in {text[:120]!r}")
+    if len(ids) != count:
+        raise ValueError(f"mesh device_ids name {len(ids)} devices for {count} positions: {text[:120]!r}")
+    return ids
 
 
 def parse_pairs(attrs: str) -> list[list[int]] | None:

@@ -1,6 +1,6 @@
 """An analytic estimate of one step's peak GPU memory per device beyond the state (``plan``'s
 ``gpu_estimate``), derived from the config's shapes alone, term by term from XLA:GPU's buffer
-assignment of the paper presets (BUILD_NOTES section 14, "The estimate against XLA:GPU").
+assignment of the paper presets (docs/developer/gpu-program.md, docs/benchmarks/gpu-program.md).
 
 With remat, a step's memory peaks at one of two moments, both while every layer's saved input is
 still alive (the backward has not freed any yet):
@@ -25,8 +25,8 @@ micro-batch, T = seq_len, d, f = ffn_dim, L layers, h heads, V vocab, S = mesh.s
     saved      = L A (remat: each layer's input); without remat every layer's intermediates,
                  L (b T (10 d + 3 f) c + scores); ``model.remat_saves`` adds the projections'
                  outputs, L b T (h hd + 2 kv hd + 2 f + d) c for "dots" (q, k, v, gate, up and
-                 one d-wide: 5% above the 20.35 GiB XLA:GPU gave at 1B batch 8, BUILD_NOTES
-                 section 3), and L (b T h hd c + b h T 4) more for "dots_attention" (cuDNN's output
+                 one d-wide: 5% above the 20.35 GiB XLA:GPU gave at 1B batch 8,
+                 docs/benchmarks/gpu.md), and L (b T h hd c + b h T 4) more for "dots_attention" (cuDNN's output
                  and softmax statistics)
     scores     = b h T^2 (2 x 4 + 2 c) without a fused attention kernel: the fp32 scores and
                  their gradient, the probabilities and their gradient in the compute dtype (the

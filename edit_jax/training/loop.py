@@ -106,7 +106,7 @@ def _set_up(cfg: Config, run_dir: str | None, say, devices: list | None, restore
         corrupt = parse_corrupt(cfg.debug.corrupt)  # None unless the testing knob is set
         if run_dir:
             # Several processes save synchronously: a background write failing on one process (a
-            # full disk) left the others in orbax's background barrier (BUILD_NOTES §9).
+            # full disk) left the others in orbax's background barrier (docs/developer/restarts.md).
             ckpt = Checkpointer(run_dir, cfg.keep_checkpoints,
                                 asynchronous=cfg.train.async_checkpoint and cfg.mesh.processes == 1)
             state, data_state, resumed_from = restore_verified(ckpt, cfg, programs, say, restore_step, lead=lead,

@@ -1,8 +1,8 @@
 """Loss spikes: the rule that finds them (``SpikeWatch``); the loop (loop.py) rolls back when the
 watch says so. The testing knob that makes one, ``debug.lr_spike``, is ``data/corrupt.py``'s.
 
-The rule, per training record (``train.spike.*``; why these defaults: BUILD_NOTES "Runs that
-keep going"):
+The rule, per training record (``train.spike.*``; why these defaults:
+docs/benchmarks/spike.md):
 
 - the record's loss is the smallest of the workers' (``replica_loss``), ignoring non-finite
   ones: a single worker's garbage is EDiT's penalty's job (its anomaly elimination and the
