@@ -8,9 +8,10 @@ two ways, each in a fresh process with no compilation cache (so nothing is loade
 other (each program's own compile time, and their sum), and side by side as the loop does
 (``ahead.compile_ahead``: one thread per core). The table gives the side-by-side wall against the
 longest single program and against the sum; the two ways alternate ``--reps`` times (ABAB), and the
-machine's core count and how many cores each way kept busy are in the JSON. The issue's target is a wall of at most 1.2x the longest
-program; on few cores the side-by-side compiles share them (XLA's compile of one program is
-mostly one thread), so the wall there sits between the longest and the sum.
+machine's core count and how many cores each way kept busy are in the JSON. The issue's target is
+a wall of at most 1.2x the longest program; on few cores the side-by-side compiles share them
+(XLA's compile of one program is mostly one thread), so the wall there sits between the longest
+and the sum.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import harness as common  # noqa: E402
+from benchmarks import harness as common
 
 SMOKE = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2", "model.ffn_dim=128",
          "data.seq_len=32", "batch_size=8", "mesh.replica=2", "mesh.shard=2"]

@@ -20,11 +20,11 @@ them) streamed with ``data.workers`` 0 and 1.
 
 Then the token-shard stream's own tokens/s in one process (no model: ``TrainStream.next()`` on
 batches of the 1B preset's per-host shape), and the streamed parquet source's (row groups read and
-tokenized by 0, 1 or 2 reader processes, byte tokenizer and tokenizer.json), beside the tokens/s one host of the paper's 1B preset
-consumes on 8 GPUs (ASSUMPTION: 40% MFU of a 989 TFLOP/s bf16 H100, model.flops_per_token), and
-``edit-jax tokenize``'s tokens/s per worker with the byte tokenizer and with a tokenizer.json
-(a byte-level BPE of ``--bpe-vocab`` ids trained here on the generated text with the
-``tokenizers`` package, when installed; on the first parquet file only). Tokenize times include
+tokenized by 0, 1 or 2 reader processes, byte tokenizer and tokenizer.json), beside the tokens/s
+one host of the paper's 1B preset consumes on 8 GPUs (ASSUMPTION: 40% MFU of a 989 TFLOP/s bf16
+H100, model.flops_per_token), and ``edit-jax tokenize``'s tokens/s per worker with the byte
+tokenizer and with a tokenizer.json (a byte-level BPE of ``--bpe-vocab`` ids trained here on the
+generated text with the ``tokenizers`` package, when installed; on the first parquet file only). Tokenize times include
 the process start (about half a second). Prints tables; writes JSON (``--json``).
 """
 
@@ -43,7 +43,7 @@ import numpy as np
 
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.harness import REPO, child_env, env_info, loadavg, print_table, write_json  # noqa: E402
+from benchmarks.harness import REPO, child_env, env_info, loadavg, print_table, write_json
 
 H100_BF16_FLOPS = 989e12  # dense bf16, SXM
 ASSUMED_MFU = 0.40

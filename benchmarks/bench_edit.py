@@ -44,7 +44,7 @@ import time
 
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import harness as common  # noqa: E402
+from benchmarks import harness as common
 from edit_jax.tools import hlo  # no jax import: safe before the device count is set
 
 SECTIONS = ("a", "b", "c", "d", "e")
@@ -83,7 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None,
                    help="where to write the JSON result; default runs/bench/bench_edit.json (all sections) or "
                         "runs/bench/bench_edit_<sections>.json with --only (e.g. bench_edit_ab.json)")
-    p.add_argument("--smoke", action="store_true", help="section c on the tiny model (one layer), 2 x 1 mesh, one repetition (CI)")
+    p.add_argument("--smoke", action="store_true",
+                   help="section c on the tiny model (one layer), 2 x 1 mesh, one repetition (CI)")
     args = p.parse_args(argv)
     if args.smoke:
         args.only, args.model, args.replica, args.shard, args.batch, args.seq = "c", "tiny", 2, 1, 4, 16
@@ -212,7 +213,8 @@ def verify_group_ids(n_rep, n_shard, devices) -> dict:
     for label, dev_order in [("identity", None), ("interleaved", order)]:
         mesh = make_mesh(cfg.mesh, devices, dev_order)
         m = StepPrograms.for_config(cfg, mesh)
-        batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.data.seq_len + 1), jnp.int32, sharding=named(mesh, BATCH_SPEC))
+        batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.data.seq_len + 1), jnp.int32,
+                                     sharding=named(mesh, BATCH_SPEC))
         parsed = hlo.hlo_collectives(m.lowered("hsdp", m.abstract_state(), batch).compile().as_text(),
                                         (n_rep, n_shard), cfg.model.n_layers)
         seen = {tuple(sorted(tuple(sorted(g)) for g in r["groups"])) for r in parsed["collectives"]}
@@ -278,7 +280,8 @@ def section_a(ctx: Ctx) -> dict:
                          "ratio_to_baseline_per_token": ratio}
         rows.append([name, "+".join(kinds),
                      f"{local['ring_bytes']:,.0f}" if extra is not None else "-",
-                     f"{local['tensor_ring_bytes']:,.0f} / {local['small_ring_bytes']:,.0f}" if extra is not None else "-",
+                     f"{local['tensor_ring_bytes']:,.0f} / {local['small_ring_bytes']:,.0f}"
+                     if extra is not None else "-",
                      f"{extra['ring_bytes']:,.0f}" if extra else f"{base['ring_bytes']:,.0f} (every step)",
                      f"{extra['executions']:g}" if extra else f"{base['executions']:g}",
                      f"{per_step['ring_bytes']:,.1f}", f"{per_step['operand_bytes']:,.1f}",
@@ -348,7 +351,8 @@ def section_b(ctx: Ctx) -> dict:
         state = m.init_state(0)
         dev, host, kinds = _per_device_bytes((state.outer.params, state.outer.opt_state))
         first = state.outer.params["root"]["embed"]
-        shard0 = sum(s.addressable_shards[0].data.nbytes for s in jax.tree.leaves((state.outer.params, state.outer.opt_state)))
+        shard0 = sum(s.addressable_shards[0].data.nbytes
+                     for s in jax.tree.leaves((state.outer.params, state.outer.opt_state)))
         mems = {}
         for kind in variants(args)[name][1]:
             ma = ctx.compiled(name, kind).memory_analysis()
@@ -425,7 +429,8 @@ def section_c(ctx: Ctx) -> dict:
     res, rows = {}, []
     for label, owner, kind in runs:
         st = common.summary(samples[label])
-        res[label] = {"kind": kind, "machinery": owner, **st, "median_of_rep_medians_s": statistics.median(rep_medians[label]),
+        res[label] = {"kind": kind, "machinery": owner, **st,
+                      "median_of_rep_medians_s": statistics.median(rep_medians[label]),
                       "ratio_to_hsdp_median": st["median_s"] / base, "samples_s": samples[label],
                       "first_two_calls_s": first[label]}
         rows.append([label, f"{st['median_s'] * 1e3:.1f}", f"{st['mean_s'] * 1e3:.1f}", f"{st['stdev_s'] * 1e3:.1f}",
@@ -433,8 +438,10 @@ def section_c(ctx: Ctx) -> dict:
     loc = res["local"]["median_s"]
     avg_edit = ((tau - 1) * loc + res["sync_forward (EDiT)"]["median_s"]) / tau
     avg_dil = ((tau - 1) * loc + res["local_then_sync (DiLoCo)"]["median_s"]) / tau
-    rows.append([f"EDiT mean over a tau={tau} window", f"{avg_edit * 1e3:.1f}", "-", "-", "-", f"{avg_edit / base:.3f}"])
-    rows.append([f"DiLoCo mean over a tau={tau} window", f"{avg_dil * 1e3:.1f}", "-", "-", "-", f"{avg_dil / base:.3f}"])
+    rows.append([f"EDiT mean over a tau={tau} window", f"{avg_edit * 1e3:.1f}", "-", "-", "-",
+                 f"{avg_edit / base:.3f}"])
+    rows.append([f"DiLoCo mean over a tau={tau} window", f"{avg_dil * 1e3:.1f}", "-", "-", "-",
+                 f"{avg_dil / base:.3f}"])
     common.print_table("c. Step time relative to the Baseline hsdp step (same mesh, interleaved)",
                        ["step", "median ms", "mean ms", "stdev ms", "median of rep medians ms", "ratio to hsdp"], rows,
                        f"{args.reps} interleaved repetitions x {args.steps_per_rep} timed steps per kind "
@@ -488,8 +495,9 @@ def section_d(ctx: Ctx) -> dict:
     common.print_table("d. Validation loss after the same tokens (embedded stdlib corpus)",
                        ["method", "outer step", "steps", "tokens", "train loss (last)", "val loss", "Δ vs Baseline",
                         "val ppl", "wall s"], rows,
-                       f"Config {os.path.relpath(args.config, common.REPO)} with steps={args.steps}, W={s.warmup_steps}, "
-                       f"tau={s.tau}, inner lr {cfg.optim.lr}, batch {cfg.batch_size} x seq {cfg.data.seq_len}, "
+                       f"Config {os.path.relpath(args.config, common.REPO)} with steps={args.steps}, "
+                       f"W={s.warmup_steps}, tau={s.tau}, inner lr {cfg.optim.lr}, "
+                       f"batch {cfg.batch_size} x seq {cfg.data.seq_len}, "
                        f"mesh {cfg.mesh.replica} x {cfg.mesh.shard}, eval on {cfg.eval_batches} val batches at the end "
                        "(Local-SGD methods: on θ̄ after a fresh sync). Wall s includes compilation and data loading.")
     return {"methods": out, "tokens": tokens, "warmup_steps": s.warmup_steps, "tau": s.tau}
@@ -563,7 +571,7 @@ def section_e(ctx: Ctx) -> dict:
                      steps=r.steps, tokens=r.tokens, wall_seconds=time.perf_counter() - t0)
     for row in rows_spec:
         o = out[row]
-        ratio = lambda k: o[k] / today[k] if today else float("nan")  # noqa: E731
+        ratio = lambda k: o[k] / today[k] if today else float("nan")  # noqa: B023 - called at once
         val, base_val = o.get("final_val_loss"), (today or {}).get("final_val_loss")
         o["peak_ratio"], o["per_token_ratio"] = ratio("peak"), ratio("per_token_bytes")
         o["val_loss_rel"] = (val - base_val) / base_val if val is not None and base_val else None
@@ -582,8 +590,9 @@ def section_e(ctx: Ctx) -> dict:
                        ["F", "compress", "B per sync step (each group)", "peak B", "peak / today",
                         "B per token", "per token / today", "wire dtypes (>1 KiB)", "val loss", "vs F=1 none"],
                        table,
-                       f"EDiT, config {os.path.relpath(args.config, common.REPO)}, tau={tau}, W={cfg.sync.warmup_steps}, "
-                       f"mesh {n_rep} x {n_shard}, {tokens_step} tokens per step. Bytes per device, ring formulas of "
+                       f"EDiT, config {os.path.relpath(args.config, common.REPO)}, tau={tau}, "
+                       f"W={cfg.sync.warmup_steps}, mesh {n_rep} x {n_shard}, {tokens_step} tokens per step. "
+                       "Bytes per device, ring formulas of "
                        "section a, read from the compiled sync_forward[@f] programs minus the local step's (0 here); "
                        "scalars (norms, weights, flags) included. Per token: a tau window (every group once) / "
                        f"(tau x tokens per step). Val loss after {args.steps} steps, eval on θ̄ after a fresh "

@@ -16,13 +16,14 @@ events, summed over every program of the run: tracing, lowering to MLIR and the 
 (which, on a cache hit, is the read of the executable from disk). Also the first step's time
 from metrics.jsonl (it includes that step's compile). Target: restart / cold <= 0.20.
 
-Part ``save``: the config (with ``--method``, default baseline: one kind of step) trained with a checkpoint every ``--every`` steps, once with async
-saves and once with sync saves (one process, side by side; log_every=1). Per mode: the time the
-loop is blocked in a save (async: the checksums and the copy to host; sync: the whole write),
-and the step times: the interval of the step that holds a save (step + blocked time), and, for
-async saves, the steps that overlap the background write (until orbax, polled after every step,
-says it is done), with the blocked time taken out. Normal steps: all others (steps that compiled
-a program are left out). Target: async step during the write / normal step <= 1.2.
+Part ``save``: the config (with ``--method``, default baseline: one kind of step) trained with a
+checkpoint every ``--every`` steps, once with async saves and once with sync saves (one process,
+side by side; log_every=1). Per mode: the time the loop is blocked in a save (async: the checksums
+and the copy to host; sync: the whole write), and the step times: the interval of the step that
+holds a save (step + blocked time), and, for async saves, the steps that overlap the background
+write (until orbax, polled after every step, says it is done), with the blocked time taken out.
+Normal steps: all others (steps that compiled a program are left out). Target: async step during the
+write / normal step <= 1.2.
 
 Part ``live`` (``bench_live.py``): exchange-mode A-EDiT (issue 38) under a kill loop, a SIGSTOP and
 a worker joining mid-run, beside the same run without faults: tokens/s, rounds that left a worker
@@ -47,8 +48,8 @@ import time
 
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import bench_kill, bench_live, bench_spike  # noqa: E402
-from benchmarks import harness as common  # noqa: E402
+from benchmarks import bench_kill, bench_live, bench_spike
+from benchmarks import harness as common
 
 PARTS = ("compile", "save", "kill", "spike", "live", "programs")
 # --smoke: the tiny config made smaller still (one layer, 2 x 1 mesh, 4 x 32 tokens): seconds to compile
@@ -111,7 +112,8 @@ def child_compile(config: str, run_dir: str, steps: int, cache: str) -> None:
     durations, hits = {e: 0.0 for e in COMPILE_EVENTS}, [0]
     monitoring.register_event_duration_secs_listener(
         lambda event, secs, **kw: durations.__setitem__(event, durations[event] + secs) if event in durations else None)
-    monitoring.register_event_listener(lambda event, **kw: hits.__setitem__(0, hits[0] + (event.endswith("/cache_hits"))))
+    monitoring.register_event_listener(
+        lambda event, **kw: hits.__setitem__(0, hits[0] + (event.endswith("/cache_hits"))))
     from edit_jax.training.train import train
 
     cfg = _load(config, [f"train.compile_cache={cache}", "log_every=1", "eval_every=0", "checkpoint_every=0"])
@@ -182,7 +184,8 @@ def _classify(run: dict, asynchronous: bool) -> dict:
     compiled = {k for k, _, c in run["step_ends"] if c}
     blocks = [(t0, t1) for _, t0, t1 in run["saves"]]
     # (save's start, write found done) per save; finish() runs once per save, in order
-    windows = [(t0, done if asynchronous else t1) for (_, t0, t1), done in zip(run["saves"], run["written"])]
+    windows = [(t0, done if asynchronous else t1)
+               for (_, t0, t1), done in zip(run["saves"], run["written"], strict=False)]
     normal, during, with_save = [], [], []
     for k in sorted(ends):
         if k - 1 not in ends or k in compiled:  # a step that compiled its program is no step time
@@ -195,7 +198,7 @@ def _classify(run: dict, asynchronous: bool) -> dict:
             during.append(b - a - blocked)
         else:
             normal.append(b - a)
-    mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
+    mean = lambda xs: statistics.fmean(xs) if xs else None
     return {"normal_median_s": statistics.median(normal), "during_mean_s": mean(during), "steps_during": len(during),
             "step_with_save_mean_s": mean(with_save), "save_blocking_mean_s": mean([t1 - t0 for t0, t1 in blocks]),
             "saves": len(blocks)}
@@ -206,8 +209,9 @@ def part_save(args) -> dict:
     root = os.path.join(args.run_root, "save")
     out = {}
     for mode in ("async", "sync"):
-        cfg = _load(args.config, [f"method={args.method}", f"steps={args.save_steps}", f"checkpoint_every={args.every}", "log_every=1",
-                                  "eval_every=0", f"train.async_checkpoint={mode == 'async'}",
+        cfg = _load(args.config, [f"method={args.method}", f"steps={args.save_steps}",
+                                  f"checkpoint_every={args.every}", "log_every=1", "eval_every=0",
+                                  f"train.async_checkpoint={mode == 'async'}",
                                   f"keep_checkpoints={args.save_steps}", *(SMOKE_SIZES if args.smoke else [])])
         run = _timed_run(cfg, os.path.join(root, mode))
         out[mode] = _classify(run, mode == "async")
@@ -310,7 +314,8 @@ def main(argv=None):
         "baseline" if args.smoke else "edit")
     args.live_method = args.method or "a_edit"  # live: A-EDiT, or a lock-step method posting every --tau steps
     args.config, args.method = args.config or "configs/demo.py", args.method or "baseline"
-    result = {"env": common.env_info(), "args": {k: v for k, v in vars(args).items() if k not in ("child", "programs_child")}}
+    result = {"env": common.env_info(),
+              "args": {k: v for k, v in vars(args).items() if k not in ("child", "programs_child")}}
     for part in args.part.split(","):
         result[part] = {"compile": part_compile, "save": part_save, "kill": bench_kill.part_kill,
                         "spike": bench_spike.part_spike, "live": bench_live.part_live,

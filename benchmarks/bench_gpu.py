@@ -32,7 +32,7 @@ import time
 
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import harness as common  # noqa: E402
+from benchmarks import harness as common
 
 
 def _args(argv):
@@ -115,7 +115,8 @@ def _sync_in_profile(programs, state, batch, log_dir: str) -> list[dict]:
     with gzip.open(find_trace(log_dir), "rt") as f:
         events = json.load(f)
     events = [e for e in (events["traceEvents"] if isinstance(events, dict) else events) if e.get("ph") == "X"]
-    compute = [e for e in events if any(k in e.get("name", "") for k in ("gemm", "cublas", "fmha", "cudnn", "sm90", "sm80"))]
+    compute = [e for e in events
+               if any(k in e.get("name", "") for k in ("gemm", "cublas", "fmha", "cudnn", "sm90", "sm80"))]
     out = []
     for e in events:
         if e.get("args", {}).get("hlo_op", e.get("name")) not in names:  # the op, or on a GPU its NCCL kernel
@@ -123,7 +124,8 @@ def _sync_in_profile(programs, state, batch, log_dir: str) -> list[dict]:
         start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
         covered = sum(max(0.0, min(end, c["ts"] + c.get("dur", 0.0)) - max(start, c["ts"]))
                       for c in compute if c.get("pid") == e.get("pid"))
-        out.append({"name": e["name"], "us": end - start, "overlap_fraction": min(1.0, covered / max(end - start, 1e-9))})
+        out.append({"name": e["name"], "us": end - start,
+                    "overlap_fraction": min(1.0, covered / max(end - start, 1e-9))})
     return out
 
 
@@ -174,7 +176,8 @@ def main(argv=None) -> int:
         if a.profile:
             row["sync_all_reduces"] = _sync_in_profile(programs, state, batch, os.path.join(a.profile, attention))
         results[attention] = row
-        print(f"{a.preset} b{a.batch} {attention} ({row['attention_impl']}), remat saves {a.remat_saves} on {a.replica} x {a.shard}: local "
+        print(f"{a.preset} b{a.batch} {attention} ({row['attention_impl']}), remat saves {a.remat_saves} "
+              f"on {a.replica} x {a.shard}: local "
               f"{row['local']['median_s'] * 1e3:.1f} ms (MFU {row['local']['mfu']:.3f}), sync_forward "
               f"{row['sync_forward']['median_s'] * 1e3:.1f} ms (MFU {row['sync_forward']['mfu']:.3f}), "
               f"sync / local {row['sync_over_local']:.3f}; peak {_gib(row['peak_bytes_in_use'])} GiB measured, "

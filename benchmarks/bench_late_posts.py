@@ -23,7 +23,7 @@ import time
 
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import harness as common  # noqa: E402
+from benchmarks import harness as common
 
 REPO = common.REPO
 SMOKE = ["model.n_layers=1", "data.seq_len=32"]
@@ -52,7 +52,8 @@ def one_run(policy: str, seed: int, workers: int, every: int, overrides: list[st
     cfg = load_config(os.path.join(REPO, "configs", "tiny.py"), [
         "sync.method=a_edit", f"sync.exchange.url={root}/ex", "sync.warmup_steps=0", f"mesh.replica={workers}",
         "mesh.shard=1", f"mesh.processes={workers}", "sync.time.tau=0.5", "sync.exchange.grace=1.0", f"seed={seed}",
-        f"data.seed={seed}", f"sync.exchange.late_posts={policy}", f"batch_size={2 * workers}", "eval_batches=4", *overrides])
+        f"data.seed={seed}", f"sync.exchange.late_posts={policy}", f"batch_size={2 * workers}", "eval_batches=4",
+        *overrides])
     plain, late = late_worker_class(every, 1.5 * cfg.sync.exchange.grace)
     ws = [(late if w == workers - 1 else plain)(cfg, w, f"{root}/run", say=lambda m: None) for w in range(workers)]
     codes = {}
@@ -68,7 +69,8 @@ def one_run(policy: str, seed: int, workers: int, every: int, overrides: list[st
     val = [r["val_loss"] for r in recs if "val_loss" in r]
     return {"policy": policy, "seed": seed, "codes": codes, "wall_s": wall, "rounds": len(rounds),
             "late_posts": len(lates), "late_steps": sum(r["late_steps"] for r in lates),
-            "carried_in_rounds": sum(sum(r.get("carried", [])) for r in rounds), "tally": sum(sum(r["steps"]) for r in rounds),
+            "carried_in_rounds": sum(sum(r.get("carried", [])) for r in rounds),
+            "tally": sum(sum(r["steps"]) for r in rounds),
             "final_val_loss": val[-1] if val else float("nan")}
 
 
@@ -94,7 +96,8 @@ def main(argv=None) -> int:
             for r in runs]
     common.print_table("late posts: carried or dropped", ["policy", "seed", "rounds", "late posts", "late steps",
                                                           "final val loss", "wall s"], rows)
-    means = {pol: statistics.fmean(r["final_val_loss"] for r in runs if r["policy"] == pol) for pol in ("carry", "drop")}
+    means = {pol: statistics.fmean(r["final_val_loss"] for r in runs if r["policy"] == pol)
+             for pol in ("carry", "drop")}
     print(f"mean final val loss: carry {means['carry']:.4f}, drop {means['drop']:.4f} "
           f"(drop / carry = {means['drop'] / means['carry']:.4f})")
     common.write_json(args.json, {"env": common.env_info(), "args": vars(args), "overrides": overrides, "runs": runs,

@@ -49,7 +49,7 @@ import time
 
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import harness as common  # noqa: E402
+from benchmarks import harness as common
 
 HANDLE, CLASS, LEAF = "ed17:", "ed17:10", "ed18:"
 BURST = "256k"
@@ -207,9 +207,9 @@ def census(args, say) -> dict:
     run_dir = os.path.join(args.run_root, f"census_{args.census}")
     subprocess.run(["rm", "-rf", run_dir])
     argv = [sys.executable, "-m", "edit_jax", "train", "--config", args.config, "--run-dir", run_dir, "--no-progress",
-            *overrides, f"mesh.processes={args.processes}", f"mesh.replica={args.processes}", f"mesh.shard={args.shard}",
-            "steps=80", f"log_every={args.census_log_every}", "eval_every=0", "checkpoint_every=0",
-            "train.spike.enabled=false", *args.census_set,
+            *overrides, f"mesh.processes={args.processes}", f"mesh.replica={args.processes}",
+            f"mesh.shard={args.shard}", "steps=80", f"log_every={args.census_log_every}", "eval_every=0",
+            "checkpoint_every=0", "train.spike.enabled=false", *args.census_set,
             f"train.compile_cache={os.path.join(args.run_root, 'compile_cache')}"]
     log = open(os.path.join(args.run_root, f"census_{args.census}.log"), "w")
     proc = subprocess.Popen(argv, cwd=common.REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -296,8 +296,9 @@ def run_method(name: str, args, link: Link, bytes_per_kind: dict[str, float], sa
     run_dir = os.path.join(args.run_root, name)
     subprocess.run(["rm", "-rf", run_dir])
     argv = [sys.executable, "-m", "edit_jax", "train", "--config", args.config, "--run-dir", run_dir, "--no-progress",
-            *overrides, f"mesh.processes={args.processes}", f"mesh.replica={args.processes}", f"mesh.shard={args.shard}",
-            f"steps={args.steps}", "log_every=1", "eval_every=0", "checkpoint_every=0", "train.spike.enabled=false",
+            *overrides, f"mesh.processes={args.processes}", f"mesh.replica={args.processes}",
+            f"mesh.shard={args.shard}", f"steps={args.steps}", "log_every=1", "eval_every=0", "checkpoint_every=0",
+            "train.spike.enabled=false",
             f"train.compile_cache={os.path.join(args.run_root, 'compile_cache')}"]
     asynchronous = name == "a_edit"
     tau = next((int(o.split("=")[1]) for o in overrides if o.startswith("sync.tau=")), 1)
@@ -374,8 +375,8 @@ def _phase_step(recs: Records, state: dict, rates: list, phases: list, asynchron
             j = i + args.aedit_syncs
             a, z = recs.syncs[i], recs.syncs[j]
             worker_steps = sum(sum(s["worker_steps_since"]) for s in recs.syncs[i + 1:j + 1])
-            phases.append({"rate_mbit": rates[state["phase"]], "window": [a["step"], z["step"]], "syncs": args.aedit_syncs,
-                           "seconds": z["time"] - a["time"],
+            phases.append({"rate_mbit": rates[state["phase"]], "window": [a["step"], z["step"]],
+                           "syncs": args.aedit_syncs, "seconds": z["time"] - a["time"],
                            "tokens": worker_steps * TOKENS["batch"] * TOKENS["seq"] // args.processes,
                            "link_bytes": link.bytes_sent() - b0})
             state["closed"] = True
@@ -418,8 +419,8 @@ def _predict(phases: list[dict], recs: Records, bytes_per_kind: dict[str, float]
 
 def _fmt_phase(ph: dict) -> str:
     rate = "none" if ph["rate_mbit"] is None else f"{ph['rate_mbit']:g} Mbit/s"
-    return (f"{rate:>12}: {ph['tokens'] / ph['seconds']:9,.0f} tokens/s over steps {ph['window'][0]}..{ph['window'][1]}, "
-            f"{ph['link_bytes'] / 1e6:.2f} MB across the link")
+    return (f"{rate:>12}: {ph['tokens'] / ph['seconds']:9,.0f} tokens/s over steps "
+            f"{ph['window'][0]}..{ph['window'][1]}, {ph['link_bytes'] / 1e6:.2f} MB across the link")
 
 
 # ----------------------------------------------------------------------------- report
@@ -507,7 +508,8 @@ def parse_args(argv=None):
     p.add_argument("--json", default=os.path.join(common.DEFAULT_JSON_DIR, "bench_links.json"))
     p.add_argument("--png", default=os.path.join(common.DEFAULT_JSON_DIR, "bench_links.png"))
     p.add_argument("--smoke", action="store_true", help="CI, no root: the prediction's inputs (plan's bytes per "
-                   "step kind: hsdp, local, sync) of edit_t8 on the tiny config, the connection scan, the JSON; no tc, no run")
+                   "step kind: hsdp, local, sync) of edit_t8 on the tiny config, the connection scan, the JSON; "
+                   "no tc, no run")
     p.add_argument("--census-log-every", type=int, default=1, help="--census: the run's log_every (a record is a "
                    "gather between the worker processes; steps 40 and 72 must be multiples of it)")
     p.add_argument("--census-set", action="append", default=[], metavar="KEY=VALUE", help="--census: an override "
@@ -534,7 +536,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    say = lambda m: print(m, flush=True)  # noqa: E731
+    say = lambda m: print(m, flush=True)
     common.ensure_cpu_devices(args.processes * args.shard)
     if args.smoke:
         return smoke(args, say)

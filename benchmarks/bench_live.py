@@ -47,7 +47,7 @@ import numpy as np
 
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import harness as common  # noqa: E402
+from benchmarks import harness as common
 
 JOINED = re.compile(r"edit-jax worker (\d+): joined at round (\d+)")
 RESTARTED = re.compile(r"edit-jax: worker (\d+) ended \((.*?)\); starting it again")
@@ -62,7 +62,8 @@ def add_args(p) -> None:
     p.add_argument("--tau", type=int, default=300,
                    help="live, with a lock-step --method (diloco, edit, post_local_sgd): sync.tau, the steps each "
                         "worker posts after (300: about tau_time's 5 s of tiny steps on these cores)")
-    p.add_argument("--grace", type=float, default=3.0, help="live: sync.exchange.grace (s a round waits for late posts)")
+    p.add_argument("--grace", type=float, default=3.0,
+                   help="live: sync.exchange.grace (s a round waits for late posts)")
     p.add_argument("--progress-every", type=float, default=1.0,
                    help="live: sync.exchange.progress_every (s between saves of a worker's unposted steps; 0: off)")
     p.add_argument("--carried-weight", type=float, default=0.5,
@@ -84,8 +85,8 @@ def overrides(args, ex: str) -> list[str]:
     return [f"sync.exchange.url={ex}", f"sync.method={method}", *timing, "sync.warmup_steps=0", f"mesh.replica={slots}",
             "mesh.shard=1", f"mesh.processes={w}", f"batch_size={4 * slots}", f"sync.time.tau={args.tau_time}",
             f"sync.exchange.grace={args.grace}", f"sync.exchange.progress_every={args.progress_every}",
-            f"sync.exchange.carried_weight={args.carried_weight}", "steps=100000000", "optim.decay_steps=100000", "log_every=20",
-            f"eval_every={args.eval_every}", *(SMOKE_SIZES if args.smoke else [])] + \
+            f"sync.exchange.carried_weight={args.carried_weight}", "steps=100000000", "optim.decay_steps=100000",
+            "log_every=20", f"eval_every={args.eval_every}", *(SMOKE_SIZES if args.smoke else [])] + \
         ([f"train.compile_cache={os.path.join(args.run_root, 'live', 'compile_cache')}"] if args.smoke else [])
 
 
@@ -332,12 +333,13 @@ def analyse(t0, events, manifests, records, posts, lines, tokens_per_step, bin_s
     tokens = sum(r["tokens"] or 0 for r in rounds)
     late = [{"round": r["late_post"], "worker": r["worker"], "steps": r["late_steps"], "how": r["late_posts"],
              "cause": causes.get((r["late_post"], r["worker"]), "live")} for r in records if "late_post" in r]
-    by = lambda rows: {c: sum(1 for x in rows if x["cause"] == c) for c in  # noqa: E731
+    by = lambda rows: {c: sum(1 for x in rows if x["cause"] == c) for c in
                        ("killed", "stopped", "starting", "live")}
     span, origin = end["at"] - t0, _first(e["at"] for e in events if e["event"] == "origin") - t0
     window = sum(r["tokens"] or 0 for r in rounds if r["t"] > origin) / (span - origin)
     bins = [0.0] * (int(span // bin_s) + 1)
-    for prev, r in zip([None] + rounds, rounds):  # a round's tokens spread over the time since the last close
+    # a round's tokens spread over the time since the last close
+    for prev, r in zip([None] + rounds, rounds, strict=False):
         a, b = (prev["t"] if prev else r["t"] - 1.0), r["t"]
         for i in range(max(0, int(a // bin_s)), min(len(bins), int(b // bin_s) + 1)):
             bins[i] += (r["tokens"] or 0) * (min(b, (i + 1) * bin_s) - max(a, i * bin_s)) / (b - a) / bin_s
@@ -405,7 +407,8 @@ def analyse(t0, events, manifests, records, posts, lines, tokens_per_step, bin_s
             "left_out": short, "left_out_by_cause": by(short), "late_posts": late, "late_by_cause": by(late),
             "rounds_leaving_out_a_live_worker": len({x["round"] for x in short if x["cause"] == "live"}),
             "live_steps_dropped": sum(x["steps"] for x in late if x["cause"] == "live" and x["how"] == "drop"),
-            "faults": faults, "evals": evals, "progress_save_s": round(saving, 3), "timeline": rounds, "bin_s": bin_s, "tokens_per_s_bins": bins,
+            "faults": faults, "evals": evals, "progress_save_s": round(saving, 3), "timeline": rounds, "bin_s": bin_s,
+            "tokens_per_s_bins": bins,
             "events": [{**e, "at": _rel(e["at"], t0)} for e in events],
             "posts": sorted([r, w, _rel(t, t0)] for (r, w), t in posts.items()),
             "lines": [[_rel(t, t0), x] for t, _, x in lines if JOINED.search(x) or RESTARTED.search(x)]}
@@ -439,7 +442,8 @@ def cpu_ledger(run: LiveRun, events: list[dict], window_tokens: float) -> dict:
             last = max((t for (r, w), t in run.posts.items() if w == e["slot"] and t < e["at"]), default=None)
             s = run.cpu[e["pid"]]
             kills.append({"slot": e["slot"], "t": _rel(e["at"], run.t0),
-                          "cpu_since_last_post_s": None if last is None else round(used(s, e["at"]) - used(s, last), 2)})
+                          "cpu_since_last_post_s": (None if last is None
+                                                    else round(used(s, e["at"]) - used(s, last), 2))})
     return {"cores": os.cpu_count(), "window_s": round(end - origin, 2), "workers_core_s": round(core_s, 1),
             "machine_core_s": round((os.cpu_count() or 1) * (end - origin), 1),
             "tokens_per_core_s": window_tokens / core_s if core_s else None, "starts": starts, "kills": kills}
@@ -683,8 +687,8 @@ def _print(out: dict) -> None:
                        note=f"reading the newest round state (get + decode, {st['live']['state_bytes']:,} bytes): "
                             f"{st['live']['read_state_s']:.4f} s; ElasticWorker.join() in process: {st['join_s']:.2f} "
                             f"s (with its init program's compile); figure {out['figure']}")
-    mean = lambda xs: float(np.mean(xs)) if xs else float("nan")  # noqa: E731
-    known = lambda rows, key: [x[key] for x in rows if x[key] is not None]  # noqa: E731
+    mean = lambda xs: float(np.mean(xs)) if xs else float("nan")
+    known = lambda rows, key: [x[key] for x in rows if x[key] is not None]
     rows = []
     for n in ("fault_free", "live"):
         c = out[n]["cpu"]

@@ -13,7 +13,8 @@ round 1 closed, the exchange's storage fails for ``--outage`` seconds, one way p
   endpoint down: connections refused), then listens again.
 
 Reported per outage: the run's exit code and wall time, the rounds recorded when the outage began,
-when it ended and in all (consecutive: none discarded; the run must close rounds after the outage), rounds redone, posts rejected, late posts, whether both workers ended on the same θ̄
+when it ended and in all (consecutive: none discarded; the run must close rounds after the
+outage), rounds redone, posts rejected, late posts, whether both workers ended on the same θ̄
 (``finished_round`` hashes), the wait lines ("retrying" / "answering again"), worker restarts after
 an exit 75, and tracebacks in the output (expected: exit 0, one θ̄, no traceback, no restart).
 """
@@ -33,8 +34,8 @@ import time
 
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import harness as common  # noqa: E402
-from edit_jax.rundir.records import read_records  # noqa: E402
+from benchmarks import harness as common
+from edit_jax.rundir.records import read_records
 
 REPO = common.REPO
 KINDS = ("gone", "readonly", "full", "s3")
@@ -202,8 +203,10 @@ def one_run(kind: str, root: str, seconds: float, steps: int, env: dict, endpoin
     return {"kind": kind, "exit": code, "wall_s": round(wall, 1), "outage_s": outage_s and round(outage_s, 1),
             "rounds": len(rounds), "rounds_at_start": at.get("start"), "rounds_at_end": at.get("end"),
             "rounds_consecutive": rounds == list(range(1, len(rounds) + 1)),
-            "redone": sum("round_redone" in r for r in recs), "rejected": sum(len(r.get("rejected", {})) for r in recs),
-            "late_posts": sum("late_post" in r for r in recs), "one_theta": len(ends) == 2 and len(set(ends.values())) == 1,
+            "redone": sum("round_redone" in r for r in recs),
+            "rejected": sum(len(r.get("rejected", {})) for r in recs),
+            "late_posts": sum("late_post" in r for r in recs),
+            "one_theta": len(ends) == 2 and len(set(ends.values())) == 1,
             "waits": out.count("retrying for up to"), "answering_again": out.count("answering again"),
             "restarts_75": out.count("could not use the exchange"), "tracebacks": out.count("Traceback")}
 
@@ -268,14 +271,14 @@ def main(argv=None) -> int:
             server.stop()
         if not args.run_root:
             shutil.rmtree(root, ignore_errors=True)
-    cols = ["kind", "exit", "wall_s", "outage_s", "rounds_at_start", "rounds_at_end", "rounds", "rounds_consecutive", "redone", "rejected", "late_posts",
-            "one_theta", "waits", "answering_again", "restarts_75", "tracebacks"]
+    cols = ["kind", "exit", "wall_s", "outage_s", "rounds_at_start", "rounds_at_end", "rounds", "rounds_consecutive",
+            "redone", "rejected", "late_posts", "one_theta", "waits", "answering_again", "restarts_75", "tracebacks"]
     common.print_table(f"exchange runs through {args.outage:g} s of storage outage", cols,
                        [[r[c] for c in cols] for r in runs])
     common.write_json(args.json, {"env": common.env_info(), "args": vars(args), "runs": runs})
     print(f"JSON: {args.json}")
     # (the run must have outlived the outage: it waited, and closed rounds after it)
-    good = lambda r: (r["exit"] == 0 and r["one_theta"] and r["rounds_consecutive"] and not r["tracebacks"]  # noqa: E731
+    good = lambda r: (r["exit"] == 0 and r["one_theta"] and r["rounds_consecutive"] and not r["tracebacks"]
                       and r["waits"] > 0 and r["rounds"] > (r["rounds_at_end"] or 0))
     return 0 if runs and all(good(r) for r in runs) else 1
 

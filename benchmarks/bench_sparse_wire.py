@@ -21,7 +21,7 @@ import time
 
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import harness as common  # noqa: E402
+from benchmarks import harness as common
 
 REPO = common.REPO
 # --smoke: the demo config made small (one layer, 2 x 1 mesh, 4 x 32 tokens), one compression
@@ -65,7 +65,7 @@ def bench(compress: str, overrides: list[str], repeats: int) -> dict:
         box[0], metrics = fn(box[0], *args)
         return metrics
 
-    step = lambda: run(local, batch)  # noqa: E731  (untimed before a sync: it moves the workers apart)
+    step = lambda: run(local, batch)  # (untimed before a sync: it moves the workers apart)
     return {"local_s": _median(step, repeats),
             "sync_step_s": _median(lambda: run(sync_step, batch), repeats, before=step),
             "sync_fn_s": _median(lambda: run(sync_only), repeats, before=step)}
@@ -107,7 +107,8 @@ def main(argv=None) -> int:
     print(f"{'compress':<10}{'local ms':>10}{'sync step ms':>14}{'sync_fn ms':>12}{'sync step - none':>18}")
     for c, r in rows.items():
         extra = f"{(r['sync_step_s'] - base['sync_step_s']) * 1e3:>+14.1f} ms" if base else ""
-        print(f"{c:<10}{r['local_s'] * 1e3:>10.1f}{r['sync_step_s'] * 1e3:>14.1f}{r['sync_fn_s'] * 1e3:>12.1f}{extra:>18}")
+        print(f"{c:<10}{r['local_s'] * 1e3:>10.1f}{r['sync_step_s'] * 1e3:>14.1f}"
+              f"{r['sync_fn_s'] * 1e3:>12.1f}{extra:>18}")
     cfg = load_config(os.path.join(REPO, "configs", "demo.py"), overrides)
     codecs = {}
     for c in rows:

@@ -38,7 +38,7 @@ import time
 
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import harness as common  # noqa: E402
+from benchmarks import harness as common
 
 SCRIPT = os.path.abspath(__file__)
 SYNC_KINDS = ("sync_forward", "local_then_sync")

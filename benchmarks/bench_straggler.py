@@ -36,7 +36,7 @@ import time
 
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import harness as common  # noqa: E402
+from benchmarks import harness as common
 
 
 def parse_args(argv=None):
@@ -167,7 +167,7 @@ def plot(results, path):
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for r in results:
-        t, v = zip(*r["val_curve"])
+        t, v = zip(*r["val_curve"], strict=True)
         ax.plot(t, v, marker="o", ms=3, label=r["name"].replace("_", " "), ls="--" if "straggler" in r["name"] else "-")
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel("validation loss on θ̄")

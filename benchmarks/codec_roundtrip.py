@@ -35,7 +35,7 @@ import sys
 
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import harness as common  # noqa: E402
+from benchmarks import harness as common
 
 REPO = common.REPO
 CHUNK, K = 4096, 64
@@ -157,7 +157,7 @@ def training_chunks(syncs: int, smoke: bool) -> list:
         host = jax.device_get(state)
         for w in range(cfg.mesh.replica):
             flat = np.concatenate([(t - p[w]).reshape(-1) for t, p in zip(jax.tree.leaves(host.outer.params),
-                                                                           jax.tree.leaves(host.params))])
+                                                                           jax.tree.leaves(host.params), strict=True)])
             flat = np.pad(flat.astype(np.float32), (0, -len(flat) % CHUNK))
             out.append(flat.reshape(-1, CHUNK))
         state, _ = sync(state)

@@ -34,7 +34,7 @@ import time
 
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import harness as common  # noqa: E402
+from benchmarks import harness as common
 
 REPO = common.REPO
 
@@ -45,7 +45,8 @@ SWEPT = ("diloco", "edit", "co2")
 # The paper's claims the table is read for: (the methods each needs, the check on mean val losses).
 CHECKS = {"edit <= diloco": (("edit", "diloco"), lambda by: by["edit"] <= by["diloco"]),
           "co2 <= post_local_sgd": (("co2", "post_local_sgd"), lambda by: by["co2"] <= by["post_local_sgd"]),
-          "edit within 1% of baseline (or better)": (("edit", "baseline"), lambda by: by["edit"] <= 1.01 * by["baseline"])}
+          "edit within 1% of baseline (or better)": (("edit", "baseline"),
+                                                     lambda by: by["edit"] <= 1.01 * by["baseline"])}
 
 
 def parse_args(argv=None):
@@ -70,7 +71,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.smoke:  # every stage (sweep, pick, final runs, table, JSON, plot) at the smallest size that has them
         args.steps, args.sweep_steps, args.tau, args.seeds, args.lrs, args.momenta = 6, 6, 2, [0], [0.5], [0.5]
-        args.methods, args.eval_every, args.plot = ["baseline", "edit"], 4, os.path.join(args.run_root, "compare_methods.png")
+        args.methods, args.eval_every, args.plot = (["baseline", "edit"], 4,
+                                                    os.path.join(args.run_root, "compare_methods.png"))
     args.methods = [m for m in METHODS if m in args.methods]  # the table's order
     return args
 
@@ -88,7 +90,8 @@ def config(method: str, steps: int, seed: int, tau: int, eval_every: int, outer:
 
     cfg = cpu(method, steps=steps)
     if smoke:
-        cfg = dataclasses.replace(cfg, model=preset("tiny", **SMOKE_SIZES["model"]), batch_size=SMOKE_SIZES["batch_size"],
+        cfg = dataclasses.replace(cfg, model=preset("tiny", **SMOKE_SIZES["model"]),
+                                  batch_size=SMOKE_SIZES["batch_size"],
                                   data=dataclasses.replace(cfg.data, seq_len=SMOKE_SIZES["seq_len"]),
                                   optim=dataclasses.replace(cfg.optim, warmup_steps=SMOKE_SIZES["warmup_steps"]),
                                   sync=dataclasses.replace(cfg.sync, warmup_steps=SMOKE_SIZES["sync_warmup_steps"]))
@@ -174,13 +177,15 @@ def main(argv=None):
     syncs = (args.steps - (SMOKE_SIZES["sync_warmup_steps"] if args.smoke else 20)) // args.tau
     lines = [f"tau={args.tau}, {args.steps} steps ({syncs} syncs), seeds {args.seeds}; "
              f"sweep: {args.sweep_steps} steps, seed {args.sweep_seed}, lr {args.lrs} x momentum {args.momenta}", "",
-             "| method | outer lr / momentum (sweep) | final val loss (mean ± half-range) | val ppl | tokens | wall s |",
+             "| method | outer lr / momentum (sweep) | final val loss (mean ± half-range) | val ppl | tokens "
+             "| wall s |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         o = f"{r['outer']['outer_lr']} / {r['outer']['outer_momentum']}" if r["outer"] else "-"
         lines.append(f"| {r['method']} | {o} | {r['val_mean']:.4f} ± {r['val_spread']:.4f} | {r['val_ppl_mean']:.2f} "
                      f"| {r['tokens']:,} | {r['seconds_mean']:.0f} |")
-    lines += ["", "sweep (final val loss at the sweep budget):", "", "| method | lr | momentum | val loss |", "|---|---|---|---|"]
+    lines += ["", "sweep (final val loss at the sweep budget):", "", "| method | lr | momentum | val loss |",
+              "|---|---|---|---|"]
     lines += [f"| {r['method']} | {r['outer_lr']} | {r['outer_momentum']} | {r['val_loss']:.4f} |" for r in sweep]
     lines += [""] + [f"- {k}: {'holds' if v else 'does NOT hold'}" for k, v in checks.items()]
     table = "\n".join(lines)
@@ -188,10 +193,10 @@ def main(argv=None):
     with open(os.path.join(args.run_root, "table.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(args.run_root, "results.json"), "w") as f:
-        json.dump({"env": common.env_info(), "args": vars(args), "sweep": sweep, "best": best, "final": final, "rows": rows, "checks": checks},
-                  f, indent=1)
+        json.dump({"env": common.env_info(), "args": vars(args), "sweep": sweep, "best": best, "final": final,
+                   "rows": rows, "checks": checks}, f, indent=1)
     try:
-        from edit_jax.tools.plot import plot_runs  # noqa: PLC0415
+        from edit_jax.tools.plot import plot_runs
 
         seed0 = [r for r in final if r["seed"] == args.seeds[0] and not r["diverged"]]
         plot_runs([r["run_dir"] for r in seed0], args.plot, labels=[r["method"] for r in seed0])

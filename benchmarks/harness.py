@@ -83,10 +83,10 @@ def _cpu_model() -> str:
 def git_commit() -> str:
     """The checkout's commit (with ``+dirty`` when the tree has changes), or "" outside git."""
     try:
-        run = lambda *a: subprocess.run(["git", "-C", REPO, *a], capture_output=True, text=True, timeout=10)  # noqa: E731
+        run = lambda *a: subprocess.run(["git", "-C", REPO, *a], capture_output=True, text=True, timeout=10)
         commit = run("rev-parse", "HEAD").stdout.strip()
         dirty = bool(run("status", "--porcelain", "--untracked-files=no").stdout.strip())
-    except Exception:  # noqa: BLE001 - no git: the stamp says so by its empty commit
+    except Exception:  # no git: the stamp says so by its empty commit
         return ""
     return commit + ("+dirty" if commit and dirty else "")
 
@@ -212,10 +212,11 @@ def print_table(title: str, headers: list[str], rows: list[list[Any]], note: str
     cells = [[_fmt(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
     print(f"\n## {title}")
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in cells:
-        print("| " + " | ".join(c.rjust(w) if _numeric(c) else c.ljust(w) for c, w in zip(r, widths)) + " |")
+        print("| " + " | ".join(c.rjust(w) if _numeric(c) else c.ljust(w)
+                                for c, w in zip(r, widths, strict=False)) + " |")
     if note:
         print(note)
     sys.stdout.flush()

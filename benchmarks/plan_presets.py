@@ -1,7 +1,8 @@
 """`edit-jax plan` over the paper presets: does each fit an 80 GB GPU, and how close is the
 analytic GPU estimate to a compiled figure?
 
-    python benchmarks/plan_presets.py [--sizes 350m 1b 3b 7b] [--methods baseline diloco edit] [--json plan_presets.json]
+    python benchmarks/plan_presets.py [--sizes 350m 1b 3b 7b] [--methods baseline diloco edit]
+                                      [--json plan_presets.json]
 
 Table 1: per preset (8 x 8 mesh, batch 1024 x 4096, bf16, remat, the preset's grad_accum): state
 per device, the CPU compile's largest temporaries, the analytic GPU estimate, FLOPs of the local
@@ -20,7 +21,7 @@ import sys
 
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import harness as common  # noqa: E402
+from benchmarks import harness as common
 
 
 def main(argv=None) -> dict:
@@ -52,7 +53,8 @@ def main(argv=None) -> dict:
             flops = r["steps"][main_kind]["flops"]
             rows.append([f"{method}_{size}", r["config"]["grad_accum"],
                          f"{r['state_per_device']['total_device_bytes'] / GIB:.2f}",
-                         f"{r['cpu_compiled_max_temp_bytes'] / GIB:.1f}", f"{r['gpu_estimate']['total_bytes'] / GIB:.1f}",
+                         f"{r['cpu_compiled_max_temp_bytes'] / GIB:.1f}",
+                         f"{r['gpu_estimate']['total_bytes'] / GIB:.1f}",
                          f"{r['gpu_estimate_total_gb']:.1f}", f"{flops / 1e12:.1f}" if flops else "n/a",
                          f"{cross / 1e9:.3f}", f"{r['steps'][main_kind]['shard_ring_bytes'] / 1e9:.1f}",
                          "fits" if r["fits"] else "NO"])

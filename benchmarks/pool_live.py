@@ -31,8 +31,8 @@ import numpy as np
 
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import harness as common  # noqa: E402
-from benchmarks.bench_live import abba_kept, abba_val_loss  # noqa: E402
+from benchmarks import harness as common
+from benchmarks.bench_live import abba_kept, abba_val_loss
 
 SETTING = ("kill_config", "live_workers", "tau_time", "grace", "mtbf", "duration", "stop_s", "progress_every",
            "carried_weight")
@@ -52,7 +52,7 @@ def _t_quantile(table: tuple, z: float, df: float) -> float:
         raise ValueError(f"t quantile: df {df} < 1 (an interval needs at least two values)")
     if df >= table[-1][0]:  # toward the normal's, linear in 1 / df
         return table[-1][1] + (z - table[-1][1]) * (1 - table[-1][0] / df)
-    for (d0, q0), (d1, q1) in zip(table, table[1:]):
+    for (d0, q0), (d1, q1) in zip(table, table[1:], strict=False):
         if d0 <= df <= d1:
             return q0 + (q1 - q0) * (1 / d0 - 1 / df) / (1 / d0 - 1 / d1)
     raise AssertionError(df)

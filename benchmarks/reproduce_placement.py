@@ -27,16 +27,16 @@ if __name__ == "__main__":  # before numpy loads; importing this file (the tests
     for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_var, "1")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
+import argparse
+import json
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from edit_jax.placement.cost import DtfmCostModel  # noqa: E402
-from edit_jax.placement.edit_cost import EditCostModel  # noqa: E402
-from edit_jax.placement.report import plot_convergence, run_searches  # noqa: E402
-from edit_jax.placement.search import genetic_search  # noqa: E402
-from edit_jax.placement.topology import SCENARIOS, scenario  # noqa: E402
+from edit_jax.placement.cost import DtfmCostModel
+from edit_jax.placement.edit_cost import EditCostModel
+from edit_jax.placement.report import plot_convergence, run_searches
+from edit_jax.placement.search import genetic_search
+from edit_jax.placement.topology import SCENARIOS, scenario
 
 # PLACEMENT.md's reproduction targets per scenario (seconds, cost model total = DP + 2 PP):
 # (random layout mean, random best of 1000, "each DP group takes one device per node / region",
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
                           for k, r in res.items()} for res in runs]
 
         def costs(method):
-            return [res[method].cost for res in runs]
+            return [res[method].cost for res in runs]  # noqa: B023 - called at once
 
         def fmt(values):
             return " / ".join(f"{v:.2f}" for v in values)
@@ -150,14 +150,15 @@ def main(argv=None) -> int:
         mean_random = entry["reference"]["random_mean"]
         ratio = mean_random / np.mean(costs("ours"))
         entry["random_mean_over_ours"] = ratio
-        print(f"| {CASE_NUMBER[name]} {name} | {optimum:.2f} | {fmt(costs('random'))} | {fmt(costs('random-partitions'))} "
+        print(f"| {CASE_NUMBER[name]} {name} | {optimum:.2f} | {fmt(costs('random'))} "
+              f"| {fmt(costs('random-partitions'))} "
               f"| {fmt(costs('kernighan-lin'))} | {fmt(costs('ours'))} "
               f"| {' / '.join(str(r) for r in reach)} "
               f"| {' / '.join(f'{t:.1f}' for t in ours_times)} ({' / '.join(f'{t:.0f}' for t in ours_wall)}) "
               f"| {ablation} | {ratio:.2f}x |", flush=True)
 
         # done-when checks
-        for seed, res in zip(args.seeds, runs):
+        for seed, res in zip(args.seeds, runs, strict=True):
             ours, kl, rnd = res["ours"], res["kernighan-lin"], res["random"]
             if ours.cost > optimum + 0.006:
                 failures.append(f"{name} seed {seed}: ours {ours.cost:.3f} did not reach the optimum {optimum}")
@@ -186,7 +187,7 @@ def main(argv=None) -> int:
     rows = -(-(len(fig_curves) + 1) // columns)  # one spare panel for the legend
     fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.4 * rows), squeeze=False)
     panels = axes.ravel()
-    for ax, (name, curves) in zip(panels, fig_curves.items()):
+    for ax, (name, curves) in zip(panels, fig_curves.items(), strict=False):
         plot_convergence(curves, "", f"case {CASE_NUMBER[name]}: {name} (seed {args.seeds[0]})", ax=ax)
         ax.set_xscale("log")
     handles, labels = panels[0].get_legend_handles_labels()

@@ -45,7 +45,7 @@ import time
 
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import harness as common  # noqa: E402
+from benchmarks import harness as common
 
 WORKER = 1  # the corrupted worker
 RUNS = (  # name, method, corrupted, extra overrides
@@ -92,7 +92,7 @@ def window_bounds(text: str) -> tuple[int, int]:
 
 def run_one(args, name: str, method: str, corrupted: bool, extra: list[str]) -> dict:
     """One ``train`` run in a fresh run dir; its records as plain lists."""
-    from edit_jax.config import apply_overrides  # noqa: PLC0415 - after ensure_cpu_devices
+    from edit_jax.config import apply_overrides  # after ensure_cpu_devices
     from edit_jax.models.llama import preset
     from edit_jax.presets import cpu
     from edit_jax.training.train import train
@@ -172,7 +172,7 @@ def twin_noise(clean: dict, twin: dict, a: int) -> float:
 def up_move(clean: dict, a: int) -> float:
     """The clean run's own wobble: its largest rise between consecutive evaluations from A on."""
     pts = [v for s, v in clean["val"] if int(s) >= a]
-    return max([0.0] + [v1 - v0 for v0, v1 in zip(pts, pts[1:])])
+    return max([0.0] + [v1 - v0 for v0, v1 in zip(pts, pts[1:], strict=False)])
 
 
 def table(results: list[dict], args) -> dict:
@@ -185,7 +185,7 @@ def table(results: list[dict], args) -> dict:
         clean = by.get(f"{r['method']}_clean")
         s = r["summary"] = summarise(r, clean if r["corrupted"] else None, a)
         r["up_move"] = up_move(clean, a) if clean is not None else None
-        fl = ", ".join(f"{st}({u})" for st, u in zip(s["flagged_steps"], s["flagged_units"])) or "-"
+        fl = ", ".join(f"{st}({u})" for st, u in zip(s["flagged_steps"], s["flagged_units"], strict=True)) or "-"
         rows.append([r["name"], f"{s['val_before']:.4f}", f"{s['val_max_after']:.4f} @{s['val_max_after_step']}",
                      f"{s['excess_max']:+.4f} @{s['excess_max_step']}" if "excess_max" in s else "-",
                      f"{r['up_move']:.4f}" if r["up_move"] is not None else "-", f"{s['final_val']:.4f}",
@@ -218,7 +218,7 @@ def plot(results: list[dict], args) -> None:
     styles = {"edit_clean": ("C0", "-"), "edit_clean_twin": ("C7", "-"), "edit_corrupt": ("C0", "--"),
               "diloco_clean": ("C1", "-"), "diloco_corrupt": ("C1", "--"), "edit_corrupt_noanomaly": ("C2", ":")}
     for r in results:
-        s, v = zip(*r["val"])
+        s, v = zip(*r["val"], strict=True)
         color, ls = styles.get(r["name"], (None, "-"))
         ax1.plot(s, v, color=color, ls=ls, marker="o", ms=2.5, label=r["name"].replace("_", " "))
     for ax in (ax1, ax2):
@@ -241,7 +241,8 @@ def plot(results: list[dict], args) -> None:
         fl = [(s["step"], s["pseudo_grad_norm"][w]) for s in r["syncs"] for w in range(len(s["flagged"]))
               if s["flagged"][w] > 0]
         if fl:
-            ax2.scatter(*zip(*fl), marker="x", color="red", s=40, zorder=3, label=f"{name.replace('_', ' ')}: flagged")
+            ax2.scatter(*zip(*fl, strict=True), marker="x", color="red", s=40, zorder=3,
+                        label=f"{name.replace('_', ' ')}: flagged")
     ax2.set_xlabel("step")
     ax2.set_ylabel("pseudo-gradient norm (whole model)")
     ax2.legend(fontsize=8)

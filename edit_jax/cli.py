@@ -252,7 +252,7 @@ def _train_and_report(cfg, run_dir: str, args) -> int:
 
     try:
         jax.devices()  # the backend starts here: a missing one is a message, not JAX's traceback
-    except Exception as e:  # noqa: BLE001 - JAX raises RuntimeError or (0.10, no plugin) a bare AssertionError
+    except Exception as e:  # JAX raises RuntimeError or (0.10, no plugin) a bare AssertionError
         platforms = os.environ.get("JAX_PLATFORMS", "")
         why = f"{(str(e).splitlines() or [type(e).__name__])[0][:300] or type(e).__name__}"
         if args.distributed:  # this node's own accelerators: the job can go on without it

@@ -11,8 +11,8 @@ rematerialised layers for GPU memory.
 
 from __future__ import annotations
 
-from edit_jax.config import CO2Config, Config, DataConfig, MeshConfig, OptimConfig, OuterConfig, PenaltyConfig, SyncConfig, \
-    with_fields
+from edit_jax.config import CO2Config, Config, DataConfig, MeshConfig, OptimConfig, OuterConfig, PenaltyConfig, \
+    SyncConfig, with_fields
 from edit_jax.localsgd.methods import sync_fields_for
 from edit_jax.models.llama import preset
 

@@ -30,11 +30,11 @@ import edit_jax
 
 edit_jax.set_cpu_device_count(8)  # on CPU: 8 emulated devices; must run before JAX starts
 
-import flax.linen as nn  # noqa: E402  (after set_cpu_device_count)
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import flax.linen as nn  # (after set_cpu_device_count)
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
 SIZES = {"small": dict(d_model=64, n_layers=3, n_heads=4, seq_len=64, batch=8, tau=8, steps=160),
          "tiny": dict(d_model=32, n_layers=2, n_heads=2, seq_len=32, batch=4, tau=4, steps=40)}

@@ -38,9 +38,9 @@ def test_chunked_loss_equals_the_plain_one(chunk):
     targets = rng.integers(0, 40, (2, 10)).astype(np.int32)
     got = chunked_loss_sum(jnp.asarray(x), jnp.asarray(head), jnp.asarray(targets), chunk)
     assert float(got) == pytest.approx(_numpy_loss(x, head, targets), rel=1e-5)
-    plain = lambda a, b: token_loss_sum(jnp.dot(a, b), targets)  # noqa: E731
-    chunked = lambda a, b: chunked_loss_sum(a, b, targets, chunk)  # noqa: E731
-    for g_plain, g_chunked in zip(jax.grad(plain, (0, 1))(x, head), jax.grad(chunked, (0, 1))(x, head)):
+    plain = lambda a, b: token_loss_sum(jnp.dot(a, b), targets)
+    chunked = lambda a, b: chunked_loss_sum(a, b, targets, chunk)
+    for g_plain, g_chunked in zip(jax.grad(plain, (0, 1))(x, head), jax.grad(chunked, (0, 1))(x, head), strict=True):
         np.testing.assert_allclose(g_chunked, g_plain, rtol=1e-5, atol=1e-6)
 
 
@@ -69,7 +69,7 @@ def _machineries(method, k, **kw):
 
 
 def _close(a, b, what, rtol=2e-5, atol=1e-7):
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol,
                                    err_msg=f"{what} {jax.tree_util.keystr(path)}")
 

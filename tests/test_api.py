@@ -78,19 +78,20 @@ def test_example_trains_with_each_rule(rule):
     other = pair.get(rule) or next(k for k, v in pair.items() if v == rule)
     one_stage(stage, f"the example with {rule}", 18, other=f"the example with {other}")
     example = _example()
-    out = example.main(["--rule", name, "--tiny", "--steps", "24" if wire else "12"] + (["--wire", wire] if wire else []))
+    out = example.main(["--rule", name, "--tiny", "--steps", "24" if wire else "12"]
+                       + (["--wire", wire] if wire else []))
     losses = out["losses"]
     assert len(losses) == (24 if wire else 12) and all(math.isfinite(x) for x in losses)
     assert np.mean(losses[-3:]) < losses[0] - 0.5, losses
     assert out["val_loss"] < math.log(256) - 0.5, out["val_loss"]
     state = out["state"]  # after the example's last sync every worker is at θ̄
-    for w, o in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.outer_params)):
+    for w, o in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.outer_params), strict=True):
         np.testing.assert_allclose(np.asarray(w), np.broadcast_to(np.asarray(o), w.shape), rtol=1e-6)
     if rule == "diloco":  # that last sync by NumPy: Δ = mean_i(θ̄ − θ_i), m' = μ m + Δ, θ̄' = θ̄ − lr (Δ + μ m')
         before, lr, mu = out["before_sync"], example.OUTER["outer_lr"], example.OUTER["outer_momentum"]
         trace = optax.tree_utils.tree_get(before.outer_opt_state, "trace")
         for theta, workers, m, got in zip(jax.tree.leaves(before.outer_params), jax.tree.leaves(before.params),
-                                          jax.tree.leaves(trace), jax.tree.leaves(state.outer_params)):
+                                          jax.tree.leaves(trace), jax.tree.leaves(state.outer_params), strict=True):
             theta, m = np.asarray(theta, np.float64), np.asarray(m, np.float64)
             delta = (theta[None] - np.asarray(workers, np.float64)).mean(axis=0)
             m_new = mu * m + delta
@@ -222,7 +223,6 @@ def test_a_seed_gives_each_worker_and_step_its_own_key_and_user_metrics_come_bac
     assert len(np.unique(a)) == a.size  # every worker and step its own key
     np.testing.assert_array_equal(a, draws(0))
     assert not np.array_equal(a, draws(jax.random.key(1)))
-    keys = []
     step = _linear_step(tx)
     trainer = LocalSGD(diloco(), _mesh(), 2, inner_step=lambda p, s, b, key: step(p, s, b)[:2] + (
         {"draw": jax.random.uniform(key)},), seed=3, donate=False)
@@ -301,7 +301,8 @@ def test_a_synchronous_warmup_averages_gradients_then_hands_theta_to_local_sgd(r
     for k in range(w):
         before = jax.tree.map(lambda x: np.asarray(x[0], np.float64), state.params)
         b = batch(k)
-        grads = [jax.grad(lambda p: loss(p, jax.tree.map(lambda x: x[i], b), identity_hook, None)[0])(
+        grads = [jax.grad(lambda p: loss(p, jax.tree.map(lambda x: x[i], b),  # noqa: B023 - called at once
+                                         identity_hook, None)[0])(
             jax.tree.map(lambda x: x[0], state.params)) for i in range(N)]
         mean = jax.tree.map(lambda *g: np.mean([np.asarray(x, np.float64) for x in g], axis=0), *grads)
         state, _ = trainer.step(state, b)
@@ -324,7 +325,7 @@ def test_a_synchronous_warmup_averages_gradients_then_hands_theta_to_local_sgd(r
 
 def _scanned_params(layers: int = 2, d: int = 3, h: int = 8):
     rng = np.random.default_rng(1)
-    f = lambda *shape: (0.4 * rng.normal(size=shape)).astype(np.float32)  # noqa: E731
+    f = lambda *shape: (0.4 * rng.normal(size=shape)).astype(np.float32)
     return {"root": {"w_in": f(d, h), "w_out": f(h, 1)}, "layers": {"w": f(layers, h, h), "b": f(layers, h)}}
 
 
@@ -353,7 +354,7 @@ def _scanned_batch(k: int, rows: int = 4):
 def _units(tree):
     """Every unit's leaves: the root's, then layer l's."""
     layers = jax.tree.leaves(tree["layers"])
-    return [jax.tree.leaves(tree["root"])] + [[x[l] for x in layers] for l in range(layers[0].shape[0])]
+    return [jax.tree.leaves(tree["root"])] + [[x[j] for x in layers] for j in range(layers[0].shape[0])]
 
 
 def np_edit_sync(theta, workers, p: Penalty, lr: float, mu: float):
@@ -362,9 +363,10 @@ def np_edit_sync(theta, workers, p: Penalty, lr: float, mu: float):
     new θ̄ and trace (trees like ``theta``), and per unit g [U, N], w [U, N], clip factor [U]."""
     new_theta, new_trace = _f64(theta), jax.tree.map(lambda x: np.zeros(np.shape(x)), _f64(theta))
     g_all, w_all, clips = [], [], []
-    for u, (t_u, b_u, th_u) in enumerate(zip(_units(new_theta), _units(new_trace), _units(theta))):
-        deltas = [[np.float64(t) - np.float64(x) for t, x in zip(th_u, w_u)]
-                  for w_u in (_units(jax.tree.map(lambda x: x[i], workers))[u] for i in range(N))]
+    for u, (t_u, b_u, th_u) in enumerate(zip(_units(new_theta), _units(new_trace), _units(theta), strict=True)):
+        deltas = [[np.float64(t) - np.float64(x) for t, x in zip(th_u, w_u, strict=True)]
+                  for w_u in (_units(jax.tree.map(lambda x: x[i], workers))[u]  # noqa: B023 - called at once
+                              for i in range(N))]
         g = np.array([math.sqrt(sum(float(np.sum(d * d)) for d in ds)) for ds in deltas])
         e = np.exp(-(g - g.min()) / p.temperature)
         w = e / e.sum()
@@ -407,11 +409,11 @@ def test_edit_layerwise_sync_matches_numpy_and_steps_from_theta_bar():
     # The step's gradient was taken at θ̄ and its update applied to θ̄ (weight decay included).
     theta_bar = jax.tree.map(lambda x: x.astype(np.float32), want_theta)
     for i in range(N):
-        mine = jax.tree.map(lambda x: x[i], batch)
-        loss, grads = jax.value_and_grad(lambda p: _scanned_loss(p, mine)[0])(theta_bar)
+        mine = jax.tree.map(lambda x: x[i], batch)  # noqa: B023 - called at once
+        loss, grads = jax.value_and_grad(lambda p: _scanned_loss(p, mine)[0])(theta_bar)  # noqa: B023 - called at once
         want = jax.tree.map(lambda t, gr: t - lr_in * (gr + wd * t), theta_bar, grads)
-        _close(jax.tree.map(lambda x: x[i], state.params), want, f"worker {i} after the sync step", rtol=1e-4,
-               atol=1e-5)
+        _close(jax.tree.map(lambda x: x[i], state.params), want,  # noqa: B023 - called at once
+               f"worker {i} after the sync step", rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(float(metrics["inner"]["loss"][i]), float(loss), rtol=1e-5)
 
     # Worker 0 goes NaN: the next sync flags it in every unit (weight 0), θ̄ stays finite, and it
@@ -473,7 +475,7 @@ def test_bad_arguments_are_named():
              "an extra key": (lambda p, o, b: ({**p, "extra": p["bias"][1]}, o, {}),
                               r"the params it returns must have the structure .* extra \[\"\['extra'\]\"\]"),
              "opt_state changed": (lambda p, o, b: (p, (), {}), r"the opt_state it returns must have the structure")}
-    for what, (fn, message) in wrong.items():
+    for _what, (fn, message) in wrong.items():
         bad = LocalSGD(diloco(), mesh, 4, inner_step=fn)
         with pytest.raises(ValueError, match="inner_step: " + message):
             bad.step(bad.init(params, optax.sgd(0.1).init(params)), batch)

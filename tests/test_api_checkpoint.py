@@ -27,7 +27,7 @@ def _run(trainer, state, steps, batch):
 
 
 def _equal(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
@@ -36,7 +36,7 @@ def test_a_resumed_loop_continues_exactly_and_a_damaged_checkpoint_is_reported(t
               other="test_model_family (a family of one's own, stopped and resumed)")
     tx = optax.adam(0.05)
     rule = edit_jax.compressed(edit_jax.diloco(), "int8")
-    make = lambda: LocalSGD(rule, _mesh(), 2, inner_step=_linear_step(tx))  # noqa: E731
+    make = lambda: LocalSGD(rule, _mesh(), 2, inner_step=_linear_step(tx))
     params = _linear_params()
     trainer = make()
     straight = _run(trainer, trainer.init(params, tx.init(params)), 7, _linear_batch)
@@ -65,11 +65,11 @@ def test_a_resumed_loop_continues_exactly_and_a_damaged_checkpoint_is_reported(t
 
 def test_edit_layerwise_resumes_exactly(tmp_path):
     tx = optax.sgd(0.1)
-    make = lambda: LocalSGD(edit_jax.edit(), _mesh(), 2, loss_fn=_scanned_loss, optimizer=tx)  # noqa: E731
+    make = lambda: LocalSGD(edit_jax.edit(), _mesh(), 2, loss_fn=_scanned_loss, optimizer=tx)
     params = _scanned_params()
     rng = np.random.default_rng(0)
     xs = rng.normal(size=(8, N, 4, 3)).astype(np.float32)
-    batch = lambda k: {"x": xs[k], "y": np.tanh(xs[k].sum(-1, keepdims=True))}  # noqa: E731
+    batch = lambda k: {"x": xs[k], "y": np.tanh(xs[k].sum(-1, keepdims=True))}
     trainer = make()
     straight = _run(trainer, trainer.init(params), 7, batch)
     first = make()

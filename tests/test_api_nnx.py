@@ -63,7 +63,7 @@ def test_an_nnx_model_trains_with_diloco_and_comes_back_as_a_module():
     assert all(math.isfinite(x) for x in means) and np.mean(means[-3:]) < means[0] * 0.7, means
     model = trainer.to_nnx(state)
     assert isinstance(model, Regressor)
-    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(state.outer_params)):
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(state.outer_params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     model.eval()  # dropout off: the module works as any NNX model
     assert np.isfinite(np.asarray(_loss(model, jax.tree.map(lambda x: x[0], _batch(99)))[0]))
@@ -173,10 +173,10 @@ def test_layerwise_edit_on_nnx_equals_the_hook_placed_by_hand():
     a, la = _run(nnx_trainer, state0, 7)
     b, lb = _run(by_hand, by_hand.init(jax.tree.map(np.asarray, nnx_trainer.nnx.params)), 7)
     np.testing.assert_allclose(la, lb, rtol=1e-6)
-    for x, y in zip(jax.tree.leaves(a.outer_params), jax.tree.leaves(b.outer_params)):
+    for x, y in zip(jax.tree.leaves(a.outer_params), jax.tree.leaves(b.outer_params), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
     moved = [not np.allclose(np.asarray(x), np.asarray(y)) for x, y in
-             zip(jax.tree.leaves(nnx_trainer.nnx.params), jax.tree.leaves(a.outer_params))]
+             zip(jax.tree.leaves(nnx_trainer.nnx.params), jax.tree.leaves(a.outer_params), strict=True)]
     assert all(moved), moved
     assert la[-1].mean() < la[0].mean()
     back = nnx_trainer.to_nnx(a)  # the module at θ̄, its blocks run by a plain scan

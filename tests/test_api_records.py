@@ -44,7 +44,7 @@ def test_a_loops_records_plot_beside_a_run_and_resume_drops_what_is_redone(tmp_p
     got = plot.load_run(run)
     assert [r["step"] for r in got.train] == list(range(1, 8))
     assert [s["step"] for s in got.syncs] == [k for k, _ in syncs] == [4, 7]  # EDiT: in the forward of steps 3, 6
-    for rec, (_, norms) in zip(got.syncs, syncs):
+    for rec, (_, norms) in zip(got.syncs, syncs, strict=True):
         assert len(rec["pseudo_grad_norm"]) == len(rec["weight"]) == N
         np.testing.assert_allclose(rec["pseudo_grad_norm"], norms, rtol=1e-6)
     assert [e["val_loss"] for e in got.evals] == [2.5] and got.config["sync"]["method"] == "edit"

@@ -18,8 +18,8 @@ import pytest
 from tests.helpers import REPO
 from tests.stages import one_stage
 
-BENCHES = ("bench_compile", "bench_data", "bench_edit", "codec_roundtrip", "bench_faults", "bench_gpu", "bench_kill", "bench_late_posts", "bench_links",
-           "bench_live", "bench_outages", "bench_sample",
+BENCHES = ("bench_compile", "bench_data", "bench_edit", "codec_roundtrip", "bench_faults", "bench_gpu", "bench_kill",
+           "bench_late_posts", "bench_links", "bench_live", "bench_outages", "bench_sample",
            "bench_sparse_wire", "bench_spike", "bench_step", "bench_straggler", "compare_methods", "plan_presets",
            "pool_live", "reproduce_placement", "spike_experiment")
 # Every bench's `--smoke` runs here, in this process (one JAX start for the in-process ones; the
@@ -48,8 +48,8 @@ def test_every_bench_is_a_module_with_a_main():
 
 def test_bench_gpu_plans_its_configs():
     gpu = _module("bench_gpu")
-    a = gpu._args(["--smoke"])  # noqa: SLF001 - the bench's own helpers, not the library's
-    cfg = gpu._config(a, "xla")  # noqa: SLF001
+    a = gpu._args(["--smoke"])  # the bench's own helpers, not the library's
+    cfg = gpu._config(a, "xla")
     assert (a.platform, cfg.model.attention, cfg.mesh.replica, cfg.batch_size) == ("cpu", "xla", 2, 4)
     assert cfg.sync.method == "edit" and cfg.sync.tau == 1
 
@@ -72,7 +72,8 @@ def _stage_skip(name: str) -> None:
         one_stage(stage, f"{name}'s smoke", cpu_s)
 
 
-PART_OF = {"bench_kill": "bench_faults", "bench_spike": "bench_faults", "bench_live": "bench_faults"}  # run as bench_faults.py --part kill|spike
+# run as bench_faults.py --part kill|spike
+PART_OF = {"bench_kill": "bench_faults", "bench_spike": "bench_faults", "bench_live": "bench_faults"}
 
 
 def _json_path(tmp_path, name):
@@ -233,8 +234,8 @@ def test_pool_live_by_hand(tmp_path):
         return [[r, t, level + 1e-6 * (t - 20000)] for r, t in enumerate(range(last - 9000, last + 1, 1000), 1)]
 
     def abba(ratio, levels, lasts, carried_weight=0.5):
-        st = {n: {"kept": line(v, t)} for n, v, t in zip(("fault_free", "live"), levels[:2], lasts[:2])}
-        sb = {n: {"kept": line(v, t)} for n, v, t in zip(("live", "fault_free"), levels[2:], lasts[2:])}
+        st = {n: {"kept": line(v, t)} for n, v, t in zip(("fault_free", "live"), levels[:2], lasts[:2], strict=True)}
+        sb = {n: {"kept": line(v, t)} for n, v, t in zip(("live", "fault_free"), levels[2:], lasts[2:], strict=True)}
         return {"env": {"git_commit": "abc1234def", "date_utc": "2026-11-28T00:00:00Z"},
                 "args": {"abba": True, "kill_config": "configs/tiny.py", "live_workers": 4, "tau_time": 5.0,
                          "grace": 3.0, "mtbf": 30.0, "duration": 600.0, "stop_s": 60.0, "progress_every": 1.0,

@@ -100,7 +100,8 @@ def test_signal_while_loading_is_one_line(tmp_path, processes):
     KeyboardInterrupt traceback (2 processes: tracebacks and exit 5). Now one line and exit 130."""
     mp = ["mesh.processes=2"] if processes == 2 else []
     started = time.time()
-    code, out = interrupt_when([sys.executable, "-m", "edit_jax", "train", *FAST, *mp, "--run-dir", str(tmp_path / "r")],
+    code, out = interrupt_when([sys.executable, "-m", "edit_jax", "train", *FAST, *mp,
+                                "--run-dir", str(tmp_path / "r")],
                                lambda: time.time() - started >= 1.0, env=_env())
     assert code == 130, out[-2000:]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-2000:]
@@ -120,7 +121,7 @@ def test_cuda_plugin_without_an_nvidia_device_asks_for_the_cpu(monkeypatch):
     """``edit-jax[cuda]`` on a machine without a GPU (``plan --target``'s users): JAX would try
     the plugin, log an 11-line traceback at every command and fall back to the CPU; edit-jax asks
     for the CPU at once. A GPU's device node, the user's JAX_PLATFORMS or no plugin: left alone."""
-    plugin = lambda name: object() if name.startswith("jax_plugins.xla_cuda") else None  # noqa: E731
+    plugin = lambda name: object() if name.startswith("jax_plugins.xla_cuda") else None
     for nodes, env, find, expected in [([], {}, plugin, "cpu"), (["/dev/nvidia0"], {}, plugin, None),
                                        ([], {"JAX_PLATFORMS": "cuda"}, plugin, "cuda"),
                                        ([], {}, lambda name: None, None)]:

@@ -118,7 +118,8 @@ def test_distributed_without_a_cluster_is_one_line(tmp_path):
                           text=True, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and out.count("\n") == 1, out
-    assert "edit-jax: cluster error: --distributed: no cluster environment found" in out and "EDIT_JAX_COORDINATOR" in out
+    assert ("edit-jax: cluster error: --distributed: no cluster environment found" in out
+            and "EDIT_JAX_COORDINATOR" in out)
     assert not (tmp_path / "r").exists()
     proc = subprocess.run(TRAIN[:-4] + ["mesh.processes=1", "mesh.replica=1", "--run-dir", str(tmp_path / "r")],
                           cwd=REPO, env=_cli_env(), capture_output=True, text=True, timeout=120)

@@ -13,7 +13,7 @@ from edit_jax.runtime.cluster_exit import EXIT_RETRY, EXIT_SHRINK, exit_code_for
 from edit_jax.runtime.launch import free_port, process_state
 from tests.helpers import REPO
 from tests.stages import one_stage
-from tests.test_cluster import _cli_env  # noqa: PLC2701 - the same CLI environment
+from tests.test_cluster import _cli_env  # the same CLI environment
 
 TRAIN = [sys.executable, "-m", "edit_jax", "train", "--distributed", "--config", "configs/tiny.py", "--no-progress",
          "mesh.replica=2", "mesh.shard=2", "mesh.processes=2", "batch_size=8", "data.seq_len=32", "log_every=1",

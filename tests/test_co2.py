@@ -65,7 +65,7 @@ def _numpy_co2():
 
 def test_numpy_reference_matches_the_worked_example():
     ref = _numpy_co2()
-    for (d, m, a), (dd, dm, da) in zip(ref, DOC_ROUNDS + [DOC_FLUSH]):
+    for (d, m, a), (dd, dm, da) in zip(ref, DOC_ROUNDS + [DOC_FLUSH], strict=True):
         np.testing.assert_allclose(d, dd, atol=1e-6)
         np.testing.assert_allclose(m, dm, atol=1e-6)
         np.testing.assert_allclose(a, da, atol=1e-6)
@@ -140,9 +140,9 @@ def test_co2_steps_match_numpy(co2_2x2):
         got_m = {u: sgd_trace(got.outer.opt_state[u]) for u in ("root", "layers")}
         for want, have, what in [(a_new, got.outer.params, "anchor"), (m_new, got_m, "momentum"),
                                  (pend_new, got.outer.extra["pending"], "pending")]:
-            for w, h in zip(_leaves(want), _leaves(have)):
+            for w, h in zip(_leaves(want), _leaves(have), strict=True):
                 np.testing.assert_allclose(h, w, rtol=2e-5, atol=2e-7, err_msg=f"step {k}: {what}")
-        for w, h in zip(_leaves(a_new), _leaves(got.params)):  # every worker restarts from a_{t+1}
+        for w, h in zip(_leaves(a_new), _leaves(got.params), strict=True):  # every worker restarts from a_{t+1}
             for i in range(n):
                 np.testing.assert_allclose(h[i], w, rtol=2e-5, atol=2e-7, err_msg=f"step {k}: params of worker {i}")
         # The reported norms are those of the pending pseudo gradients each worker sent.
@@ -163,9 +163,9 @@ def test_co2_evaluation_model_is_the_flush(co2_2x2):
     flush = {u: jax.tree.map(lambda x, d, mo: x - ALPHA * np.clip(BETA * mo + d / LAM, -phi, phi),
                              before.outer.params[u], delta[u], sgd_trace(before.outer.opt_state[u]))
              for u in ("root", "layers")}
-    for w, h in zip(_leaves(flush), _leaves(_f64(synced.outer.params))):
+    for w, h in zip(_leaves(flush), _leaves(_f64(synced.outer.params)), strict=True):
         np.testing.assert_allclose(h, w, rtol=2e-5, atol=2e-7)
-    assert any(np.any(np.abs(w - b) > 1e-6) for w, b in zip(_leaves(flush), _leaves(before.outer.params)))
+    assert any(np.any(np.abs(w - b) > 1e-6) for w, b in zip(_leaves(flush), _leaves(before.outer.params), strict=True))
 
 
 # ----------------------------------------------------------------------------- HLO
@@ -202,7 +202,8 @@ def test_hlo_diloco_exchange_waits_for_the_step():
 def test_co2_fixes_heavy_ball_and_no_penalty():
     mp = plan_for(tiny_config(2, 2, "co2", sync=CO2_SYNC))
     s = mp.cfg.sync
-    assert (s.layerwise, s.outer.nesterov, s.penalty.anomaly, s.penalty.weighting, s.penalty.clip) == (False, False, False, False, False)
+    assert ((s.layerwise, s.outer.nesterov, s.penalty.anomaly, s.penalty.weighting, s.penalty.clip)
+            == (False, False, False, False, False))
     assert isinstance(mp.plan.rule, StaleSync) and mp.plan.rule.gap_penalty == 2.0
     assert mp.plan.rule.momentum_clip == 3e-4 and mp.plan.outer.momentum_clip == 3e-4  # the rule's clamp
     assert str(mp.schedule.kind(1)) == "local_then_sync" and str(mp.schedule.kind(0)) == "local"

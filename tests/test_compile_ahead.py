@@ -51,7 +51,8 @@ def test_no_step_compiles_once_the_run_compiled_ahead(tmp_path, monkeypatch):
     np.testing.assert_array_equal([r["loss"] for r in steps], [r["loss"] for r in first_use.history if "loss" in r])
     assert ahead.final_val_loss == first_use.final_val_loss
     (timing,) = [t for t in timings if t["timing"] == "compile_ahead"]
-    assert set(timing["seconds"]) == {"step hsdp", "step local", "step sync_forward", "outer init", "evaluation",
+    # (every evaluation, at steps 5 and 9, falls after the warmup of 2: θ̄'s, none of the replicas')
+    assert set(timing["seconds"]) == {"step hsdp", "step local", "step sync_forward", "outer init",
                                       "evaluation sync", "evaluation of θ̄", "save report", "save checksums"}
     assert timing["wall_s"] <= sum(timing["seconds"].values()) + 1.0
 
@@ -77,6 +78,31 @@ def test_the_records_learning_rate_is_optaxs(optim):
     want = np.asarray(jax.vmap(schedule)(np.arange(total + 5)))
     got = np.array([host_lr(optim, total, k) for k in range(total + 5)])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9)
+
+
+def test_a_resumed_run_compiles_only_what_it_will_run(tmp_path):
+    """Past the warmup a resumed run compiles no warmup step and no first-sync outer init; the
+    replicas' evaluation is compiled only when an evaluation falls within the warmup."""
+    from edit_jax.localsgd.methods import step_kinds
+    from edit_jax.training.ahead import _evaluations
+
+    cfg = load_config(TINY, ["method=edit", *RUN])  # warmup 2, tau 3, evaluations at 5 and 9
+    schedule = train_schedule(cfg)
+    assert step_kinds(schedule, cfg) == ["hsdp", "local", "sync_forward"]
+    assert step_kinds(schedule, cfg, start=6) == ["local", "sync_forward"]  # resumed at step 6
+    assert step_kinds(schedule, cfg, start=10**6) == step_kinds(schedule, cfg, start=6)  # periodic after it
+    assert _evaluations(cfg, schedule, 0) == (False, True)  # 5 and 9 after the warmup: θ̄ only
+    early = load_config(TINY, ["method=edit", *RUN, "eval_every=2"])  # step 2 is the warmup's last
+    assert _evaluations(early, train_schedule(early), 0) == (True, True)
+    assert _evaluations(early, train_schedule(early), 2) == (False, True)
+    base = load_config(TINY, ["method=baseline", *RUN])
+    assert _evaluations(base, train_schedule(base), 0) == (True, False)
+
+
+def train_schedule(cfg):
+    from edit_jax.localsgd.methods import plan_for
+
+    return plan_for(cfg).schedule
 
 
 def test_a_program_that_fails_ahead_is_named_and_left_to_its_first_use():

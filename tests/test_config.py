@@ -53,7 +53,7 @@ def test_paper_presets_have_paper_sizes():
     want = {"350m": (0.3e9, 0.45e9), "1b": (0.95e9, 1.25e9), "3b": (3.0e9, 3.8e9), "7b": (6.5e9, 7.0e9)}
     for size, (lo, hi) in want.items():
         cfg = paper(size)
-        shapes = jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))
+        shapes = jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))  # noqa: B023 - called at once
         assert lo < count_params(shapes) < hi, (size, count_params(shapes))
         assert cfg.sync.tau == 128 and cfg.sync.penalty.clip_threshold == 10.0 and cfg.optim.lr == 1.5e-4
         assert cfg.sync.outer.lr == 0.8 and cfg.sync.outer.momentum == 0.85 and cfg.mesh.replica == 8
@@ -147,7 +147,8 @@ def test_the_timing_and_the_exchange_moved_into_sections(tmp_path, capsys):
     assert (cfg.sync.time.tau, cfg.sync.time.step_weight_ratio) == (5.0, 0.25)
     err = capsys.readouterr().err
     assert "'sync.exchange' is now 'sync.exchange.url'" in err and "'sync.tau_time' is now 'sync.time.tau'" in err
-    assert load_config(None, ["method=diloco", "sync.exchange.url=dir:/y"]).sync.exchange == ExchangeConfig(url="dir:/y")
+    assert (load_config(None, ["method=diloco", "sync.exchange.url=dir:/y"]).sync.exchange
+            == ExchangeConfig(url="dir:/y"))
 
     old = to_dict(Config())  # before the sections: the URL a string, the fields flat
     del old["sync"]["time"], old["sync"]["exchange"]

@@ -168,7 +168,7 @@ def test_two_processes_corrupt_the_same_rows(tmp_path):
     run's (steps 3..5 corrupted)."""
     one_stage("default", "the 2-process corrupted run", 49,
               other="test_multiprocess.py::test_two_processes_equal_one_program's 3.12 cases")
-    from tests.test_multiprocess import TINY, _records, _run_cli  # noqa: PLC0415 - its launcher helpers
+    from tests.test_multiprocess import TINY, _records, _run_cli  # its launcher helpers
 
     over = ["method=edit", "steps=8", "sync.warmup_steps=2", "sync.tau=3", "eval_every=0",
             "debug.corrupt=worker=1,steps=3-5"]

@@ -78,8 +78,8 @@ def test_same_seed_same_batches_different_seed_differs():
     b = D.make_train_stream(c, 7, 8, 2, seed=3)
     other = D.make_train_stream(c, 7, 8, 2, seed=4)
     xs, ys, zs = ([s.next() for _ in range(20)] for s in (a, b, other))
-    assert all((x == y).all() for x, y in zip(xs, ys))
-    assert any((x != z).any() for x, z in zip(xs, zs))
+    assert all((x == y).all() for x, y in zip(xs, ys, strict=True))
+    assert any((x != z).any() for x, z in zip(xs, zs, strict=True))
     assert xs[0].shape == (8, 8) and xs[0].dtype == np.int32
     # The stream is shuffled, not in corpus order.
     assert _ids(xs[0], 7) != list(range(8))
@@ -126,7 +126,7 @@ def test_state_roundtrip_across_epoch_boundary():
     b.next()  # a restored stream must not depend on where it was before set_state
     b.set_state(state)
     got = [b.next() for _ in range(6)]
-    assert all((x == y).all() for x, y in zip(expected, got))
+    assert all((x == y).all() for x, y in zip(expected, got, strict=True))
 
 
 def test_elastic_restart_with_other_replica_count_continues_same_global_batches():
@@ -168,7 +168,7 @@ def test_val_batches_deterministic_non_overlapping():
     assert len(a) == 3  # 13 windows -> 3 full batches
     ids = [i for b in a for i in _ids(b - 10**7, 4)]
     assert ids == list(range(12))
-    assert all((x == y).all() for x, y in zip(a, D.val_batches(c, 4, 4, 10)))
+    assert all((x == y).all() for x, y in zip(a, D.val_batches(c, 4, 4, 10), strict=True))
     assert len(D.val_batches(c, 4, 4, 2)) == 2
     with pytest.raises(D.DataError, match="validation split"):
         D.val_batches(c, 4, 16, 1)
@@ -356,7 +356,7 @@ def test_tokenizer_errors_and_vocab_check(tmp_path):
     msg = _err(DataConfig(tokenizer=missing))
     assert missing in msg and "not found" in msg
     try:
-        import tokenizers  # noqa: F401
+        import tokenizers  # noqa: F401 - only whether it is installed
     except ImportError:
         present = _write(tmp_path / "tok.json", b"{}")
         assert "pip install" in _err(DataConfig(tokenizer=present))

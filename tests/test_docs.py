@@ -31,7 +31,8 @@ def test_checker_catches_what_it_should():
     keys = check_docs.config_keys()
     assert check_docs.check_key("sync.taux=3", keys) and check_docs.check_key("sync.tau=3", keys) is None
     assert check_docs.check_path("edit_jax/nope.py") and check_docs.check_path("localsgd/methods.py") is None
-    assert check_docs.check_module("edit_jax.localsgd.nope") and check_docs.check_module("edit_jax.localsgd.api") is None
+    assert (check_docs.check_module("edit_jax.localsgd.nope")
+            and check_docs.check_module("edit_jax.localsgd.api") is None)
     assert "unrecognized" in check_docs.check_command("edit-jax train --config configs/tiny.py --bogus")
     assert "unknown config key" in check_docs.check_command("edit-jax train sync.taux=3")
     assert check_docs.check_command("edit-jax export --run-dir r --out o [--step K]") is None
@@ -72,8 +73,8 @@ def tour_and_pages(tmp_path_factory):
     stage = "both" if runs_here("default") and runs_here("3.12") else "3.12" if runs_here("3.12") else "default"
     proc = subprocess.run([sys.executable, "-m", "tools.check_docs", "--tour", str(work), "--pages", "--stage", stage],
                           cwd=check_docs.REPO, env=env, capture_output=True, text=True, timeout=600)
-    lines = {l.split(" ", 1)[0]: json.loads(l.split(" ", 1)[1]) for l in proc.stdout.splitlines()
-             if l.startswith(("TOUR ", "PAGES "))}
+    lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
+             if line.startswith(("TOUR ", "PAGES "))}
     return proc, lines
 
 

@@ -31,8 +31,8 @@ from jax.sharding import PartitionSpec as P
 
 from edit_jax.config import MeshConfig
 from edit_jax.localsgd.optim import lr_schedule
-from edit_jax.localsgd.outer import (Detector, Penalty, detector_step, detector_test, outer_optimizer, sgd_trace, sync_unit,
-                             with_sgd_trace, worker_weights)
+from edit_jax.localsgd.outer import (Detector, Penalty, detector_step, detector_test, outer_optimizer, sgd_trace,
+                             sync_unit, with_sgd_trace, worker_weights)
 from edit_jax.localsgd.methods import plan_for
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import REPLICA
@@ -93,7 +93,7 @@ def _assert_tree_close(got, want, what, rtol=1e-5, atol=1e-6):
     gl, wl = jax.tree.leaves(got), jax.tree.leaves(want)
     assert jax.tree.structure(got) == jax.tree.structure(want), what
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(want)[0]]
-    for path, g, w in zip(paths, gl, wl):
+    for path, g, w in zip(paths, gl, wl, strict=True):
         np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=rtol, atol=atol,
                                    err_msg=f"{what}{path}")
 
@@ -151,7 +151,7 @@ def np_sync(theta, trace, params, det, r: Ref):
             "clip": np.ones(n_units), "skipped": np.zeros(n_units, bool)}
     for u in range(n_units):
         tb, tr = _unit(theta, u), _unit(trace, u)
-        deltas = [[t - x for t, x in zip(tb, _unit(_replica(params, i), u))] for i in range(n)]
+        deltas = [[t - x for t, x in zip(tb, _unit(_replica(params, i), u), strict=True)] for i in range(n)]
         g = np.array([math.sqrt(sum(float(np.sum(d * d)) for d in deltas[i])) for i in range(n)])
         flagged = np.zeros(n, bool)
         for i in range(n):
@@ -391,7 +391,7 @@ def _crafted_state(m: StepPrograms, init):
             views, tb = _unit(_replica(params, i), u), _unit(theta, u)
             r = [rng.standard_normal(v.shape) for v in views]
             norm = math.sqrt(sum(float(np.sum(x * x)) for x in r))
-            for v, t, x in zip(views, tb, r):
+            for v, t, x in zip(views, tb, r, strict=True):
                 v[...] = (t - g[i, u] * x / norm).astype(np.float32)
     mean, m2 = np.zeros((n, n_units), np.float32), np.zeros((n, n_units), np.float32)
     count, window = np.zeros((n, n_units), np.int32), np.zeros((n, n_units, K), np.float32)
@@ -455,9 +455,9 @@ def test_sync_matches_numpy_reference(edit4):
     synced, metrics = _host((synced, metrics))
     _check_against_reference(synced, metrics, start, r, "sync_fn")
     # The skipped unit (layer 1) is untouched: θ̄ and trace as before, detectors as before.
-    for a, b in zip(_unit(synced.outer.params, 2), _unit(start.outer.params, 2)):
+    for a, b in zip(_unit(synced.outer.params, 2), _unit(start.outer.params, 2), strict=True):
         np.testing.assert_array_equal(a, b)
-    for a, b in zip(_unit(synced.outer.trace, 2), _unit(start.outer.trace, 2)):
+    for a, b in zip(_unit(synced.outer.trace, 2), _unit(start.outer.trace, 2), strict=True):
         np.testing.assert_array_equal(a, b)
     assert int(synced.outer.syncs) == int(start.outer.syncs) + 1
 
@@ -618,7 +618,7 @@ def test_nan_replica_norm_metrics_layerwise_sync(edit4, diverged):
 
 def _run(m: StepPrograms, state, kinds, batch_seeds):
     losses, hist = [], []
-    for kind, seed in zip(kinds, batch_seeds):
+    for kind, seed in zip(kinds, batch_seeds, strict=True):
         state, metrics = m.step_fn(kind)(state, m.put_batch(_batch(seed, m.cfg)))
         losses.append(float(np.mean(metrics["loss"])))
         hist.append(_host(state))

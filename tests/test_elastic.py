@@ -80,7 +80,8 @@ def test_round_equals_the_collective_meeting():
     steps = np.array([p.steps_since for p in posts], np.float32)
     shares = jnp.asarray(steps / steps.sum())
     opt = make_outer_optimizer(plan.outer)
-    deltas = jax.tree.unflatten(jax.tree.structure(start.theta), [np.stack(x) for x in zip(*(p.delta for p in posts))])
+    deltas = jax.tree.unflatten(jax.tree.structure(start.theta),
+                                [np.stack(x) for x in zip(*(p.delta for p in posts), strict=True)])
 
     def meet(unit, u):  # one unit over the mesh: each device one worker's θ_i and detector
         theta_u = start.theta[unit] if u == 0 else jax.tree.map(lambda x: x[u - 1], start.theta["layers"])
@@ -99,12 +100,14 @@ def test_round_equals_the_collective_meeting():
 
     for unit, u in (("root", 0), ("layers", 1), ("layers", 2)):
         theta_ref, opt_ref, det_ref = meet(unit, u)
-        mine = got.theta[unit] if u == 0 else jax.tree.map(lambda x: x[u - 1], got.theta["layers"])
-        opt_mine = got.outer_opt[unit] if u == 0 else jax.tree.map(lambda x: x[u - 1], got.outer_opt["layers"])
+        mine = (got.theta[unit] if u == 0
+                else jax.tree.map(lambda x: x[u - 1], got.theta["layers"]))  # noqa: B023 - called at once
+        opt_mine = (got.outer_opt[unit] if u == 0
+                    else jax.tree.map(lambda x: x[u - 1], got.outer_opt["layers"]))  # noqa: B023 - called at once
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-7), mine, theta_ref)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-7), opt_mine, opt_ref)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-7),
-                     jax.tree.map(lambda x: x[:, u], got.detectors), det_ref)
+                     jax.tree.map(lambda x: x[:, u], got.detectors), det_ref)  # noqa: B023 - called at once
     assert got.round == 1 and got.tally == int(steps.sum()) and got.members == [0, 1, 2]
     assert got.cursors == [0, 10, 20] and len(figures["weight"]) == n
     assert figures["flagged"] == [0, 3, 0]  # every unit of worker 1 only: the step is not a no-op
@@ -121,7 +124,7 @@ def test_round_plain_mean_against_numpy():
     posts = [p for p in _posts(rng, start.theta, 4) if p.worker in (0, 3)]
     got, _ = rnd.apply(start, posts)
     want = [t - (posts[0].delta[i] + posts[1].delta[i]) / 2 for i, t in enumerate(jax.tree.leaves(start.theta))]
-    for a, b in zip(jax.tree.leaves(got.theta), want):
+    for a, b in zip(jax.tree.leaves(got.theta), want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert got.members == [0, 3] and got.cursors == [0, 0, 0, 30]
     assert np.all(np.asarray(got.detectors.count)[[1, 2]] == 0)  # slots 1, 2 did not take part
@@ -133,7 +136,7 @@ def test_round_plain_mean_against_numpy():
     posts[1].carried = 10
     got, _ = OuterRound(plan, carried_weight=0.25).apply(start, posts)
     s = np.array([5.0, 6.5], np.float32) / np.float32(11.5)
-    for i, (a, t) in enumerate(zip(jax.tree.leaves(got.theta), jax.tree.leaves(start.theta))):
+    for i, (a, t) in enumerate(zip(jax.tree.leaves(got.theta), jax.tree.leaves(start.theta), strict=True)):
         np.testing.assert_allclose(a, t - (s[0] * posts[0].delta[i] + s[1] * posts[1].delta[i]), rtol=1e-6, atol=1e-7)
     assert got.tally == 5 + 14  # tokens are tokens: the carried steps are counted in full
 
@@ -142,7 +145,7 @@ def test_protocol_on_a_directory(tmp_path):
     ex = DirExchange(str(tmp_path / "ex"))
     for w in (0, 1, 2):
         ex.put(R.hello_key(w), json.dumps({"worker": w, "round": 1}).encode())
-    post = lambda w, r: ex.put(R.post_key(r, w), R.Post(w, r, [np.zeros(2, np.float32)], 1, 1, 0.0, "h").encode())  # noqa
+    post = lambda w, r: ex.put(R.post_key(r, w), R.Post(w, r, [np.zeros(2, np.float32)], 1, 1, 0.0, "h").encode())
     post(0, 1)
     post(2, 1)
     assert R.expected(ex, 1) == [0, 1, 2] and R.posted(ex, 1) == [0, 2]
@@ -194,8 +197,8 @@ def _config(exchange, *extra):
 
     return load_config(os.path.join(ROOT, "configs", "tiny.py"), [
         "sync.method=a_edit", f"sync.exchange.url={exchange}", "sync.warmup_steps=0", "mesh.replica=2", "mesh.shard=1",
-        "mesh.processes=2", "sync.time.tau=0.3", "sync.exchange.grace=1.0", "steps=24", "batch_size=8", "eval_batches=1",
-        *extra])
+        "mesh.processes=2", "sync.time.tau=0.3", "sync.exchange.grace=1.0", "steps=24", "batch_size=8",
+        "eval_batches=1", *extra])
 
 
 def _records(run_dir):
@@ -256,7 +259,7 @@ def _two_workers(tmp_path, ElasticWorker):
     model = load_trained(run)
     assert model.source == "outer" and model.step == shared.tally // 2
     jax.tree.map(np.testing.assert_array_equal, model.params, shared.theta)
-    posted = {w: [c for r in rounds for m, c in zip(r["members"], r["cursors"]) if m == w] for w in (0, 1)}
+    posted = {w: [c for r in rounds for m, c in zip(r["members"], r["cursors"], strict=True) if m == w] for w in (0, 1)}
     # (a worker whose first step compiled slower than the other spent the budget posted in no round: cursor 0;
     # seen when an earlier test of the same process had compiled the step already)
     assert shared.cursors == [posted[w][-1] if posted[w] else 0 for w in (0, 1)] and max(shared.cursors) > 0
@@ -359,9 +362,9 @@ def _worker_args(run: str, ex: str, slots: int) -> list[str]:
     """``edit-jax train`` / ``worker`` arguments of an exchange run of ``slots`` one-device workers
     on the tiny config, two rows each, rounds every 0.5 s, no end of its own (stopped by signals)."""
     return ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--run-dir", run, "sync.method=a_edit",
-            f"sync.exchange.url={ex}", "sync.warmup_steps=0", f"mesh.replica={slots}", "mesh.shard=1", "mesh.processes=2",
-            "sync.time.tau=0.5", "sync.exchange.grace=1.5", "steps=1000000", f"batch_size={2 * slots}", "log_every=50",
-            "eval_every=0"]
+            f"sync.exchange.url={ex}", "sync.warmup_steps=0", f"mesh.replica={slots}", "mesh.shard=1",
+            "mesh.processes=2", "sync.time.tau=0.5", "sync.exchange.grace=1.5", "steps=1000000",
+            f"batch_size={2 * slots}", "log_every=50", "eval_every=0"]
 
 
 def _pid_of(launcher: subprocess.Popen, worker: int) -> int:
@@ -389,10 +392,11 @@ def test_workers_leave_and_join_as_processes(tmp_path):
     try:
         def rounds():
             return [r for r in _records(run) if r.get("sync")]
-        with_members = lambda ids, after=0: [r for r in rounds() if set(ids) <= set(r["members"]) and r["round"] > after]  # noqa
+        with_members = lambda ids, after=0: [r for r in rounds()
+                                             if set(ids) <= set(r["members"]) and r["round"] > after]
         first = _wait_for("a round of workers 0 and 1", lambda: with_members([0, 1]), procs=[launcher])[0]
         os.kill(_pid_of(launcher, 1), signal.SIGKILL)
-        log_text = lambda: open(tmp_path / "launcher.log").read()  # noqa: E731
+        log_text = lambda: open(tmp_path / "launcher.log").read()
         rejoined = _wait_for("worker 1 restarted and joined",
                              lambda: re.findall(r"worker 1: joined at round (\d+)", log_text())[1:], procs=[launcher])
         back = _wait_for("worker 1 back in a round", lambda: with_members([1], int(rejoined[0])), procs=[launcher])[0]
@@ -412,7 +416,8 @@ def test_workers_leave_and_join_as_processes(tmp_path):
         assert start + without["time"] - t_stop <= 0.5 + 1.5 + 5.0  # tau + grace + 5 s
         time.sleep(2.0)
         os.kill(stopped, signal.SIGCONT)
-        _wait_for("the late post's record", lambda: [r for r in _records(run) if r.get("late_post") and r["worker"] == 1])
+        _wait_for("the late post's record",
+                  lambda: [r for r in _records(run) if r.get("late_post") and r["worker"] == 1])
         again = _wait_for("worker 1 a member again", lambda: with_members([1], without["round"]), procs=[launcher])
         joiner = subprocess.Popen([sys.executable, "-m", "edit_jax", "worker", "--worker", "2", *args],
                                   env=_child_env(), stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path))
@@ -488,13 +493,15 @@ def test_plot_shows_membership(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     fig = make_figure([load_run(str(run))], x="step")
     ax = next(a for a in fig.axes if "membership" in a.get_title())
-    marks = sorted((float(x), float(y)) for line in ax.lines for x, y in zip(line.get_xdata(), line.get_ydata()))
+    marks = sorted((float(x), float(y))
+                   for line in ax.lines for x, y in zip(line.get_xdata(), line.get_ydata(), strict=True))
     assert marks == sorted((5.0 * i, float(w)) for i, m in enumerate(members, 1) for w in m)
 
 
 @pytest.mark.parametrize("override, key", [
     ("sync.warmup_steps=4", "sync.warmup_steps"), ("sync.wire.kind=int8", "sync.wire.kind"),
-    ("mesh.processes=3", "mesh.processes"), ("sync.exchange.grace=0", "sync.exchange.grace"), ("sync.exchange.late_posts=keep", "sync.exchange.late_posts"),
+    ("mesh.processes=3", "mesh.processes"), ("sync.exchange.grace=0", "sync.exchange.grace"),
+    ("sync.exchange.late_posts=keep", "sync.exchange.late_posts"),
     ("sync.exchange.progress_every=-1", "sync.exchange.progress_every"),
     ("max_seconds=60", "max_seconds"), ("sync.method=co2 sync.co2.gap_penalty=0", "sync.co2.gap_penalty"),
     ("sync.method=baseline", "sync.exchange.url"), ("sync.method=edit sync.fragments=2", "sync.fragments"),

@@ -179,7 +179,7 @@ def test_steps_rule(tmp_path):
     """The run's budget is the exchange's: a worker with other `steps` adopts it (one line); the
     launcher (owner) sets it; a run config that does not parse refuses everyone, naming its key."""
     ex = DirExchange(str(tmp_path / "ex"))
-    cfg = lambda *o: load_config(TINY, [*ARGS, f"sync.exchange.url={ex.url}", *o])  # noqa: E731
+    cfg = lambda *o: load_config(TINY, [*ARGS, f"sync.exchange.url={ex.url}", *o])
     said = []
     assert admit(ex, cfg(), str(tmp_path / "run"), said.append).steps == 6 and not said  # the first: creates it
     assert admit(ex, cfg("steps=3"), str(tmp_path / "run"), said.append).steps == 6

@@ -63,7 +63,8 @@ def test_transient_write_errors_are_retried_said_once_and_recovery_said_once(tmp
     ex.put("a/b", b"x")
     assert ex.get("a/b") == b"x" and flaky.calls == 5
     assert len(said) == 2, said
-    assert said[0] == f"edit-jax worker 1: exchange {tmp_path}: writes fail (read-only file system); retrying for up to 5 s"
+    assert said[0] == (f"edit-jax worker 1: exchange {tmp_path}: writes fail (read-only file system); "
+                       f"retrying for up to 5 s")
     assert "answering again" in said[1]
     ex.put("a/c", b"y")  # no outage, no line
     assert len(said) == 2
@@ -257,7 +258,8 @@ def test_probe_refuses_what_cannot_work_at_once(tmp_path, moto_server, monkeypat
 
     port, _ = moto_server
     (tmp_path / "afile").write_text("")
-    cases = {f"{tmp_path}/afile/under": "a part of its path is a file", f"s3://{BUCKET}/x?endpoint=http://": "malformed endpoint",
+    cases = {f"{tmp_path}/afile/under": "a part of its path is a file",
+             f"s3://{BUCKET}/x?endpoint=http://": "malformed endpoint",
              f"s3://{BUCKET}/x?endpoint=http://host:port": "not a valid URI"}
     for url, why in cases.items():
         with pytest.raises(ExchangeError, match=why) as e:
@@ -279,7 +281,8 @@ def test_worker_start_exits_2_on_a_bad_exchange_and_75_when_it_stays_unreachable
     assert run_worker(cfg, 1, str(tmp_path / "run"), said.append) == 2
     assert len(said) == 1 and said[0].startswith("edit-jax: bad config: sync.exchange.url"), said
     cfg = load_config(os.path.join(REPO, "configs/tiny.py"),
-                      [*base, f"sync.exchange.url=s3://{BUCKET}/x?endpoint=http://127.0.0.1:{_free_port()}", "sync.exchange.patience=0.5"])
+                      [*base, f"sync.exchange.url=s3://{BUCKET}/x?endpoint=http://127.0.0.1:{_free_port()}",
+                       "sync.exchange.patience=0.5"])
     said.clear()
     assert run_worker(cfg, 1, str(tmp_path / "run"), said.append) == 75
     assert len(said) == 2 and "retrying for up to 0.5 s" in said[0] and "exit 75" in said[1], said

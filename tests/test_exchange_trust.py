@@ -173,8 +173,9 @@ def _env():
 
 def _args(run, ex, steps):
     return ["--config", os.path.join(ROOT, "configs", "tiny.py"), "--run-dir", run, f"sync.exchange.url={ex}",
-            "sync.method=a_edit", "sync.warmup_steps=0", "mesh.replica=3", "mesh.shard=1", "mesh.processes=2", "sync.time.tau=0.3",
-            "sync.exchange.grace=1", "batch_size=6", f"steps={steps}", "eval_batches=1", "eval_every=0"]
+            "sync.method=a_edit", "sync.warmup_steps=0", "mesh.replica=3", "mesh.shard=1", "mesh.processes=2",
+            "sync.time.tau=0.3", "sync.exchange.grace=1", "batch_size=6", f"steps={steps}", "eval_batches=1",
+            "eval_every=0"]
 
 
 def _ends(run):

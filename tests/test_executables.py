@@ -53,7 +53,7 @@ def test_a_loaded_program_equals_a_fresh_compile_and_keeps_its_donation(tmp_path
     arg = _copy(x)
     loaded = jax.device_get(program(arg, y))
     assert arg.is_deleted()  # donated, as the jitted function donates
-    for a, b, c in zip(want, got, loaded):
+    for a, b, c in zip(want, got, loaded, strict=True):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
     # Another program name, context or argument shape is another key: a miss, never a wrong program.
@@ -106,5 +106,5 @@ def test_an_entry_is_never_a_reserialized_cache_load(tmp_path):
         third = ExecutableStore(store_dir)
         got = jax.device_get(third.compile("step", jitted, (x, y), devices)(_copy(x), y))
         assert third.loaded == ["step"]
-    for a, b in zip(want, got):
+    for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(a, b)

@@ -113,7 +113,7 @@ def test_async_save_of_a_state_the_next_steps_donate_verifies(tmp_path):
     restored, data = ckpt.restore(1, programs.abstract_state())
     ckpt.close()
     assert data == {"step": 1}
-    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(restored)):
+    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(restored), strict=True):
         np.testing.assert_array_equal(a, np.asarray(b))
 
 

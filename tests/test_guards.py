@@ -45,7 +45,7 @@ def test_detector_z_equal_to_the_threshold_is_not_an_anomaly_the_next_float_is()
     window of zeros has std 0, so the bound is delta = 3 exactly; a window (-2, 0, 2) has std 2
     exactly (ddof 1: 8 / 2 = 4), so the bound is 6 exactly. Equal is not flagged; the next float32
     up is."""
-    up = lambda x: float(np.nextafter(np.float32(x), np.float32(np.inf)))  # noqa: E731
+    up = lambda x: float(np.nextafter(np.float32(x), np.float32(np.inf)))
     assert _flags([0.0, 0.0, 0.0], [3.0, up(3.0), 2.0]) == [False, True, False]
     assert _flags([-2.0, 0.0, 2.0], [6.0, up(6.0), 5.0]) == [False, True, False]
     # Before the warmup nothing finite is flagged; a non-finite norm always is.
@@ -103,7 +103,7 @@ ENTRY %main (x: f32[4], off: s32[2], m: f32[4,4]) -> f32[4] {
   %rs_s = f32[2]{0} reduce-scatter(%x), channel_id=12, replica_groups={{0,1},{2,3}}, dimensions={0}, to_apply=%add
   ROOT %r = f32[4]{0} add(%cp_r, %cp_s)
 }
-"""
+"""  # noqa: E501 - HLO text as XLA prints it: one instruction a line
 
 # name -> (op, async, crosses replica). The -done halves are not collectives of their own.
 _EXPECTED = {

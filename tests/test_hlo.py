@@ -37,7 +37,7 @@ ENTRY %main (x: f32[8]) -> f32[8] {
   %w = (s32[], f32[8]{0}) while(%tup), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
   ROOT %r = f32[8]{0} get-tuple-element(%w), index=1
 }
-"""
+"""  # noqa: E501 - HLO text as XLA prints it: one instruction a line
 
 
 def test_group_forms():

@@ -66,7 +66,7 @@ def test_hsdp_loss_and_grads_equal_single_device(replica, shard):
     params0 = jax.tree.map(lambda x: np.asarray(x)[0], state.params)
     ref_loss, ref_grads = _single_device_reference(cfg, params0, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         g = np.asarray(g)
         for i in range(replica):  # every replica holds the same (global-mean) gradient
             np.testing.assert_allclose(g[i], np.asarray(r), rtol=2e-4, atol=2e-6)
@@ -82,7 +82,7 @@ def test_local_grads_are_per_replica_means():
     half = cfg.batch_size // 2
     for r in range(2):  # replica r's gradient is the mean over its own rows only
         _, ref = _single_device_reference(cfg, params0, batch[r * half:(r + 1) * half])
-        for g, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
+        for g, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
             np.testing.assert_allclose(np.asarray(g)[r], np.asarray(want), rtol=2e-4, atol=2e-6)
 
 
@@ -98,8 +98,8 @@ def test_hsdp_step_matches_single_device_adamw():
     state = m.init_state(0)
     params0 = jax.tree.map(lambda x: np.asarray(x)[0], state.params)
     opt = optax.chain(optax.clip_by_global_norm(0.5),
-                      optax.adamw(lr_schedule(cfg.optim, cfg.steps), b1=cfg.optim.b1, b2=cfg.optim.b2, eps=cfg.optim.eps,
-                                  weight_decay=cfg.optim.weight_decay,
+                      optax.adamw(lr_schedule(cfg.optim, cfg.steps), b1=cfg.optim.b1, b2=cfg.optim.b2,
+                                  eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
                                   mask=jax.tree_util.tree_map_with_path(
                                       lambda path, _: path[-1].key != "scale", params0)))
     ref_params, ref_state = params0, opt.init(params0)
@@ -109,10 +109,11 @@ def test_hsdp_step_matches_single_device_adamw():
         loss, g = _single_device_reference(cfg, ref_params, batch)
         # The sharded clip sees the global norm of the whole replica's gradient.
         np.testing.assert_allclose(float(np.mean(metrics["grad_norm"])), float(optax.tree.norm(g)), rtol=1e-4)
-        np.testing.assert_allclose(float(np.mean(metrics["loss"])), float(loss), rtol=1e-4)  # AdamW amplifies ulp-level differences
+        # AdamW amplifies ulp-level differences
+        np.testing.assert_allclose(float(np.mean(metrics["loss"])), float(loss), rtol=1e-4)
         upd, ref_state = opt.update(g, ref_state, ref_params)
         ref_params = optax.apply_updates(ref_params, upd)
-    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_params)):
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_params), strict=True):
         # Adam divides by sqrt(v): ulp noise where g ~ 0 (one of 16384 entries 1.01e-4 apart on this
         # machine's Xeon, at 50e730b too: XLA:CPU's kernels follow the host's vector instructions)
         np.testing.assert_allclose(np.asarray(a)[0], np.asarray(b), rtol=0, atol=2e-4)

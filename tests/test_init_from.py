@@ -59,7 +59,8 @@ def test_export_then_init_from_gives_the_same_params_in_every_worker_and_outer(t
         (cfg0.model.d_model, cfg0.model.n_layers, kv, tie)
     state = _init_state(cfg, seed=11)  # another seed than the export's
     for r in range(cfg.mesh.replica):
-        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a)[r], b), state.params, params)
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a)[r], b),  # noqa: B023 - called at once
+                     state.params, params)
     if method == "edit":
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), state.outer.params, params)
     else:
@@ -79,7 +80,8 @@ def test_weights_load_as_per_device_slices(tmp_path):
     abstract = jax.eval_shape(lambda: params)
     from edit_jax.localsgd.sharding import named, outer_specs
     loaded = hf_import.load_params(cfg.model, abstract, named(mesh, outer_specs(abstract, m.layout.shard_dims)))
-    for (path, a), dim in zip(jax.tree_util.tree_flatten_with_path(loaded)[0], jax.tree.leaves(m.layout.shard_dims)):
+    for (path, a), dim in zip(jax.tree_util.tree_flatten_with_path(loaded)[0], jax.tree.leaves(m.layout.shard_dims),
+                              strict=True):
         want = list(a.shape)
         want[dim] //= 4
         assert [list(s.data.shape) for s in a.addressable_shards] == [want] * 4, jax.tree_util.keystr(path)

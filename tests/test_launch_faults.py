@@ -44,7 +44,8 @@ def _wait(proc, ready, what, timeout=240):
     deadline = time.time() + timeout
     while not ready():
         assert time.time() < deadline, f"timed out waiting for {what}"
-        assert proc.poll() is None, f"ended ({proc.returncode}) while waiting for {what}: {proc.communicate()[0][-3000:]}"
+        assert proc.poll() is None, (f"ended ({proc.returncode}) while waiting for {what}: "
+                                     f"{proc.communicate()[0][-3000:]}")
         time.sleep(0.05)
 
 

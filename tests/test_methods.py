@@ -27,7 +27,8 @@ def test_method_fixes_are_written_as_they_take_effect():
     mp = plan_for(cfg)
     s = mp.cfg.sync
     assert (s.layerwise, s.penalty.anomaly, s.penalty.weighting, s.penalty.clip) == (False, False, False, False)
-    assert {k for k, _, _ in mp.changed} == {"sync.layerwise", "sync.penalty.anomaly", "sync.penalty.weighting", "sync.penalty.clip"}
+    assert {k for k, _, _ in mp.changed} == {"sync.layerwise", "sync.penalty.anomaly", "sync.penalty.weighting",
+                                             "sync.penalty.clip"}
     assert not mp.plan.layerwise and mp.plan.penalty == Penalty.off()
     pls = plan_for(load_config(os.path.join(REPO, "configs/demo.py"), ["method=post_local_sgd"]))
     assert (pls.cfg.sync.outer.lr, pls.cfg.sync.outer.momentum) == (1.0, 0.0)
@@ -63,7 +64,8 @@ def test_the_rule_of_a_row_decides_its_timing_and_owns_its_hyperparameters(monke
     monkeypatch.setitem(METHODS, "timed_diloco", Method("timed_diloco", "DiLoCo's sync by wall clock",
                                                         rule=Timed.around(WholeModelSync.build)))
     cfg = load_config(os.path.join(REPO, "configs/tiny.py"), [
-        "method=timed_diloco", "mesh.replica=2", "mesh.shard=1", "mesh.processes=2", "sync.exchange.url=/nowhere", "sync.warmup_steps=0"])
+        "method=timed_diloco", "mesh.replica=2", "mesh.shard=1", "mesh.processes=2", "sync.exchange.url=/nowhere",
+        "sync.warmup_steps=0"])
     mp = plan_for(cfg)
     assert isinstance(mp.plan.rule, Timed) and not mp.plan.layerwise and isinstance(mp.schedule, TimeSchedule)
     assert str(mp.schedule.sync_kind()) == "local_then_sync"

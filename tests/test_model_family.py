@@ -64,8 +64,8 @@ def test_a_family_of_ones_own_trains_with_every_guarantee(toy, tmp_path):
     one_stage("default", "a model family of one's own, trained, stopped and resumed", 30,
               other="test_api_checkpoint's exact resume of DiLoCo + int8")
     cfg = load_config(TINY, ["model.family=toy", "model.hidden=64", "model.n_layers=2", "mesh.replica=2",
-                             "mesh.shard=2", "sync.method=edit", "sync.warmup_steps=2", "sync.tau=3", "steps=14", "batch_size=8",
-                             "data.seq_len=32", "log_every=1", "eval_every=7", "checkpoint_every=7"])
+                             "mesh.shard=2", "sync.method=edit", "sync.warmup_steps=2", "sync.tau=3", "steps=14",
+                             "batch_size=8", "data.seq_len=32", "log_every=1", "eval_every=7", "checkpoint_every=7"])
     run = str(tmp_path / "run")
     devs = jax.devices()[:4]
     half = train(cfg, run, progress=False, stop_after=7, devices=devs)
@@ -95,7 +95,7 @@ def test_a_family_of_ones_own_trains_with_every_guarantee(toy, tmp_path):
     gen = sampler.generate(prompt, 6, temperature=0.0, stop_at_eos=False)
     seq = list(prompt)
     model = family.model_family("toy")
-    for t in range(6):
+    for _ in range(6):
         logits, _ = model.forward(trained.cfg.model, trained.params, jnp.asarray([seq]), family.identity_hook)
         seq.append(int(np.argmax(np.asarray(logits)[0, -1, :256])))
     assert gen.tokens[0].tolist() == seq[3:], (gen.tokens, seq)

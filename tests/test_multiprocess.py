@@ -182,7 +182,8 @@ def _shard_dir(where) -> str:
     jsonl = where / "docs.jsonl"
     with open(jsonl, "w") as f:
         for i in range(400):
-            f.write(json.dumps({"text": f"doc {i} " + "".join(chr(97 + int(c)) for c in rng.integers(0, 26, 60))}) + "\n")
+            text = f"doc {i} " + "".join(chr(97 + int(c)) for c in rng.integers(0, 26, 60))
+            f.write(json.dumps({"text": text}) + "\n")
     out = str(where / "shards")
     tokenize([str(jsonl)], out, val_fraction=0.1, shard_tokens=4000, progress=False)
     return out
@@ -240,9 +241,10 @@ def test_two_processes_equal_one_program(tmp_path, monkeypatch, request, method,
     TensorBoard scalars (written by process 0); and what a cluster user adds: Hugging Face
     weights to start from (each process loading its own devices' slices) and W&B (process 0).
     The DiLoCo case trains on token shards: each process reads only its replica's windows (the
-    read trace), and the two read what the one process read. The last streams parquet files: each process reads and tokenizes (in a reader process) only
-    its own replica's row groups, and the final checkpoint holds both replicas' positions (the
-    processes exchange them), as the single process's does."""
+    read trace), and the two read what the one process read. The last streams parquet files: each
+    process reads and tokenizes (in a reader process) only its own replica's row groups, and the
+    final checkpoint holds both replicas' positions (the processes exchange them), as the single
+    process's does."""
     case = request.node.callspec.id
     one_stage(EQUAL_STAGE[case], f"the 2-process equivalence case {case}", 45)
     over = [f"method={method}", "steps=8", "sync.warmup_steps=2", "sync.tau=3", "eval_every=0", *extra]

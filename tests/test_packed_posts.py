@@ -110,7 +110,7 @@ def test_packed_round_equals_the_in_program_compressed_sync():
     opt = make_outer_optimizer(plan.outer)
 
     def body(local, det, e, theta_u, opt_u):  # one worker of the in-program compressed sync, one unit
-        one = lambda t: jax.tree.map(lambda x: x[0], t)  # noqa: E731
+        one = lambda t: jax.tree.map(lambda x: x[0], t)
         r = sync_unit(one(local), theta_u, opt_u, one(det), plan.penalty, opt, shares=shares, codec=CODEC,
                       residual=one(e), reduction=ReplicaPsum(axis=REPLICA, norm_axes=()))
         return r.outer_params, r.opt_state, jax.tree.map(lambda x: x[None], r.detector), \
@@ -119,16 +119,18 @@ def test_packed_round_equals_the_in_program_compressed_sync():
                                  out_specs=(P(), P(), P(REPLICA), P(REPLICA)), check_vma=False))
     for u in range(3):  # the root, layer 0, layer 1 (one compile for both layers)
         theta_u, opt_u = _unit(start.theta, u), _unit(start.outer_opt, u)
-        local = jax.tree.map(lambda o, *d: np.stack([o - x for x in d]), theta_u, *(_unit(d, u) for d in deltas))
+        local = jax.tree.map(lambda o, *d: np.stack([o - x for x in d]), theta_u,
+                             *(_unit(d, u) for d in deltas))
         e = jax.tree.map(lambda *x: np.stack(x), *(_unit(r, u) for r in res))
-        det = jax.tree.map(lambda x: x[:, u], start.detectors)
+        det = jax.tree.map(lambda x: x[:, u], start.detectors)  # noqa: B023 - called at once
         theta_ref, opt_ref, det_ref, res_ref = meet(local, det, e, theta_u, opt_u)
         jax.tree.map(np.testing.assert_array_equal, _unit(got.theta, u), theta_ref)
         jax.tree.map(np.testing.assert_array_equal, _unit(got.outer_opt, u), opt_ref)
-        jax.tree.map(np.testing.assert_array_equal, jax.tree.map(lambda x: x[:, u], got.detectors), det_ref)
+        jax.tree.map(np.testing.assert_array_equal,
+                     jax.tree.map(lambda x: x[:, u], got.detectors), det_ref)  # noqa: B023 - called at once
         for w in range(n):  # the poster's residual, settled by the round's flags, is the in-program one
             mine = PK.settle_residual(pending[w], np.array(figures["unit_flagged"])[:, w], True)
-            ref = np.asarray(flatten_unit(jax.tree.map(lambda x: x[w], res_ref), 16)[0])
+            ref = np.asarray(flatten_unit(jax.tree.map(lambda x: x[w], res_ref), 16)[0])  # noqa: B023 - called at once
             np.testing.assert_array_equal(mine[0] if u == 0 else mine[1][u - 1], ref)
             assert (np.all(ref == 0)) == (w == 1)
     assert figures["flagged"] == [0, 3, 0] and figures["weight"][1] == 0 and figures["outer_update_norm"] > 0
@@ -151,7 +153,7 @@ def test_a_nan_or_inf_post_is_flagged_and_sends_nothing(bad):
     got, figures = rnd.apply(start, posts)
     alone, _ = rnd.apply(start, posts[:2])
     assert figures["unit_flagged"][2] == [False, True, True]  # worker 1 (4x) and worker 2's bad layer
-    layer1 = lambda t: jax.tree.map(lambda x: x[1], t["layers"])  # noqa: E731  (the unit worker 2 broke)
+    layer1 = lambda t: jax.tree.map(lambda x: x[1], t["layers"])  # (the unit worker 2 broke)
     jax.tree.map(np.testing.assert_array_equal, layer1(got.theta), layer1(alone.theta))
     jax.tree.map(np.testing.assert_array_equal, layer1(got.outer_opt), layer1(alone.outer_opt))
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(got.theta))

@@ -62,7 +62,8 @@ def _expected_units(paths, val_fraction):
 
 
 def _cfg(paths, **kw):
-    return DataConfig(**{"source": "parquet", "paths": tuple(paths), "seq_len": SEQ, "val_fraction": 0.2, "workers": 0, **kw})
+    return DataConfig(**{"source": "parquet", "paths": tuple(paths), "seq_len": SEQ, "val_fraction": 0.2, "workers": 0,
+                         **kw})
 
 
 def test_each_replica_streams_its_row_groups_concatenated(files):
@@ -88,7 +89,7 @@ def test_each_replica_streams_its_row_groups_concatenated(files):
     val = D.val_batches(corpus, SEQ, BATCH, 2)
     want_val = np.concatenate([v for _, v in units])
     np.testing.assert_array_equal(np.concatenate(val).ravel(), want_val[:2 * BATCH * (SEQ + 1)])
-    assert all(np.array_equal(a, b) for a, b in zip(val, D.val_batches(corpus, SEQ, BATCH, 2)))
+    assert all(np.array_equal(a, b) for a, b in zip(val, D.val_batches(corpus, SEQ, BATCH, 2), strict=True))
 
 
 @pytest.mark.parametrize("workers", [0, 1], ids=["thread", "process"])
@@ -97,8 +98,9 @@ def test_resume_from_any_cursor_gives_identical_batches(files, tmp_path, monkeyp
     state (through JSON) produces the very same batches; it reads only the cursor's unit and its
     read-ahead, not the units before it."""
     # The thread reader under the default Python, the process reader under 3.12 (~20 s each).
-    one_stage("default" if workers == 0 else "3.12", f"a resumed parquet stream ({'thread' if workers == 0 else 'process'} "
-              "reader)", 20, other="the other reader")
+    one_stage("default" if workers == 0 else "3.12",
+              f"a resumed parquet stream ({'thread' if workers == 0 else 'process'} reader)", 20,
+              other="the other reader")
     cfg = _cfg(files, workers=workers)
     ref = D.make_train_stream(D.load_corpus(cfg), SEQ, BATCH, N, seed=1)
     want = [ref.next() for _ in range(45)]
@@ -144,7 +146,8 @@ def test_a_process_reads_only_the_replicas_it_trains(files, tmp_path, monkeypatc
         read.append({x["unit"] for x in map(json.loads, open(trace)) if x["purpose"] == "train" and x["replica"] == r})
     assert read[0] and read[1] and not read[0] & read[1]
     for r in range(N):
-        assert read[r] <= set(PS.replica_units(12, 0, 0, r, N).tolist()) | set(PS.replica_units(12, 0, 1, r, N).tolist())
+        assert read[r] <= (set(PS.replica_units(12, 0, 0, r, N).tolist())
+                           | set(PS.replica_units(12, 0, 1, r, N).tolist()))
     # The exchange at a checkpoint, as multihost.exchange_floats stacks it (one row per process).
     def gather(mine):
         return np.stack([np.asarray(s.local_cursors(), np.float64) for s in streams])
@@ -199,9 +202,11 @@ def test_errors_name_the_field_or_file(files, tmp_path, monkeypatch):
     from tests.helpers import REPO
 
     with pytest.raises(ConfigError, match="data.workers"):
-        load_config(os.path.join(REPO, "configs/tiny.py"), ["data.source=parquet", f"data.paths={files[0]}", "data.workers=-1"])
+        load_config(os.path.join(REPO, "configs/tiny.py"),
+                    ["data.source=parquet", f"data.paths={files[0]}", "data.workers=-1"])
     with pytest.raises(ConfigError, match="data.unit_bytes"):
-        load_config(os.path.join(REPO, "configs/tiny.py"), ["data.source=parquet", f"data.paths={files[0]}", "data.unit_bytes=0"])
+        load_config(os.path.join(REPO, "configs/tiny.py"),
+                    ["data.source=parquet", f"data.paths={files[0]}", "data.unit_bytes=0"])
     monkeypatch.setitem(__import__("sys").modules, "pyarrow.parquet", None)
     with pytest.raises(D.DataError, match=r"pip install edit-jax\[parquet\]"):
         D.load_corpus(_cfg(files))
@@ -230,7 +235,8 @@ def test_validation_reads_at_most_val_max_units(files, monkeypatch):
     have = units[0][1].size + units[1][1].size
     val = D.val_batches(corpus, 3, 4, 1000)
     assert len(val) == have // (4 * 4) and len(val) < 1000
-    np.testing.assert_array_equal(np.concatenate(val).ravel(), np.concatenate([units[0][1], units[1][1]])[:len(val) * 16])
+    np.testing.assert_array_equal(np.concatenate(val).ravel(),
+                                  np.concatenate([units[0][1], units[1][1]])[:len(val) * 16])
     with pytest.raises(D.DataError, match="data.val_fraction.*first 2 row groups at most"):
         D.val_batches(D.load_corpus(_cfg(files)), SEQ, 64, 1)
 
@@ -317,7 +323,8 @@ def test_one_big_row_group_is_sliced_across_replicas(tmp_path, monkeypatch):
     assert 5 <= len(units) <= 6 and [u.row_group for u in units] == [0] * len(units)
     assert all(0 < u.batch_rows < u.stop - u.start and (u.stop - u.start) % u.batch_rows for u in units)
     bounds = [(u.start, u.stop) for u in units]
-    assert bounds[0][0] == 0 and bounds[-1][1] == 120 and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert (bounds[0][0] == 0 and bounds[-1][1] == 120
+            and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False)))
     rows_per, total = BATCH // N, _docs_tokens(rows, 0.2)[0]
     steps = int(2.5 * total.size / N / (rows_per * (SEQ + 1)))  # about 2.5 epochs of each replica
     batches = [stream.next() for _ in range(steps)]
@@ -328,7 +335,8 @@ def test_one_big_row_group_is_sliced_across_replicas(tmp_path, monkeypatch):
         mine = list(range(r, len(units), N))  # one row group: every epoch the same alternate slices
         assert PS.replica_units(stream.slices, 5, 1, r, N).tolist() == mine
         got = np.concatenate([b[r * rows_per:(r + 1) * rows_per].ravel() for b in batches])
-        want = np.concatenate([_docs_tokens(rows[units[u].start:units[u].stop], 0.2)[0] for _ in range(6) for u in mine])
+        want = np.concatenate([_docs_tokens(rows[units[u].start:units[u].stop], 0.2)[0]
+                               for _ in range(6) for u in mine])
         np.testing.assert_array_equal(got, want[:got.size])
     reads = [json.loads(x) for x in open(trace)]
     assert {(x["file"], x["row_group"]) for x in reads} == {(path, 0)}

@@ -47,7 +47,7 @@ def test_pipelined_layers_equal_the_plain_loop(remat):
     plain = run(split.__call__)  # the plain loop: the hook called whole, inside each iteration
     piped = run(split)  # a SplitHook: the family pipelines the layers that sync
     np.testing.assert_allclose(piped[0], plain[0], rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(piped[1:]), jax.tree.leaves(plain[1:])):
+    for a, b in zip(jax.tree.leaves(piped[1:]), jax.tree.leaves(plain[1:]), strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
     assert np.asarray(piped[1]["layers"]["echo"]).tolist() == pytest.approx([0.2, -0.4, 0.6])  # layer order kept
 
@@ -80,7 +80,7 @@ def test_pipelined_layers_with_the_real_sync_equal_the_plain_loop():
     assert moved > 1e-4, "the sync should move θ̄"
     for name, x, y in (("θ_i", a.params, b.params), ("θ̄", a.outer.params, b.outer.params),
                        ("outer state", a.outer.opt_state, b.outer.opt_state), ("metrics", ma, mb)):
-        for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
+        for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
             np.testing.assert_allclose(np.asarray(v, np.float64), np.asarray(u, np.float64), rtol=2e-5, atol=1e-7,
                                        err_msg=name)
 
@@ -116,10 +116,10 @@ def test_remat_saves_keeps_the_gradients_and_drops_the_recomputed_matmuls(pipeli
     for remat, saves in ((False, "nothing"), (True, "nothing"), (True, "dots"), (True, "dots_attention")):
         cfg = preset("tiny", n_layers=3, remat=remat, remat_saves=saves, scan_unroll=1)
         params = init_params(cfg, jax.random.PRNGKey(0))
-        grad = jax.grad(lambda p: loss_sum(cfg, p, tokens, targets, hook, xs)[0])  # noqa: B023
+        grad = jax.grad(lambda p: loss_sum(cfg, p, tokens, targets, hook, xs)[0])  # noqa: B023 - called at once
         out[remat, saves] = (grad(params), _dot_counts(jax.make_jaxpr(grad)(params).jaxpr))
     for key in ((True, "dots"), (True, "dots_attention")):
-        for a, b in zip(jax.tree.leaves(out[key][0]), jax.tree.leaves(out[True, "nothing"][0])):
+        for a, b in zip(jax.tree.leaves(out[key][0]), jax.tree.leaves(out[True, "nothing"][0]), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)  # float order differs
     plain = {k: v[1]["plain"] for k, v in out.items()}
     assert plain[True, "dots"] == plain[False, "nothing"] < plain[True, "nothing"]

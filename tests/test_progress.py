@@ -55,11 +55,12 @@ def test_saved_progress_resumes_exactly_and_only_when_uncounted(tmp_path):
         w2, shared2, local2 = _started(cfg, run)
         w2.resume_progress(shared2, local2)
         assert (local2.done, local2.since, local2.carried) == (5, 5, 0)  # from the same θ̄: not stale, not carried
-        for a, b, t in zip(_host(local2.state.params), _host(local.state.params), jax.tree.leaves(shared.theta)):
+        for a, b, t in zip(_host(local2.state.params), _host(local.state.params), jax.tree.leaves(shared.theta),
+                           strict=True):
             # θ̄ − (θ̄ − θ_i): two float32 roundings, as a carried late post's; 5 steps moved θ_i ~1e-3 from θ̄
             assert np.abs(a - b).max() <= 2.0 ** -22 * np.abs(t).max(), np.abs(a - b).max()
             assert np.abs(b[0] - t).max() > 1e-5
-        for a, b in zip(_host(local2.state.opt_state), _host(local.state.opt_state)):
+        for a, b in zip(_host(local2.state.opt_state), _host(local.state.opt_state), strict=True):
             np.testing.assert_array_equal(a, b)
 
         # Restored after a round closed without it: its steps are a round stale, carried, their Δ
@@ -68,7 +69,7 @@ def test_saved_progress_resumes_exactly_and_only_when_uncounted(tmp_path):
         later = R.RoundState(1, jax.tree.map(lambda t: t + np.float32(0.5), shared2.theta), shared2.outer_opt,
                              shared2.detectors, shared2.tally, list(shared2.cursors))
         assert w2.resume_progress(later, local2) and (local2.since, local2.carried) == (5, 5)
-        for a, t, d in zip(_host(local2.state.params), jax.tree.leaves(later.theta), p.delta):
+        for a, t, d in zip(_host(local2.state.params), jax.tree.leaves(later.theta), p.delta, strict=True):
             np.testing.assert_array_equal(a[0], t - np.float32(0.25) * d)
         w2.cfg = with_fields(w2.cfg, {"sync.exchange.carried_weight": 1.0})
         w2.resume_progress(shared2, local2)  # back as it was, for the checks below
@@ -142,7 +143,7 @@ def test_saved_residual_of_a_packed_wire_resumes(tmp_path):
         w2, shared2, local2 = _started(cfg, run)
         local2.residual = [z.copy() for z in zeros]
         assert w2.resume_progress(shared2, local2)
-        for a, b in zip(local2.residual, local.residual):
+        for a, b in zip(local2.residual, local.residual, strict=True):
             np.testing.assert_array_equal(a, b)
         from edit_jax.rundir.integrity import pack_arrays
 
@@ -157,6 +158,8 @@ def test_progress_needs_an_exchange():
     from edit_jax.validate import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"sync\.exchange\.progress_every.*sync\.exchange\.url"):
-        load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py"), ["sync.exchange.progress_every=1"])
+        load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py"),
+                    ["sync.exchange.progress_every=1"])
     with pytest.raises(ConfigError, match=r"sync\.exchange\.carried_weight.*\[0, 1\].*1\.5"):
-        load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py"), ["sync.exchange.carried_weight=1.5"])
+        load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py"),
+                    ["sync.exchange.carried_weight=1.5"])

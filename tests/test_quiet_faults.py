@@ -117,7 +117,7 @@ def test_a_compile_cache_that_cannot_be_written_is_one_line(tmp_path, monkeypatc
             with compile_cache(str(tmp_path / f"cache{debug}")):
                 for k in range(3):  # three new programs, three failed writes
                     jax.jit(lambda x, k=k: x * (k + 2.5) - k)(np.arange(4.0)).block_until_ready()
-                warnings.warn("another warning", UserWarning)
+                warnings.warn("another warning", UserWarning, stacklevel=1)
         said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("edit-jax:")]
         raw = [w for w in caught if JAX_CACHE_WARNING in str(w.message)]
         assert [str(w.message) for w in caught if "another" in str(w.message)] == ["another warning"]
@@ -213,7 +213,8 @@ def test_a_failed_restore_leaves_no_reads_behind(tmp_path, monkeypatch, capfd, t
     monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(f"{u.object!r}: {u.exc_value!r}"[:300]))
     capfd.readouterr()
     t0 = time.time()
-    result = train(dataclasses.replace(cfg, steps=5), str(run_dir), progress=False, verbose=True, devices=jax.devices()[:4])
+    result = train(dataclasses.replace(cfg, steps=5), str(run_dir), progress=False, verbose=True,
+                   devices=jax.devices()[:4])
     gc.collect()
     err = capfd.readouterr().err
     assert failed and failed[0] > 0 and result.resumed_from == 2 and result.steps == 5  # reads were pending

@@ -26,7 +26,8 @@ def _inputs(seed: int, n: int):
     theta = {"w": rng.normal(size=(8, 5)).astype(np.float32), "b": rng.normal(size=(4,)).astype(np.float32)}
     scale = np.ones(n, np.float32)
     scale[1] = 50.0
-    local = {k: (v[None] - scale.reshape((n,) + (1,) * v.ndim) * 0.01 * rng.normal(size=(n,) + v.shape)).astype(np.float32)
+    local = {k: (v[None] - scale.reshape((n,) + (1,) * v.ndim) * 0.01
+                 * rng.normal(size=(n,) + v.shape)).astype(np.float32)
              for k, v in theta.items()}
     window = rng.normal(size=(n, K)).astype(np.float32) * 0.5
     det = Detector(np.full(n, 0.05, np.float32), np.full(n, 1e-4, np.float32), np.full(n, 10, np.int32), window)
@@ -77,7 +78,7 @@ def _both(compress: str, n: int, with_residual: bool, penalty: Penalty):
 
 
 def _close(a, b, what):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=2e-6, atol=1e-7,
                                    err_msg=what)
 
@@ -98,7 +99,7 @@ def test_psum_and_stacked_reductions_agree(compress, n, with_residual):
     if with_residual:
         _close(p_res, s_res, "error-feedback residuals")
     # Every worker restarts from θ̄: the stacked params are N copies of it.
-    for leaf, outer in zip(jax.tree.leaves(s_params), jax.tree.leaves(s_outer)):
+    for leaf, outer in zip(jax.tree.leaves(s_params), jax.tree.leaves(s_outer), strict=True):
         np.testing.assert_array_equal(np.asarray(leaf), np.broadcast_to(np.asarray(outer), np.shape(leaf)))
 
 
@@ -106,8 +107,8 @@ def test_stacked_reduction_matches_a_numpy_sync():
     """The stacked form against an independent NumPy sync (plain mean, no penalty, Nesterov)."""
     local, theta, det, _ = _inputs(1, N)
     opt = make_outer_optimizer(OuterSpec("nesterov", 0.7, 0.9, True))
-    out = jax.jit(lambda l, d: sync_unit(l, theta, opt.init(theta), d, Penalty.off(), opt,
-                                         reduction=Stacked()))(local, det)
+    out = jax.jit(lambda lo, d: sync_unit(lo, theta, opt.init(theta), d, Penalty.off(), opt,
+                                          reduction=Stacked()))(local, det)
     for k in theta:
         delta = (theta[k][None] - local[k]).astype(np.float64).mean(axis=0)
         m = delta  # first step: the momentum buffer is the update

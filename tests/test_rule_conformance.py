@@ -78,7 +78,7 @@ def _posts(m: StepPrograms, seed: int = 0):
     rng = np.random.default_rng(seed)
     state = jax.device_get(m.init_state(0))
     theta = state.outer.params
-    away = lambda scale: jax.tree.map(  # noqa: E731
+    away = lambda scale: jax.tree.map(
         lambda t: np.stack([t - s * 0.05 * rng.standard_normal(t.shape) for s in scale]).astype(np.float32), theta)
     outer = state.outer.with_trace(jax.tree.map(lambda t: (0.02 * rng.standard_normal(t.shape)).astype(np.float32),
                                                 theta))
@@ -121,10 +121,12 @@ def _exchange(m: StepPrograms, posts):
     if layerwise:  # the trainer's warm detectors, per worker and unit
         start.detectors = jax.tree.map(np.asarray, posts.outer.detector)
     if start.extra is not None:  # CO2: the round state keeps the mean of the workers' pending
-        start.extra = {"pending": jax.tree.map(lambda x: np.asarray(x, np.float32).mean(0), posts.outer.extra["pending"])}
+        start.extra = {"pending": jax.tree.map(lambda x: np.asarray(x, np.float32).mean(0),
+                                               posts.outer.extra["pending"])}
     sent, pending = [], []
     for w in range(n):
-        delta = jax.tree.map(lambda t, x: (t - x[w]).astype(np.float32), theta, posts.params)
+        delta = jax.tree.map(lambda t, x: (t - x[w]).astype(np.float32),  # noqa: B023 - called at once
+                             theta, posts.params)
         if codec.kind == "none":
             sent.append(Post(w, 1, jax.tree.leaves(delta), m.cfg.sync.tau, 0, 0.0, ""))
             continue
@@ -141,7 +143,7 @@ def _exchange(m: StepPrograms, posts):
 
 def _close(got, want, what, rtol=2e-5, atol=2e-6):
     assert jax.tree.structure(got) == jax.tree.structure(want), what
-    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=rtol, atol=atol,
                                    err_msg=f"{what}{jax.tree_util.keystr(path)}")
 
@@ -187,7 +189,8 @@ def test_each_rule_gives_the_reference_in_the_trainer_and_the_api(method):
 
     got, figures, _ = _exchange(m, posts)
     _close(got.theta, theta, f"{method} exchange θ̄")
-    _close(sgd_trace(got.outer_opt) if method != "edit" else {u: sgd_trace(got.outer_opt[u]) for u in ("root", "layers")},
+    _close(sgd_trace(got.outer_opt) if method != "edit"
+           else {u: sgd_trace(got.outer_opt[u]) for u in ("root", "layers")},
            trace, f"{method} exchange momentum")
     if method == "edit":
         np.testing.assert_allclose(np.asarray(figures["unit_weight"]), info["w"], atol=1e-5)
@@ -209,7 +212,7 @@ def test_co2_flush_and_round_give_the_reference_in_all_three_drivers():
     m = _trainer("co2", shard=2, **f)
     posts = _posts(m)
     lr, mu, lam = f["outer"].lr, f["outer"].momentum, f["co2"].gap_penalty
-    f64 = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t)  # noqa: E731
+    f64 = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t)
     theta, m0, pending, workers = (f64(x) for x in (posts.outer.params, posts.outer.trace, posts.outer.extra["pending"],
                                                     posts.params))
     trace = jax.tree.map(lambda b, p: mu * b + p.mean(0) / lam, m0, pending)
@@ -263,19 +266,21 @@ def test_a_lossy_wire_with_error_feedback_is_the_same_in_both_drivers(wire):
     # Within the wire's error of the float32 sync.
     plain, _ = jax.device_get(_api("edit", m, posts)[0].sync(_api("edit", m, posts)[1]))
     err = [float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(new.outer_params),
-                                                      jax.tree.leaves(plain.outer_params))]
+                                                      jax.tree.leaves(plain.outer_params), strict=True)]
     moved = [float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(plain.outer_params),
-                                                        jax.tree.leaves(posts.outer.params))]
+                                                        jax.tree.leaves(posts.outer.params), strict=True)]
     assert max(err) < max(moved), (err, moved)
     if wire == "topk2":  # the exchange's packed posts: the posters encode, the round decodes
         got, _, settled = _exchange(m, posts)
         _close(got.theta, synced.outer.params, "topk2: θ̄ exchange vs trainer", rtol=1e-5, atol=1e-6)
         res = synced.outer.extra["residual"]
         for w in range(N):
-            flat = [np.asarray(flatten_unit(jax.tree.map(lambda x: x[w], res["root"]), m.plan.rule.codec.chunk)[0])]
-            flat.append(np.stack([np.asarray(flatten_unit(jax.tree.map(lambda x: x[w, i], res["layers"]),
-                                                          m.plan.rule.codec.chunk)[0])
-                                  for i in range(m.cfg.model.n_layers)]))
+            flat = [np.asarray(flatten_unit(jax.tree.map(lambda x: x[w], res["root"]),  # noqa: B023 - called at once
+                                            m.plan.rule.codec.chunk)[0])]
+            flat.append(np.stack([
+                np.asarray(flatten_unit(jax.tree.map(lambda x: x[w, i], res["layers"]),  # noqa: B023 - called at once
+                                        m.plan.rule.codec.chunk)[0])
+                for i in range(m.cfg.model.n_layers)]))
             _close(settled[w], flat, f"topk2: worker {w}'s residual, poster vs trainer", rtol=1e-5, atol=1e-6)
 
 
@@ -335,16 +340,18 @@ class MedianSync(WholeModelSync):
 def test_a_rule_written_here_registers_with_one_line_and_runs_in_all_three_drivers(monkeypatch):
     monkeypatch.setitem(methods.METHODS, "median", methods.Method("median", "the median pseudo gradient",
                                                                   rule=MedianSync.build))
-    m = _trainer("median", shard=2, n=3, outer=OuterConfig(lr=0.6, momentum=0.8))  # 3 workers: the median is not the mean
+    # 3 workers: the median is not the mean
+    m = _trainer("median", shard=2, n=3, outer=OuterConfig(lr=0.6, momentum=0.8))
     posts = _posts(m)
     assert isinstance(m.plan.rule, MedianSync)
-    f64 = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t)  # noqa: E731
+    f64 = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t)
     theta, trace0, workers = f64(posts.outer.params), f64(posts.outer.trace), f64(posts.params)
     med = jax.tree.map(lambda t, w: np.median(t[None] - w, axis=0), theta, workers)
     trace = jax.tree.map(lambda b, d: 0.8 * b + d, trace0, med)  # Nesterov, as DiLoCo's outer step
     want = jax.tree.map(lambda t, d, b: t - 0.6 * (d + 0.8 * b), theta, med, trace)
     mean = jax.tree.map(lambda t, w: np.mean(t[None] - w, axis=0), theta, workers)
-    assert min(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(med), jax.tree.leaves(mean))) > 1e-3
+    assert min(float(np.abs(a - b).max())
+               for a, b in zip(jax.tree.leaves(med), jax.tree.leaves(mean), strict=True)) > 1e-3
 
     synced, _ = jax.device_get(m.sync_fn()(jax.device_put(posts, m.state_shardings)))
     _close(synced.outer.params, want, "median trainer θ̄")

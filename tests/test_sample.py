@@ -115,7 +115,7 @@ def test_load_trained_picks_outer_params_or_replica(tmp_path_factory):
     jax.tree.map(np.testing.assert_array_equal, latest.params, host.outer.params)
     # θ̄ differs from the replicas' params (they took local steps after the last sync).
     assert any((np.asarray(a) != np.asarray(b)[0]).any()
-               for a, b in zip(jax.tree.leaves(latest.params), jax.tree.leaves(host.params)))
+               for a, b in zip(jax.tree.leaves(latest.params), jax.tree.leaves(host.params), strict=True))
     warm = load_trained(run_dir, step=2)  # step <= W: θ̄ not set yet, the replicas are identical
     host2, _ = Checkpointer(run_dir, 3).restore_host(2, state_shapes(cfg))
     assert (warm.step, warm.source) == (2, "replica")

@@ -37,7 +37,7 @@ from test_streaming_sync import EDIT4, _cross_replica, _mesh, np_sync_compressed
 from edit_jax.config import ConfigError, MeshConfig
 from edit_jax.localsgd import sparse
 from edit_jax.localsgd.codec import Codec
-from edit_jax.localsgd.compress import compressed_weighted_sum, stacked_compressed_sum
+from edit_jax.localsgd.compress import compressed_weighted_sum, ring_bits_per_param, stacked_compressed_sum
 from edit_jax.localsgd.fragments import unit_param_counts
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import REPLICA
@@ -73,7 +73,7 @@ def np_encode(x: np.ndarray, bits: int, k: int) -> np.ndarray:
         vals = row[order]
         s = np.float32(np.max(np.abs(row)))
         j = np.clip(np.round(np.abs(vals) / (s if s > 0 else np.float32(1)) * np.float32(levels)) - 1, 0, levels - 1)
-        codes = [(int(v < 0) << (bits - 1)) | int(q) for v, q in zip(vals, j)]
+        codes = [(int(v < 0) << (bits - 1)) | int(q) for v, q in zip(vals, j, strict=True)]
         rows.append(np.concatenate([_bits_write(k * bits // 8, codes, bits), _bits_write(k * 12 // 8, order, 12),
                                     np.frombuffer(np.array(s, "<f4").tobytes(), np.uint8)]))
     return np.stack(rows)
@@ -84,7 +84,7 @@ def np_decode(packed: np.ndarray, bits: int, k: int, chunk: int) -> np.ndarray:
     out = np.zeros((len(packed), chunk), np.float32)
     for r, row in enumerate(packed):
         s = np.frombuffer(row[nv + ni:].tobytes(), "<f4")[0]
-        for c, i in zip(_bits_read(row[:nv], k, bits), _bits_read(row[nv:], k, 12)):
+        for c, i in zip(_bits_read(row[:nv], k, bits), _bits_read(row[nv:], k, 12), strict=True):
             mag = np.float32((c & (levels - 1)) + 1) / np.float32(levels) * s
             out[r, i] = -mag if c >> (bits - 1) else mag
     return out
@@ -200,14 +200,15 @@ def _np_sparse_avg(deltas, ok, w, dims, s, wire):
     out = [np.zeros(x.shape, np.float32) for x in deltas[0]]
     for sh in range(s):
         vecs = [np.concatenate([np.split(np.asarray(x, np.float32), s, axis=d)[sh].reshape(-1)
-                                for x, d in zip(deltas[i], dims)]) * (1.0 if ok[i] else 0.0) for i in range(len(deltas))]
+                                for x, d in zip(deltas[i], dims, strict=True)]) * (1.0 if ok[i] else 0.0)
+                for i in range(len(deltas))]
         m = vecs[0].size
         padded = np.zeros((len(vecs), -(-m // chunk) * chunk), np.float32)
         padded[:, :m] = np.stack(vecs)
         total = np.sum(w[:, None].astype(np.float32) * np.stack([np_roundtrip(v.reshape(-1, chunk), wire).reshape(-1)
                                                                  for v in padded]), axis=0, dtype=np.float32)
         at = 0
-        for j, (x, d) in enumerate(zip(deltas[0], dims)):
+        for j, (x, d) in enumerate(zip(deltas[0], dims, strict=True)):
             shape = list(x.shape)
             shape[d] //= s
             idx = [slice(None)] * x.ndim
@@ -228,7 +229,8 @@ def test_sync_matches_numpy_and_residual_is_what_was_not_sent(topk2):
     theta, trace, det, _, _ = np_sync_compressed(
         start.outer.params, start.outer.trace, start.params, _det_tuple(start.outer.detector), _ref_of(cfg),
         lambda u, deltas, ok, w: _np_sparse_avg(deltas, ok, w, dims[min(u, 1)], m.s, "topk2"))
-    plain = np_sync(start.outer.params, start.outer.trace, start.params, _det_tuple(start.outer.detector), _ref_of(cfg))[-1]
+    plain = np_sync(start.outer.params, start.outer.trace, start.params, _det_tuple(start.outer.detector),
+                    _ref_of(cfg))[-1]
     synced, metrics = _host(m.sync_fn()(_put(m, start)))
     np.testing.assert_array_equal(np.asarray(metrics["unit_flagged"]), plain["flagged"])
     np.testing.assert_allclose(np.asarray(metrics["unit_pseudo_grad_norm"]), plain["g"], rtol=1e-5)
@@ -241,12 +243,12 @@ def test_sync_matches_numpy_and_residual_is_what_was_not_sent(topk2):
         for i in range(m.n):
             res = _unit(jax.tree.map(lambda x, i=i: x[i], synced.outer.extra["residual"]), u)
             theta_i = _unit(jax.tree.map(lambda x, i=i: x[i], start.params), u)
-            delta = [t - x for t, x in zip(_unit(start.outer.params, u), theta_i)]
+            delta = [t - x for t, x in zip(_unit(start.outer.params, u), theta_i, strict=True)]
             if flags[u, i]:
                 assert all(np.all(x == 0) for x in res), (u, i)
                 continue
             sent = _np_sparse_avg([delta], [True], np.ones(1, np.float32), dims[min(u, 1)], m.s, "topk2")
-            for r, d, snt in zip(res, delta, sent):
+            for r, d, snt in zip(res, delta, sent, strict=True):
                 np.testing.assert_allclose(r, d - snt, rtol=0, atol=1e-7)
 
 
@@ -268,6 +270,15 @@ def test_hlo_replica_collectives_are_the_packed_bytes(topk2):
     assert w["wire"] == "topk2"
     assert w["config_sync_bits_per_param"] == pytest.approx((m.n - 1) * Codec("topk2").bits_per_param(sizes))
     assert abs(w["sync_bits_per_param"] / w["config_sync_bits_per_param"] - 1) < 0.10, w
+    # Payload and traffic apart: one worker's payload, (N − 1) of them per device, int8's traffic on
+    # this mesh, and the replica count from which the all-gathered sparse wire moves more than int8.
+    assert w["payload_bits_per_param"] == pytest.approx(Codec("topk2").bits_per_param(sizes))
+    assert w["config_sync_bits_per_param"] == pytest.approx((m.n - 1) * w["payload_bits_per_param"])
+    assert w["int8_sync_bits_per_param"] == pytest.approx(ring_bits_per_param(Codec("int8"), sizes, m.n))
+    cross = w["sparse_crossover_replicas"]
+    topk2, int8 = (lambda n, c=c: ring_bits_per_param(Codec(c), sizes, n) for c in ("topk2", "int8"))
+    assert topk2(cross - 1) <= int8(cross - 1) and topk2(cross) > int8(cross), cross
+    assert 40 < cross < 100, cross  # 2 x 8.1 / ~0.23 bits, shifted by the padding of the tiny units
 
 
 @pytest.mark.parametrize("overrides,key", [
@@ -294,7 +305,8 @@ def test_bfloat16_residual_is_the_float32_one_rounded_once(tmp_path, topk2):
 
     cfg, m, start = topk2
     half = StepPrograms.for_config(_cfg(*TOPK2, "sync.wire.residual_dtype=bfloat16"), _mesh(cfg))
-    assert {x.dtype for x in jax.tree.leaves(half.abstract_state().outer.extra["residual"])} == {jnp.dtype(jnp.bfloat16)}
+    stored = {x.dtype for x in jax.tree.leaves(half.abstract_state().outer.extra["residual"])}
+    assert stored == {jnp.dtype(jnp.bfloat16)}
     rng = np.random.default_rng(5)
     res16 = jax.tree.map(lambda x: jnp.asarray(1e-3 * rng.standard_normal(x.shape), jnp.bfloat16),
                          start.outer.extra["residual"])
@@ -302,12 +314,14 @@ def test_bfloat16_residual_is_the_float32_one_rounded_once(tmp_path, topk2):
         extra={"residual": jax.tree.map(lambda x: np.asarray(x, np.float32), res16)})))))
     got, _ = _host(half.sync_fn()(_put(half, start.replace(outer=start.outer.replace(extra={"residual": res16})))))
     for a, b in zip(jax.tree.leaves((full.params, full.outer.params, full.outer.trace, full.outer.detector)),
-                    jax.tree.leaves((got.params, got.outer.params, got.outer.trace, got.outer.detector))):
+                    jax.tree.leaves((got.params, got.outer.params, got.outer.trace, got.outer.detector)), strict=True):
         np.testing.assert_array_equal(a, b)
-    for a, b in zip(jax.tree.leaves(full.outer.extra["residual"]), jax.tree.leaves(got.outer.extra["residual"])):
+    for a, b in zip(jax.tree.leaves(full.outer.extra["residual"]), jax.tree.leaves(got.outer.extra["residual"]),
+                    strict=True):
         assert b.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(a).astype(jnp.bfloat16), b)
-    assert max(float(np.max(np.abs(np.asarray(x, np.float32)))) for x in jax.tree.leaves(got.outer.extra["residual"])) > 0
+    residuals = jax.tree.leaves(got.outer.extra["residual"])
+    assert max(float(np.max(np.abs(np.asarray(x, np.float32)))) for x in residuals) > 0
     ck = Checkpointer(str(tmp_path), 2)
     try:
         ck.save(1, _put(m, full), {"position": 0}, cfg)
@@ -315,7 +329,8 @@ def test_bfloat16_residual_is_the_float32_one_rounded_once(tmp_path, topk2):
         restored, _ = restore(ck, 1, _cfg(*TOPK2, "sync.wire.residual_dtype=bfloat16"), half)
     finally:
         ck.close()
-    for a, b in zip(jax.tree.leaves(full.outer.extra["residual"]), jax.tree.leaves(_host(restored).outer.extra["residual"])):
+    for a, b in zip(jax.tree.leaves(full.outer.extra["residual"]),
+                    jax.tree.leaves(_host(restored).outer.extra["residual"]), strict=True):
         np.testing.assert_array_equal(np.asarray(a).astype(jnp.bfloat16), b)
 
 
@@ -343,7 +358,8 @@ def test_a_compression_change_on_resume_is_said_or_refused(tmp_path, topk2):
     assert step == 1 and said == [
         "edit-jax: checkpoint 1: the wire changed (sync.wire.kind with its options: checkpoint 'topk2', config "
         "'topk4;chunk=1024'): the saved error-feedback residual carries over (stored as float32)"]
-    _assert_tree_close(_host(restored.outer.extra["residual"]), saved.outer.extra["residual"], "residual", rtol=0, atol=0)
+    _assert_tree_close(_host(restored.outer.extra["residual"]), saved.outer.extra["residual"], "residual",
+                       rtol=0, atol=0)
 
 
 # ============================================================================= resume and the guards
@@ -357,7 +373,8 @@ def test_resume_with_the_residual_is_exact(tmp_path, topk2):
     one, _ = m.sync_fn()(_put(m, start))
     host = _host(one)
     rng = np.random.default_rng(3)  # move the workers again so that the second sync has a Δ
-    host = host.replace(params=jax.tree.map(lambda x: x + 1e-3 * rng.standard_normal(x.shape).astype(np.float32), host.params))
+    host = host.replace(params=jax.tree.map(lambda x: x + 1e-3 * rng.standard_normal(x.shape).astype(np.float32),
+                                            host.params))
     assert max(float(np.max(np.abs(x))) for x in jax.tree.leaves(host.outer.extra["residual"])) > 0
     ck = Checkpointer(str(tmp_path), 2)
     try:
@@ -367,7 +384,7 @@ def test_resume_with_the_residual_is_exact(tmp_path, topk2):
         ck.close()
     a, _ = _host(m.sync_fn()(_put(m, host)))
     b, _ = _host(m.sync_fn()(restored))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)
 
 

@@ -74,7 +74,7 @@ def test_stop_right_at_a_rollback_keeps_its_data_position(tmp_path, monkeypatch)
     rest = train(cfg, str(tmp_path / "cut"), progress=False, devices=devices)
     assert rest.resumed_from == 8 and rest.rollbacks == 0
     resumed = [r for r in _records(tmp_path / "cut") if r.get("step", 0) > 8 and ("loss" in r or "val_loss" in r)]
-    strip = lambda rs: [(r["step"], r.get("loss"), r.get("val_loss")) for r in rs]  # noqa: E731
+    strip = lambda rs: [(r["step"], r.get("loss"), r.get("val_loss")) for r in rs]
     assert strip(resumed) == strip(after) and len(after) == 5  # records 9..12 and the final validation, bit-equal
     assert rest.final_val_loss == full.final_val_loss
 

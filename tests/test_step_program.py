@@ -24,7 +24,8 @@ def test_machinery_takes_the_method_plan():
     plan and schedule are the plan's, the config as the method table normalised it, not a second
     normalisation of their own; ``for_config`` builds the same; the evaluator asks the machinery
     for the schedule."""
-    cfg = tiny_config(2, 2, method="diloco", sync={"layerwise": True, "penalty": {"anomaly": True}})  # diloco fixes both off
+    # diloco fixes both off
+    cfg = tiny_config(2, 2, method="diloco", sync={"layerwise": True, "penalty": {"anomaly": True}})
     mp = plan_for(cfg)
     m = StepPrograms(mp, mesh_for(cfg))
     assert m.cfg is mp.cfg and m.plan is mp.plan and m.schedule is mp.schedule
@@ -72,7 +73,7 @@ def test_scan_unroll_changes_no_number(kind="sync_forward"):
         results.append((np.array(losses), jax.device_get(state.params), jax.device_get(state.outer.params)))
     (l1, p1, o1), (l3, p3, o3) = results
     np.testing.assert_allclose(l1, l3, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves((p1, o1)), jax.tree.leaves((p3, o3))):
+    for a, b in zip(jax.tree.leaves((p1, o1)), jax.tree.leaves((p3, o3)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
 
 
@@ -88,9 +89,11 @@ def _gather_both_ways(mesh, blocks, dims):
     def run(fused):
         def body(local):
             full = gather_unit(local, dims, None, fused)
-            loss = sum(jax.numpy.sum(f * w) for f, w in zip(jax.tree.leaves(full), jax.tree.leaves(weights)))
-            return full, jax.grad(lambda l: sum(jax.numpy.sum(f * w) for f, w in zip(
-                jax.tree.leaves(gather_unit(l, dims, None, fused)), jax.tree.leaves(weights))))(local), loss
+            loss = sum(jax.numpy.sum(f * w)
+                       for f, w in zip(jax.tree.leaves(full), jax.tree.leaves(weights), strict=True))
+            return full, jax.grad(lambda lo: sum(jax.numpy.sum(f * w) for f, w in zip(
+                jax.tree.leaves(gather_unit(lo, dims, None, fused)), jax.tree.leaves(weights),
+                strict=True)))(local), loss
 
         replicated = jax.tree.map(lambda _: P(), specs)
         f = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=(replicated, specs, P()), check_vma=False)
@@ -114,7 +117,7 @@ def test_fused_gather_equals_per_leaf_gathers():
     for k in blocks:  # a gather of the whole (already global) array is the array itself
         np.testing.assert_array_equal(full2[k], blocks[k])
         np.testing.assert_array_equal(full1[k], full2[k])
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     np.testing.assert_allclose(l1, l2, rtol=1e-6)
 

@@ -47,8 +47,8 @@ def step_kind(cfg, k):
     return str(plan_for(cfg).schedule.kind(k))  # the kind's record name, e.g. "sync_forward@1"
 
 N4, S2 = 4, 2
-EDIT4 = [*BASE4, "sync.method=edit", "sync.penalty.anomaly_alpha=0.3", "sync.penalty.temperature=0.5", "sync.penalty.clip_threshold=0.2",
-         "sync.outer.lr=0.7", "sync.outer.momentum=0.8"]
+EDIT4 = [*BASE4, "sync.method=edit", "sync.penalty.anomaly_alpha=0.3", "sync.penalty.temperature=0.5",
+         "sync.penalty.clip_threshold=0.2", "sync.outer.lr=0.7", "sync.outer.momentum=0.8"]
 
 
 def _mesh(cfg):
@@ -61,15 +61,15 @@ def _mesh(cfg):
 def test_balanced_groups_against_brute_force():
     """The contiguous split with the smallest largest group, checked against every split."""
     rng = np.random.default_rng(0)
-    for trial in range(30):
+    for _trial in range(30):
         n = int(rng.integers(2, 8))
         sizes = [int(x) for x in rng.integers(1, 100, n)]
         for groups in range(1, n + 1):
             got = balanced_groups(sizes, groups)
             assert got[0] == 0 and list(got) == sorted(got) and set(got) == set(range(groups))
-            best = min(max(sum(sizes[a:b]) for a, b in zip((0,) + cuts, cuts + (n,)))
+            best = min(max(sum(sizes[a:b]) for a, b in zip((0,) + cuts, cuts + (n,), strict=True))
                        for cuts in itertools.combinations(range(1, n), groups - 1))
-            assert max(sum(s for s, g in zip(sizes, got) if g == f) for f in range(groups)) == best
+            assert max(sum(s for s, g in zip(sizes, got, strict=True) if g == f) for f in range(groups)) == best
 
 
 def test_fragment_of_unit_demo_and_tiny():
@@ -106,7 +106,8 @@ def test_staggered_schedule(method):
             assert kinds[k] == want, (frags, k)
         groups = [StepKind.parse(x).group for x in kinds if x.startswith(base_kind)]
         # Round robin over the groups: each group once per τ window.
-        assert groups[:2 * frags] == ([None] * 2 if frags == 1 else list(range(1, frags)) + [0] + list(range(1, frags)) + [0])
+        assert groups[:2 * frags] == ([None] * 2 if frags == 1
+                                      else list(range(1, frags)) + [0] + list(range(1, frags)) + [0])
     # F = 1 is exactly the schedule of before (test_edit_sync.test_step_kind_schedule's numbers).
     one = _cfg(*BASE, f"sync.method={method}", "sync.warmup_steps=4", "sync.tau=4")
     syncs = [k for k in range(20) if step_kind(one, k) != "local" and step_kind(one, k) != "hsdp"]
@@ -132,7 +133,8 @@ def test_defaults_keep_the_state_structure():
     assert state_shapes(cfg).outer.extra is None
     ef = state_shapes(_cfg(*BASE4, "sync.method=edit", "sync.wire.kind=int8", "sync.wire.error_feedback=true"))
     assert jax.tree.structure(ef.outer.extra["residual"]) == jax.tree.structure(ef.params)
-    assert [x.shape for x in jax.tree.leaves(ef.outer.extra["residual"])] == [x.shape for x in jax.tree.leaves(ef.params)]
+    assert ([x.shape for x in jax.tree.leaves(ef.outer.extra["residual"])]
+            == [x.shape for x in jax.tree.leaves(ef.params)])
 
 
 # ============================================================================= staggered sync vs NumPy
@@ -152,14 +154,14 @@ def _np_group_sync(host, m: StepPrograms, f: int, r: Ref, avg_fn=None):
     units = _group_units(m, f)
     for u in units:
         for dst, src in ((out.outer.params, theta), (out.outer.trace, trace)):
-            for a, b in zip(_unit(dst, u), _unit(src, u)):
+            for a, b in zip(_unit(dst, u), _unit(src, u), strict=True):
                 a[...] = b
         for i in range(m.n):
-            for a, b in zip(_unit(jax.tree.map(lambda x: x[i], out.params), u),
-                            _unit(jax.tree.map(lambda x: x[i], params), u)):
+            for a, b in zip(_unit(jax.tree.map(lambda x: x[i], out.params), u),  # noqa: B023 - called at once
+                            _unit(jax.tree.map(lambda x: x[i], params), u), strict=True):  # noqa: B023 - called at once
                 a[...] = b
     for dst, src in zip((out.outer.detector.mean, out.outer.detector.m2, out.outer.detector.count,
-                         out.outer.detector.window), det):
+                         out.outer.detector.window), det, strict=True):
         dst[:, units] = src[:, units]
     assert sorted(set(range(n_units)) - set(units)) == [u for u in range(n_units) if m.groups[u] != f]
     return out, {k: v[units] for k, v in info.items()}
@@ -174,8 +176,8 @@ def test_staggered_steps_match_numpy_reference(method):
     detectors and the sync metrics must agree, and the units outside the group stay untouched."""
     one_stage("3.12" if method == "edit" else "default", f"the staggered {method} steps", 30,
               other="the other method's")
-    extra = [] if method == "edit" else ["sync.layerwise=false", "sync.penalty.anomaly=false", "sync.penalty.weighting=false",
-                                         "sync.penalty.clip=false"]
+    extra = [] if method == "edit" else ["sync.layerwise=false", "sync.penalty.anomaly=false",
+                                         "sync.penalty.weighting=false", "sync.penalty.clip=false"]
     cfg = _cfg(*EDIT4, f"sync.method={method}", *extra, "sync.tau=4", "sync.fragments=2")
     m = StepPrograms.for_config(cfg, _mesh(cfg))
     assert m.groups == (0, 0, 1, 1)
@@ -207,7 +209,7 @@ def test_staggered_steps_match_numpy_reference(method):
             for u in range(1 + cfg.model.n_layers):  # units outside the group: outer state untouched
                 if m.groups[u] != group:
                     for a, b in zip(_unit(host.outer.params, u) + _unit(host.outer.trace, u),
-                                    _unit(before.outer.params, u) + _unit(before.outer.trace, u)):
+                                    _unit(before.outer.params, u) + _unit(before.outer.trace, u), strict=True):
                         np.testing.assert_array_equal(a, b)
                     np.testing.assert_array_equal(host.outer.detector.count[:, u], before.outer.detector.count[:, u])
         host = _host(got)
@@ -247,7 +249,7 @@ def test_hlo_staggered_sync_step_carries_only_its_group():
     for f in range(2):
         parsed = _cross_replica(m2, f"sync_forward@{f}")
         tot = hlo.collective_totals(parsed, True)
-        want = ring * sum(s for s, g in zip(sizes, m2.groups) if g == f)
+        want = ring * sum(s for s, g in zip(sizes, m2.groups, strict=True) if g == f)
         assert tot["tensor_ring_bytes"] == pytest.approx(want, rel=1e-9), (f, tot["tensor_ring_bytes"], want)
         big = [r for r in parsed["collectives"] if r["crosses_replica"] and r["operand_bytes"] > 4 * N4]
         assert {r["op"] for r in big} == {"all-reduce"}
@@ -373,7 +375,7 @@ def np_compressed_avg(deltas, ok, w, dims, s, n, compress, pattern):
     for sh in range(s):
         vecs = []
         for i in range(n):
-            parts = [np.split(np.asarray(x, np.float32), s, axis=d)[sh] for x, d in zip(deltas[i], dims)]
+            parts = [np.split(np.asarray(x, np.float32), s, axis=d)[sh] for x, d in zip(deltas[i], dims, strict=True)]
             vecs.append(np.concatenate([p.reshape(-1) for p in parts]) if ok[i] else
                         np.zeros(sum(p.size for p in parts), np.float32))
         m = vecs[0].size
@@ -385,7 +387,7 @@ def np_compressed_avg(deltas, ok, w, dims, s, n, compress, pattern):
         if pattern == "all_to_all":
             total = np_roundtrip(total, compress)
         flat, at = total.reshape(-1), 0
-        for j, (x, d) in enumerate(zip(deltas[0], dims)):
+        for j, (x, d) in enumerate(zip(deltas[0], dims, strict=True)):
             shape = list(x.shape)
             shape[d] //= s
             piece = flat[at:at + math.prod(shape)].reshape(shape)
@@ -408,7 +410,9 @@ def np_sync_compressed(theta, trace, params, det, r: Ref, avg_fn):
             "clip": np.ones(n_units), "skipped": np.zeros(n_units, bool)}
     for u in range(n_units):
         tb, tr = _unit(theta, u), _unit(trace, u)
-        deltas = [[t - x for t, x in zip(tb, _unit(jax.tree.map(lambda a: a[i], params), u))] for i in range(n)]
+        deltas = [[t - x for t, x in zip(
+                       tb, _unit(jax.tree.map(lambda a: a[i], params), u), strict=True)]  # noqa: B023 - called at once
+                  for i in range(n)]
         g = np.array([math.sqrt(sum(float(np.sum(d * d)) for d in deltas[i])) for i in range(n)])
         flagged = np.zeros(n, bool)
         for i in range(n):
@@ -471,15 +475,16 @@ def test_compressed_sync_matches_numpy_reference(compress):
     # The compressed result is not the uncompressed one (the quantization is really there).
     theta_plain = np_sync(start.outer.params, start.outer.trace, start.params, _det_tuple(start.outer.detector), r)[0]
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(synced.outer.params),
-                                                             jax.tree.leaves(theta_plain)))
+                                                             jax.tree.leaves(theta_plain), strict=True))
     assert diff > 1e-6
     # Layer-wise, group 1 (layers 1, 2) at step 0 (inner lr 0): its units as the reference, θ_i = θ̄.
     stepped, _ = _host(m.step_fn("sync_forward@1")(_put(m, start), m.put_batch(_batch(0, cfg))))
     for u in (2, 3):
-        for a, b in zip(_unit(stepped.outer.params, u), _unit(theta, u)):
+        for a, b in zip(_unit(stepped.outer.params, u), _unit(theta, u), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=atol)
         for i in range(m.n):
-            for a, b in zip(_unit(jax.tree.map(lambda x: x[i], stepped.params), u), _unit(theta, u)):
+            for a, b in zip(_unit(jax.tree.map(lambda x: x[i], stepped.params), u),  # noqa: B023 - called at once
+                            _unit(theta, u), strict=True):
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=atol)
     # Wire dtype in the compiled sync programs.
     wire = "s8" if compress == "int8" else "u16"
@@ -503,20 +508,21 @@ def test_error_feedback_state_through_the_machinery():
     flags = np.asarray(metrics["unit_flagged"])  # [U, N]
     for u in range(1 + cfg.model.n_layers):
         for i in range(m.n):
-            res = _unit(jax.tree.map(lambda x: x[i], synced.outer.extra["residual"]), u)
+            res = _unit(jax.tree.map(lambda x: x[i], synced.outer.extra["residual"]), u)  # noqa: B023 - called at once
             if flags[u, i]:
                 assert all(np.all(x == 0) for x in res), (u, i)
                 continue
-            delta = [t - x for t, x in zip(_unit(start.outer.params, u),
-                                           _unit(jax.tree.map(lambda x: x[i], start.params), u))]
+            delta = [t - x for t, x in zip(
+                _unit(start.outer.params, u),
+                _unit(jax.tree.map(lambda x: x[i], start.params), u), strict=True)]  # noqa: B023 - called at once
             amax = max(float(np.max(np.abs(d))) for d in delta)
             assert max(float(np.max(np.abs(x))) for x in res) <= amax / 127 / 2 * 1.001
             assert max(float(np.max(np.abs(x))) for x in res) > 0
             # Δ_i − residual is on the int8 grid of its block: re-quantizing it changes nothing.
             dims = jax.tree.leaves(m.layout.unit_dims["root" if u == 0 else "layer"])
-            sent = [d - x for d, x in zip(delta, res)]
+            sent = [d - x for d, x in zip(delta, res, strict=True)]
             back = np_compressed_avg([sent], [True], np.ones(1), dims, m.s, 1, "int8", "all_gather")
-            for a, b in zip(back, sent):
+            for a, b in zip(back, sent, strict=True):
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
 
 
@@ -538,6 +544,7 @@ def test_error_feedback_residual_is_checkpointed(tmp_path):
         with pytest.raises(CheckpointError, match="sync.wire.error_feedback"):
             ck.check_compatible(ck.read_meta(3), _cfg(*BASE4, "sync.method=edit", "sync.wire.kind=int8"), 3)
         restored, _ = ck.restore(3, m.abstract_state())
-        _assert_tree_close(_host(restored.outer.extra["residual"]), host.outer.extra["residual"], "residual", rtol=0, atol=0)
+        _assert_tree_close(_host(restored.outer.extra["residual"]), host.outer.extra["residual"], "residual",
+                           rtol=0, atol=0)
     finally:
         ck.close()

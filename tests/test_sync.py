@@ -86,9 +86,9 @@ def _spread_state(layout: StateLayout, seed: int, outlier=(1, 1)):
         for u in range(n_units):
             scale = g[i, u] * (10.0 if (i, u) == outlier else 1.0)
             views, tb = _unit(_replica(params, i), u), _unit(theta, u)
-            r = [c + 0.5 * rng.standard_normal(v.shape) for c, v in zip(common[u], views)]
+            r = [c + 0.5 * rng.standard_normal(v.shape) for c, v in zip(common[u], views, strict=True)]
             norm = math.sqrt(sum(float(np.sum(x * x)) for x in r))
-            for v, t, x in zip(views, tb, r):
+            for v, t, x in zip(views, tb, r, strict=True):
                 v[...] = (t - scale * x / norm).astype(np.float32)
     det = Detector(g.astype(np.float32), (0.1 * g).astype(np.float32) ** 2, np.full((n, n_units), K, np.int32),
                    rng.uniform(-0.5, 0.5, (n, n_units, K)).astype(np.float32))
@@ -114,7 +114,7 @@ def _check_units(got_params, got_outer, metrics, start, ref, units, what):
                                rtol=1e-5, err_msg=f"{what}: whole-model g")
     np.testing.assert_allclose(metrics["unit_clip_factor"], info["clip"][units], rtol=1e-5, err_msg=f"{what}: clip")
     update = math.sqrt(sum(float(np.sum((np.asarray(a, np.float64) - b) ** 2)) for u in units
-                           for a, b in zip(_unit(theta, u), _unit(start.outer.params, u))))
+                           for a, b in zip(_unit(theta, u), _unit(start.outer.params, u), strict=True)))
     np.testing.assert_allclose(metrics["outer_update_norm"], update, rtol=1e-4, err_msg=f"{what}: update norm")
 
 
@@ -140,7 +140,7 @@ def test_sync_whole_matches_numpy(replica, shard):
     assert int(outer.syncs) == int(start.outer.syncs) + 1
     np.testing.assert_allclose(metrics["clip_factor"], info["clip"].min(), rtol=1e-5)
     for i in range(replica):  # every worker restarts from θ̄, exactly
-        for a, b in zip(jax.tree.leaves(_replica(params, i)), jax.tree.leaves(outer.params)):
+        for a, b in zip(jax.tree.leaves(_replica(params, i)), jax.tree.leaves(outer.params), strict=True):
             np.testing.assert_array_equal(a, b)
 
 
@@ -171,9 +171,9 @@ def test_sync_whole_of_one_group_leaves_the_other_units_alone(group):
         for got, was in ([(_unit(_replica(params, i), u), _unit(_replica(start.params, i), u)) for i in range(2)]
                          + [(_unit(outer.params, u), _unit(start.outer.params, u)),
                             (_unit(outer.trace, u), _unit(start.outer.trace, u))]):
-            for a, b in zip(got, was):
+            for a, b in zip(got, was, strict=True):
                 np.testing.assert_array_equal(a, b, err_msg=f"unit {u} outside group {group}")
-    for a, b in zip(jax.tree.leaves(outer.detector), jax.tree.leaves(start.outer.detector)):
+    for a, b in zip(jax.tree.leaves(outer.detector), jax.tree.leaves(start.outer.detector), strict=True):
         np.testing.assert_array_equal(np.asarray(a)[:, others], np.asarray(b)[:, others])
     assert int(outer.syncs) == int(start.outer.syncs) + (1 if group == 0 else 0)
 
@@ -232,8 +232,9 @@ def test_sync_stale_is_one_round_stale():
 
     trace = noise(start.outer.params, 0.01)
     state = start.replace(params=jax.tree.map(lambda p, d: p - d, start.params, noise(start.params, 0.01)),
-                          outer=start.outer.with_trace(trace).replace(extra={"pending": noise(start.outer.extra["pending"], 0.01)}))
-    f64 = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t)  # noqa: E731
+                          outer=start.outer.with_trace(trace).replace(
+                              extra={"pending": noise(start.outer.extra["pending"], 0.01)}))
+    f64 = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t)
     run = _mapped(layout, lambda p, o, lay: stale.sync_stale(p, o, lay.sync_spec, layout.rule.gap_penalty))
     flush = _mapped(layout, lambda p, o, lay: stale.sync_stale(p, o, lay.sync_spec, layout.rule.gap_penalty, True))
 
@@ -268,7 +269,8 @@ def test_sync_stale_is_one_round_stale():
         if rnd == 0:  # the flush: the same update, the pending kept as it was
             f_params, f_outer, _ = flush(_put(layout, state))
             _assert_tree_close(f_outer.params, a_next, "flush: anchor", rtol=2e-5, atol=2e-7)
-            for a, b in zip(jax.tree.leaves(f_outer.extra["pending"]), jax.tree.leaves(state.outer.extra["pending"])):
+            for a, b in zip(jax.tree.leaves(f_outer.extra["pending"]), jax.tree.leaves(state.outer.extra["pending"]),
+                            strict=True):
                 np.testing.assert_array_equal(a, b)
         # The next round: the workers step away from a_(t+1) (new local params x^i_(t+1)).
         state = state.replace(params=jax.tree.map(lambda p, d: p - d, params, noise(params, 0.01)), outer=outer)
@@ -285,27 +287,29 @@ def test_reset_nonfinite_workers_zeroes_only_the_bad_workers_moments():
     layout = _layout(3, 1, "edit")
     specs = layout.state_specs.opt_state
     rng = np.random.default_rng(4)
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    per_worker = lambda spec, x: bool(spec) and spec[0] == REPLICA and np.issubdtype(x.dtype, np.floating)  # noqa: E731
+    is_spec = lambda x: isinstance(x, P)
+    per_worker = lambda spec, x: bool(spec) and spec[0] == REPLICA and np.issubdtype(x.dtype, np.floating)
     clean = jax.tree.map(lambda spec, x: rng.standard_normal(x.shape).astype(x.dtype) if per_worker(spec, x) else x,
                          specs, _host(layout.init_state(0).opt_state), is_leaf=is_spec)
-    moments = [x for spec, x in zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(clean))
+    moments = [x for spec, x in zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(clean), strict=True)
                if per_worker(spec, x)]
     assert len(moments) >= 2, "expected AdamW's mu and nu"
     bad_opt = jax.tree.map(np.array, clean)
-    poisoned = [x for spec, x in zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(bad_opt))
+    poisoned = [x for spec, x in zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(bad_opt), strict=True)
                 if per_worker(spec, x)][-1]
     poisoned.reshape(3, -1)[1, 7] = np.nan
     norms = rng.uniform(0.5, 1.5, (_n_units(layout), 3)).astype(np.float32)
     bad_norms = norms.copy()
     bad_norms[2, 2] = np.nan
 
-    f = jax.jit(jax.shard_map(lambda o, g: sync.reset_nonfinite_workers(o, {"unit_pseudo_grad_norm": g}, layout.state_specs.opt_state),
+    f = jax.jit(jax.shard_map(lambda o, g: sync.reset_nonfinite_workers(o, {"unit_pseudo_grad_norm": g},
+                                                                        layout.state_specs.opt_state),
                               mesh=layout.mesh, in_specs=(specs, P()), out_specs=(specs, P())))
-    put = lambda o: jax.device_put(o, layout.state_shardings.opt_state)  # noqa: E731
+    put = lambda o: jax.device_put(o, layout.state_shardings.opt_state)
     out, reset = _host(f(put(bad_opt), bad_norms))
     np.testing.assert_array_equal(reset, [False, True, True])
-    for spec, got, was in zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(out), jax.tree.leaves(bad_opt)):
+    for spec, got, was in zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(out), jax.tree.leaves(bad_opt),
+                              strict=True):
         if per_worker(spec, was):
             np.testing.assert_array_equal(got[0], was[0])
             assert np.all(got[1:] == 0)
@@ -313,5 +317,5 @@ def test_reset_nonfinite_workers_zeroes_only_the_bad_workers_moments():
             np.testing.assert_array_equal(got, was)
     out, reset = _host(f(put(clean), norms))
     assert not reset.any()
-    for got, was in zip(jax.tree.leaves(out), jax.tree.leaves(clean)):
+    for got, was in zip(jax.tree.leaves(out), jax.tree.leaves(clean), strict=True):
         np.testing.assert_array_equal(got, was)

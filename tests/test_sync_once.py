@@ -75,5 +75,5 @@ def test_saving_the_synced_unit_changes_no_result():
     # AdamW's normalisation magnifies that where the second moment is small: jax 0.12 gave one
     # element of 24,576 off by 6.3e-6 after two steps. A wrong gradient or sync is off by the
     # size of an update (~lr = 3e-3 per element), two orders of magnitude more.
-    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1])):
+    for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1]), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=2e-5)

@@ -15,9 +15,9 @@ from edit_jax.validate import validate
 from tests.trained_runs import edit_run
 
 pytest.importorskip("tensorboardX")
-from tensorboardX.proto import event_pb2  # noqa: E402 - the Event message's schema
+from tensorboardX.proto import event_pb2  # the Event message's schema
 
-from edit_jax.rundir.tensorboard import TeeLog, TensorBoardWriter, record_scalars  # noqa: E402
+from edit_jax.rundir.tensorboard import TeeLog, TensorBoardWriter, record_scalars
 
 
 def _crc32c(data: bytes) -> int:
@@ -123,7 +123,8 @@ def test_training_run_writes_every_record(tmp_path_factory):
     assert set(got) == set(expected)
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-30), key
-    assert ("train/loss", 6) in got and ("eval/val_loss", 6) in got and ("sync/pseudo_grad_norm/1", 5) in got  # the sync inside step 5
+    # the sync inside step 5
+    assert ("train/loss", 6) in got and ("eval/val_loss", 6) in got and ("sync/pseudo_grad_norm/1", 5) in got
 
 
 def test_log_section_config(monkeypatch):
@@ -136,7 +137,8 @@ def test_log_section_config(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboardX" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboardX" else real(name, *a))
     with pytest.raises(ConfigError, match=r"log.tensorboard.*pip install"):
         validate(cfg)
 

@@ -229,12 +229,12 @@ def test_elastic_restart_with_more_replicas(tmp_path, capfd):
 
     layout = StateLayout(plan_for(bigger), make_mesh(bigger.mesh, jax.devices()[:16]))
     state = layout.elastic_state(host, old_n=2)
-    for new, t in zip(jax.tree.leaves(state.params), jax.tree.leaves(theta)):
+    for new, t in zip(jax.tree.leaves(state.params), jax.tree.leaves(theta), strict=True):
         new = np.asarray(new)
         assert new.shape[0] == 4
         for r in range(4):  # every replica, old or new, restarts from θ̄
             np.testing.assert_array_equal(new[r], np.asarray(t))
-    for a, b in zip(jax.tree.leaves(state.outer.params), jax.tree.leaves(theta)):
+    for a, b in zip(jax.tree.leaves(state.outer.params), jax.tree.leaves(theta), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the outer state carries over
     det = np.asarray(state.outer.detector.count)
     np.testing.assert_array_equal(det[:2], np.asarray(host.outer.detector.count))

@@ -14,13 +14,13 @@ import jax
 import pytest
 
 pytest.importorskip("wandb")
-from wandb.proto import wandb_internal_pb2  # noqa: E402 - the Record message's schema
+from wandb.proto import wandb_internal_pb2  # the Record message's schema
 
-from edit_jax.config import ConfigError, LogConfig, apply_overrides, Config  # noqa: E402
-from edit_jax.rundir.wandb_log import ID_FILE  # noqa: E402
-from edit_jax.training.train import train  # noqa: E402
-from edit_jax.validate import validate  # noqa: E402
-from tests.helpers import REPO, child_xla_flags, tiny_config  # noqa: E402
+from edit_jax.config import ConfigError, LogConfig, apply_overrides, Config
+from edit_jax.rundir.wandb_log import ID_FILE
+from edit_jax.training.train import train
+from edit_jax.validate import validate
+from tests.helpers import REPO, child_xla_flags, tiny_config
 
 BLOCK = 32768
 

@@ -61,7 +61,7 @@ def forward(cfg: ToyConfig, params: dict, tokens: jax.Array, hook, hook_xs=None,
         if n == 0:
             layer_ys.append(None)
             continue
-        seg = jax.tree.map(lambda p: p[start:start + n], params["layers"])  # noqa: B023
+        seg = jax.tree.map(lambda p: p[start:start + n], params["layers"])  # noqa: B023 - called at once
         x, ys = jax.lax.scan(layer, x, (seg, seg_xs))
         layer_ys.append(ys)
         start += n

@@ -1,7 +1,8 @@
 """Checks every page of the docs (README.md and docs/**/*.md) against the code, without running anything heavy.
 
     python tools/check_docs.py             # static checks; prints each problem, exits 1 if any
-    python tools/check_docs.py --run DIR   # also runs the README's CPU commands in a git clone (was scripts/check_readme.py)
+    python tools/check_docs.py --run DIR   # also runs the README's CPU commands in a git clone
+                                           # (was scripts/check_readme.py)
     python tools/check_docs.py --tour DIR  # only the README's tour at tiny size, in one process (tests/test_docs.py)
     python tools/check_docs.py --tour DIR --pages   # then every page's other CPU commands (tools/run_docs.py)
 
@@ -11,7 +12,8 @@ Static checks (tests/test_docs.py runs them, and runs a representative set of co
   `localsgd/methods.py`) exists; a `<...>` part or `*` matches as a glob;
 - every dotted module name (`edit_jax.x.y`, possibly ending in a name the module defines) exists;
 - every config key a page names (`sync.tau`, `model.remat=true`, `train.spike.*`) is a real field;
-- every ```python block parses (the generated signatures of docs/reference/ aside), every relative link `[text](path)` exists;
+- every ```python block parses (the generated signatures of docs/reference/ aside), every relative
+  link `[text](path)` exists;
 - every `edit-jax ...` / `python -m edit_jax ...` command of a ```bash block parses against that
   command's own argparse (optional `[...]` parts left out), its `key=value` overrides apply to a
   Config, and every `python PATH.py` script it names exists.
@@ -109,7 +111,8 @@ def check_path(token: str) -> str | None:
         return None if _exists(token) else f"path {token} does not exist"
     if token in ROOT_FILES:
         return None if _exists(token) else f"file {token} does not exist"
-    package_dirs = {d for d in os.listdir(os.path.join(REPO, "edit_jax")) if os.path.isdir(os.path.join(REPO, "edit_jax", d))}
+    package_dirs = {d for d in os.listdir(os.path.join(REPO, "edit_jax"))
+                    if os.path.isdir(os.path.join(REPO, "edit_jax", d))}
     if "/" in token and first in package_dirs and token.endswith(".py"):
         return None if _exists("edit_jax/" + token) else f"module path {token} is not under edit_jax/"
     return None
@@ -251,7 +254,8 @@ def check_page(page: str, keys: set[str]) -> list[str]:
             ast.parse(block)
         except SyntaxError as e:
             problems.append(f"python block does not parse: {e}")
-    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", prose(text)):  # relative links (mkdocs checks the site's too)
+    # relative links (mkdocs checks the site's too)
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", prose(text)):
         if "://" not in target and not os.path.exists(os.path.join(REPO, os.path.dirname(page), target)):
             problems.append(f"link {target} does not exist")
     return [f"{page}: {p}" for p in dict.fromkeys(problems)]
@@ -274,7 +278,8 @@ def run_in_clone(work: str, steps: int) -> int:
             print(f"skipped  {command}")
             continue
         words = without_optional(shlex.split(command))
-        words = [sys.executable, "-m", "edit_jax"] + words[1:] if words[0] == "edit-jax" else [sys.executable] + words[1:]
+        words = ([sys.executable, "-m", "edit_jax"] + words[1:] if words[0] == "edit-jax"
+                 else [sys.executable] + words[1:])
         if "train" in words[:4]:
             words.append(f"steps={steps}")
         code = subprocess.run(words, cwd=clone, env=env).returncode
@@ -325,7 +330,8 @@ def run_tour(work: str) -> dict:
     result["record_keys"] = sorted({k for r in records for k in r})
     result["last_step"] = max(r["step"] for r in records)
     result["exported"] = sorted(os.listdir(out)) if os.path.isdir(out) else []
-    result["plot_bytes"] = os.path.getsize(moved["plots/compare.png"]) if os.path.exists(moved["plots/compare.png"]) else 0
+    result["plot_bytes"] = (os.path.getsize(moved["plots/compare.png"])
+                            if os.path.exists(moved["plots/compare.png"]) else 0)
     result["plan_fits"] = json.load(open(moved["plan.json"]))["fits"] if os.path.exists(moved["plan.json"]) else None
     return result
 

@@ -47,7 +47,8 @@ def main() -> int:
     server.stop()
     with open(os.path.join(run, "metrics.jsonl")) as f:
         recs = [json.loads(line) for line in f]
-    print("rounds (round, members, closed by):", [(r["round"], r["members"], r["closed_by"]) for r in recs if r.get("sync")])
+    print("rounds (round, members, closed by):",
+          [(r["round"], r["members"], r["closed_by"]) for r in recs if r.get("sync")])
     hashes = {r["theta_hash"] for r in recs if "finished_round" in r}
     print("exit codes:", codes, "| θ̄ hashes the workers ended on:", hashes)
     return 0 if set(codes.values()) == {0} and len(hashes) == 1 else 1

@@ -43,7 +43,7 @@ def load(path: str) -> list[dict]:
 
 def compare(a: list[dict], b: list[dict]) -> str | None:
     """None when equal, else the first difference."""
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if not _same(x, y):
             keys = sorted(k for k in set(x) | set(y) if x.get(k) != y.get(k))
             return f"record {i}: " + ", ".join(f"{k} {x.get(k)!r} vs {y.get(k)!r}" for k in keys[:4])
@@ -54,7 +54,7 @@ def per_worker(a: list[dict], b: list[dict]) -> str:
     out = []
     for w in sorted({r.get("worker", -1) for r in a}):
         ra, rb = [r for r in a if r.get("worker", -1) == w], [r for r in b if r.get("worker", -1) == w]
-        n = next((i for i, (x, y) in enumerate(zip(ra, rb)) if not _same(x, y)), min(len(ra), len(rb)))
+        n = next((i for i, (x, y) in enumerate(zip(ra, rb, strict=False)) if not _same(x, y)), min(len(ra), len(rb)))
         out.append(f"worker {w}: {n} records equal" + (f", then step {ra[n].get('step')} ({ra[n].get('kind')}) vs "
                                                          f"step {rb[n].get('step')} ({rb[n].get('kind')})"
                                                          if n < min(len(ra), len(rb)) else ""))

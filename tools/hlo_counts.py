@@ -24,8 +24,8 @@ import sys
 if __package__ in (None, ""):  # run as a script: the repo root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from edit_jax.tools.hlo import multiplicities  # noqa: E402
-from edit_jax.tools.hlo_parse import COLLECTIVES, parse_hlo  # noqa: E402
+from edit_jax.tools.hlo import multiplicities
+from edit_jax.tools.hlo_parse import COLLECTIVES, parse_hlo
 
 TRIVIAL = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
 
@@ -48,7 +48,7 @@ def counts(text: str, default_trip: int | None = None) -> dict:
     runs, _ = multiplicities(mod, default_trip)
     fused = fused_computations(mod)
     scheduled = [i for c, instrs in mod.computations.items() if c not in fused for i in instrs]
-    runtime = lambda keep: sum(runs.get(i.computation, 0) for i in scheduled if keep(i))  # noqa: E731
+    runtime = lambda keep: sum(runs.get(i.computation, 0) for i in scheduled if keep(i))
     collectives, collectives_run = collections.Counter(), collections.Counter()
     for i in scheduled:
         base = i.opcode[:-len("-start")] if i.opcode.endswith("-start") else i.opcode

@@ -42,8 +42,8 @@ TINY_TRAIN = ["steps=5", "sync.warmup_steps=0", "sync.tau=4", "eval_every=0", "e
 # them so each pays about half and every CI run runs every one: these under 3.12, the rest under
 # the default (which keeps the sample of runs/demo with the train that writes it).
 STAGE_312 = ("method=diloco", "sync.fragments=")
-SIZE_KEYS = {"steps", "batch_size", "sync.tau", "sync.time.tau", "sync.exchange.grace", "sync.warmup_steps", "mesh.replica",
-             "mesh.shard", "method", "sync.method"}
+SIZE_KEYS = {"steps", "batch_size", "sync.tau", "sync.time.tau", "sync.exchange.grace", "sync.warmup_steps",
+             "mesh.replica", "mesh.shard", "method", "sync.method"}
 
 
 def not_run_reason(command: str) -> str | None:

@@ -56,17 +56,18 @@ def main(argv: list[str] | None = None) -> int:
         for wire in ("topk2", "topk4"):
             codec = Codec.from_name(wire)
             bits, k, chunk = codec.bits, codec.k, codec.chunk
-            every = lambda p: jnp.broadcast_to(p, (n,) + p.shape)  # noqa: E731  (the all-gather's result)
+            every = lambda p: jnp.broadcast_to(p, (n,) + p.shape)  # (the all-gather's result)
 
             def local_exchange(flat, e, w):
-                packed, x = sparse.sparse_encode(flat, e, codec)  # noqa: B023
-                got = sparse.decode(every(packed), bits, k, chunk)
+                packed, x = sparse.sparse_encode(flat, e, codec)  # noqa: B023 - called at once
+                got = sparse.decode(every(packed), bits, k, chunk)  # noqa: B023 - called at once
                 return jnp.sum(w.reshape((n, 1, 1)) * got, axis=0).reshape(-1), (x - got[0]).reshape(-1)
 
-            encode = jax.jit(lambda x: sparse.encode(x.reshape(-1, chunk), bits, k))  # noqa: B023
+            encode = jax.jit(lambda x: sparse.encode(x.reshape(-1, chunk), bits, k))  # noqa: B023 - called at once
             packed = encode(flat)
-            decode_sum = jax.jit(lambda p: sparse.decode(every(p), bits, k, chunk).sum(0))  # noqa: B023
-            top_k = jax.jit(lambda x: jax.lax.top_k(jnp.abs(x.reshape(-1, chunk)), k)[1])  # noqa: B023
+            decode_sum = jax.jit(
+                lambda p: sparse.decode(every(p), bits, k, chunk).sum(0))  # noqa: B023 - called at once
+            top_k = jax.jit(lambda x: jax.lax.top_k(jnp.abs(x.reshape(-1, chunk)), k)[1])  # noqa: B023 - called at once
             row = {"rows": rows, "values": int(flat.size), "wire": wire,
                    "encode_ms": _median_ms(encode, flat, reps=a.reps),
                    "top_k_only_ms": _median_ms(top_k, flat, reps=a.reps),

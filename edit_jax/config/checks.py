@@ -33,9 +33,10 @@ def check_fields(cfg: Config) -> None:
     for key, val in [("steps", cfg.steps), ("batch_size", cfg.batch_size),
                      ("model.n_layers", m.n_layers), ("model.vocab_size", m.vocab_size), ("mesh.replica", mesh.replica),
                      ("mesh.shard", mesh.shard), ("data.seq_len", d.seq_len), ("log_every", cfg.log_every),
-                     ("eval_batches", cfg.eval_batches), ("sync.tau", s.tau), ("keep_checkpoints", cfg.keep_checkpoints),
-                     ("data.unit_bytes", d.unit_bytes),
-                     ("train.spike.window", sp.window), ("train.spike.mads", sp.mads), ("train.spike.margin", sp.margin)]:
+                     ("eval_batches", cfg.eval_batches), ("sync.tau", s.tau),
+                     ("keep_checkpoints", cfg.keep_checkpoints), ("data.unit_bytes", d.unit_bytes),
+                     ("train.spike.window", sp.window), ("train.spike.mads", sp.mads),
+                     ("train.spike.margin", sp.margin)]:
         require(val > 0, key, f"must be positive, got {val}")
     for key, val in [("eval_every", cfg.eval_every), ("checkpoint_every", cfg.checkpoint_every),
                      ("optim.warmup_steps", o.warmup_steps), ("optim.decay_steps", o.decay_steps),
@@ -81,8 +82,10 @@ def check_fields(cfg: Config) -> None:
     x = s.exchange
     require(x.patience >= 0, "sync.exchange.patience", f"must be >= 0 seconds (0: no retry), got {x.patience}")
     require(x.grace > 0, "sync.exchange.grace", f"must be positive (seconds a round waits for posts), got {x.grace}")
-    require(x.late_posts in ("carry", "drop"), "sync.exchange.late_posts", f"expected carry or drop, got {x.late_posts!r}")
-    require(x.progress_every >= 0, "sync.exchange.progress_every", f"must be >= 0 seconds (0: off), got {x.progress_every}")
+    require(x.late_posts in ("carry", "drop"), "sync.exchange.late_posts",
+            f"expected carry or drop, got {x.late_posts!r}")
+    require(x.progress_every >= 0, "sync.exchange.progress_every",
+            f"must be >= 0 seconds (0: off), got {x.progress_every}")
     require(0.0 <= x.carried_weight <= 1.0, "sync.exchange.carried_weight",
             f"must be in [0, 1] (1: carried steps count as fresh ones), got {x.carried_weight}")
     require(not x.progress_every or x.url, "sync.exchange.progress_every",
@@ -103,8 +106,10 @@ def _check_llama(m: ModelConfig, shard: int) -> None:
                      ("model.ffn_dim", m.ffn_dim), ("model.scan_unroll", m.scan_unroll)]:
         require(val > 0, key, f"must be positive, got {val}")
     require(m.d_model % m.n_heads == 0, "model.n_heads", f"must divide model.d_model={m.d_model}, got {m.n_heads}")
-    require(m.head_dim % 2 == 0, "model.n_heads", f"head dim d_model/n_heads={m.head_dim} must be even for rotary embeddings")
-    require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", f"must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
+    require(m.head_dim % 2 == 0, "model.n_heads",
+            f"head dim d_model/n_heads={m.head_dim} must be even for rotary embeddings")
+    require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads",
+            f"must divide model.n_heads={m.n_heads}, got {m.n_kv_heads}")
     for key, val, allowed in [("model.remat_saves", m.remat_saves, ("nothing", "dots", "dots_attention")),
                               ("model.attention", m.attention, ("auto", "xla", "cudnn"))]:
         require(val in allowed, key, f"expected one of {', '.join(allowed)}, got {val!r}")
@@ -122,7 +127,8 @@ def _check_compile_cache(value: str) -> None:
     require("\x00" not in value and "\n" not in value and value == value.strip(), key,
             f"expected auto, off or a directory path, got {value!r}")
     if value not in ("", "auto", "off") and os.path.exists(value):
-        require(os.path.isdir(value), key, f"{value!r} exists and is not a directory (expected auto, off or a directory)")
+        require(os.path.isdir(value), key,
+                f"{value!r} exists and is not a directory (expected auto, off or a directory)")
 
 
 __all__ = ["check_fields", "INT32"]

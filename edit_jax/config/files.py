@@ -86,7 +86,7 @@ def _load_file(path: str) -> Config:
     except SystemExit as e:  # a BaseException: it would end the CLI with its code and no message
         raise ConfigError(f"config file {path!r} called {_exit_call(e)} while loading "
                           "(expected it to define get_config())") from e
-    except Exception as e:  # noqa: BLE001 - report any failure of the user's file with its path
+    except Exception as e:  # report any failure of the user's file with its path
         raise ConfigError(f"config file {path!r} failed to load: {type(e).__name__}: {e}") from e
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path!r} has no get_config() function")
@@ -95,11 +95,12 @@ def _load_file(path: str) -> Config:
     except SystemExit as e:
         raise ConfigError(f"config file {path!r}: get_config() called {_exit_call(e)} "
                           "(expected it to return a Config)") from e
-    except Exception as e:  # noqa: BLE001 - the user's code: report it with its file
+    except Exception as e:  # the user's code: report it with its file
         hint = hint_for(str(e)) if isinstance(e, TypeError) else ""  # an old keyword: its new key
         raise ConfigError(f"config file {path!r}: get_config() raised {type(e).__name__}: {e}{hint}") from e
     if not isinstance(cfg, Config):
-        raise ConfigError(f"config file {path!r}: get_config() returned {type(cfg).__name__}, expected edit_jax.config.Config")
+        raise ConfigError(f"config file {path!r}: get_config() returned {type(cfg).__name__}, "
+                          f"expected edit_jax.config.Config")
     try:  # every section its dataclass, every field its type (a section given a plain value: an old keyword)
         from_dict(to_dict(cfg))
     except ConfigError as e:

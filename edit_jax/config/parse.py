@@ -112,7 +112,8 @@ def from_dict(d: dict, cls=Config, prefix: str = "") -> Any:
     """Builds a config from a (JSON) dict, checking keys and types; errors name the key. (A dict
     written before some keys moved into sections: ``renames.upgrade`` it first.)"""
     if not isinstance(d, dict):
-        raise ConfigError(f"config section '{prefix.rstrip('.') or '<root>'}': expected a mapping, got {type(d).__name__}")
+        raise ConfigError(f"config section '{prefix.rstrip('.') or '<root>'}': expected a mapping, "
+                          f"got {type(d).__name__}")
     types_ = _field_types(cls)
     kwargs = {}
     for k, v in d.items():

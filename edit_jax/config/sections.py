@@ -197,7 +197,8 @@ class SyncConfig:
     """How replicas meet. ``method`` picks a row of the method table (``methods.py``), which may
     fix some of these fields; the run's ``config.json`` records them as they took effect."""
 
-    method: str = "baseline"  # a name in edit_jax.localsgd.methods.METHODS: baseline | post_local_sgd | diloco | edit | a_edit | co2
+    # a name in edit_jax.localsgd.methods.METHODS: baseline | post_local_sgd | diloco | edit | a_edit | co2
+    method: str = "baseline"
     warmup_steps: int = 0  # W: synchronous (HSDP) steps before local training starts
     tau: int = 16  # sync interval in inner steps
     layerwise: bool = True  # sync unit by unit inside the forward (EDiT) vs whole model after the step

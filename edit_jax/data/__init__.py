@@ -33,8 +33,8 @@ registry line), ``corpus`` (``Corpus``, ``load_corpus``), ``batches`` (``Replica
 interface of both training streams), ``streams`` (windows, ``TrainStream``,
 validation batches), ``shards`` (the shard directory: index, ``ConcatTokens``, checks),
 ``tokenize`` (``edit-jax tokenize``), ``parquet_stream`` (``data.source=parquet``: row groups, or
-slices of them, read and tokenized in the background, per-replica streams with O(1) cursors). This module is the public API:
-it re-exports the first ones.
+slices of them, read and tokenized in the background, per-replica streams with O(1) cursors).
+This module is the public API: it re-exports the first ones.
 """
 
 from __future__ import annotations

@@ -76,8 +76,9 @@ def validate(cfg: Config) -> None:
     hook for them, and a fault injection that silently does nothing would make a test pass."""
     parse_lr_spike(cfg.debug.lr_spike)
     for key, value in (("debug.lr_spike", cfg.debug.lr_spike), ("debug.corrupt", cfg.debug.corrupt)):
-        require(not value or not cfg.sync.exchange.url, key, f"not with sync.exchange.url: the exchange's workers do not "
-                f"apply it (it would be silently ignored); drop it or run in-program (no sync.exchange.url), got {value!r}")
+        require(not value or not cfg.sync.exchange.url, key,
+                f"not with sync.exchange.url: the exchange's workers do not apply it (it would be silently "
+                f"ignored); drop it or run in-program (no sync.exchange.url), got {value!r}")
     try:
         spec = parse_corrupt(cfg.debug.corrupt)
     except ValueError as e:

@@ -32,9 +32,10 @@ def is_val(key: bytes, val_fraction: float) -> bool:
 
 def pyarrow_parquet(who: str = "") -> object:
     try:
-        import pyarrow.parquet as pq  # noqa: PLC0415 - optional dependency
+        import pyarrow.parquet as pq  # optional dependency
     except ImportError as e:
-        raise DataError(f"{who}parquet inputs need pyarrow: pip install edit-jax[parquet] (or pip install pyarrow)") from e
+        raise DataError(f"{who}parquet inputs need pyarrow: pip install edit-jax[parquet] "
+                        f"(or pip install pyarrow)") from e
     return pq
 
 
@@ -45,7 +46,7 @@ def parquet_row_groups(path: str, column: str, who: str, field: str) -> list[tup
     pq = pyarrow_parquet(who)
     try:
         meta = pq.ParquetFile(path)
-    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
+    except Exception as e:  # pyarrow raises several types for bad files
         raise DataError(f"{who}parquet file {path!r}: cannot read it as parquet ({e})") from e
     names = meta.schema_arrow.names
     if column not in names:
@@ -141,7 +142,7 @@ def row_range_documents(path: str, row_group: int, column: str, start: int, stop
                 break
     except DataError:
         raise
-    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
+    except Exception as e:  # pyarrow raises several types for bad files
         raise DataError(f"{where}: cannot read it ({e})") from e
     with _open_lock:
         _open_readers[ident] = reader
@@ -157,7 +158,7 @@ def split_and_pack(tok, docs: list[tuple[str, bytes]], val_fraction: float, dtyp
     in_val = [is_val(raw, val_fraction) for _, raw in docs]
     out = {}
     for split in SPLITS:
-        chosen = [e for v, e in zip(in_val, encoded) if v == (split == "val")]
+        chosen = [e for v, e in zip(in_val, encoded, strict=True) if v == (split == "val")]
         packed = np.empty(sum(e.size for e in chosen) + len(chosen), dtype=dtype)
         pos = 0
         for e in chosen:

@@ -234,7 +234,8 @@ class ParquetStream(ReplicaStreams):
                             f"{self.num_replicas}; a streamed parquet corpus assigns row groups to replicas and "
                             f"cannot change their number (tokenize it and use data.source=tokens for that)")
         self._check_same(state, ("seed", "batch_size", "seq_len", "units", "fingerprint"), ("units", "fingerprint"),
-                         "the parquet files, data.text_column, data.tokenizer, data.val_fraction or data.unit_bytes changed",
+                         "the parquet files, data.text_column, data.tokenizer, data.val_fraction or "
+                         "data.unit_bytes changed",
                          required=True)
         cursors = state.get("cursors")
         if (not isinstance(cursors, list) or len(cursors) != self.num_replicas

@@ -92,7 +92,7 @@ def slice_row_groups(groups: list[RowGroup], unit_bytes: int, min_units: int = 1
         n = max(1, min(n, g.rows))
         per_batch = max(1, int(g.rows * BATCH_TEXT_BYTES / max(1, text)))
         bounds = [j * g.rows // n for j in range(n + 1)]
-        units += [Unit(g, a, b, min(per_batch, max(1, b - a))) for a, b in zip(bounds[:-1], bounds[1:])]
+        units += [Unit(g, a, b, min(per_batch, max(1, b - a))) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     return units
 
 
@@ -207,7 +207,7 @@ class ParquetCorpus:
             raise
         except BrokenProcessPool as e:
             raise self._reader_died(u) from e
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise DataError(f"{u.describe()}: cannot read it ({e})") from e
 
     def val_tokens(self, count: int | None) -> np.ndarray:

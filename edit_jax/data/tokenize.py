@@ -374,7 +374,7 @@ def _tokenize_units(out: str, units: list[Unit], job: Job, settings: dict, worke
 def _progress(total: int, initial: int, enabled: bool):
     if not enabled:
         return None
-    from tqdm import tqdm  # noqa: PLC0415
+    from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, unit="unit", desc="tokenize", file=sys.stderr, dynamic_ncols=True)
 

@@ -55,13 +55,13 @@ class HFTokenizer:
             raise DataError(f"data.tokenizer: tokenizer file {path!r} not found "
                             f"(expected 'byte' or a path to a local tokenizer.json)")
         try:
-            import tokenizers  # noqa: PLC0415 - optional dependency
+            import tokenizers  # optional dependency
         except ImportError as e:
             raise DataError(f"data.tokenizer={path!r} needs the `tokenizers` package: "
                             f"pip install edit-jax[tokenizers] (or pip install tokenizers)") from e
         try:
             self._tok = tokenizers.Tokenizer.from_file(path)
-        except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
+        except Exception as e:  # any parse failure is a bad file
             raise DataError(f"data.tokenizer: {path!r} is not a valid tokenizer.json: {e}") from e
         self.name = path
         base = self._tok.get_vocab_size(with_added_tokens=True)

@@ -20,7 +20,8 @@ from edit_jax.validate import ConfigError, load_config
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="edit-jax worker", description="One worker of a run whose workers "
-                                     "meet through sync.exchange.url (started by `edit-jax train`, by hand or by SLURM).")
+                                     "meet through sync.exchange.url (started by `edit-jax train`, by hand or by "
+                                     "SLURM).")
     parser.add_argument("--config", default="configs/demo.py", help="as for `edit-jax train`")
     parser.add_argument("--run-dir", required=True, help="the run's dir (records; shared by its workers)")
     parser.add_argument("--worker", type=int, required=True, help="this worker's slot, 0..mesh.replica-1")

@@ -141,7 +141,7 @@ class DirExchange:
         base = os.path.join(self.root, *head.split("/")) if head else self.root
         self._root_is_there()
         keys = []
-        for folder, dirs, files in os.walk(base):
+        for folder, _dirs, files in os.walk(base):
             rel = os.path.relpath(folder, self.root)
             for name in files:
                 if name.startswith(".tmp"):

@@ -66,7 +66,7 @@ class Heartbeat:
                 data = json.dumps(self.hello).encode()
                 try:
                     self.ex.put(hello_key(self.hello["worker"]), data)
-                except Exception:  # noqa: BLE001 - a missed beat; the main loop meets the storage's faults
+                except Exception:  # a missed beat; the main loop meets the storage's faults
                     pass
 
     def close(self) -> None:
@@ -84,7 +84,8 @@ class BeatWatch:
         self.seen: dict[int, tuple[int, float]] = {}  # worker -> (its beat, when this reader first saw it)
 
     def stalled(self, beats: dict[int, int]) -> set[int]:
-        """Of ``beats`` (worker -> its announcement's counter: ``rounds.beats``; ``rounds.collect`` asks), those stalled."""
+        """Of ``beats`` (worker -> its announcement's counter: ``rounds.beats``; ``rounds.collect``
+        asks), those stalled."""
         now, out = self.clock(), set()
         for w, b in beats.items():
             last = self.seen.get(w)

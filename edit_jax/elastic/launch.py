@@ -145,7 +145,7 @@ def fork_worker(worker: int, args: list[str], env: dict) -> Forked:
         code = command.main(args)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
-    except BaseException:  # noqa: BLE001 - reported, and the launcher restarts the worker
+    except BaseException:  # reported, and the launcher restarts the worker
         traceback.print_exc()
     finally:
         sys.stdout.flush()
@@ -255,9 +255,10 @@ def launch_run(cfg, args, run_dir: str) -> int:
     if args.max_restarts < 0:
         print(f"edit-jax: bad option: --max-restarts {args.max_restarts}: expected 0 or more", file=sys.stderr)
         return 2
-    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    say = lambda m: print(m, file=sys.stderr, flush=True)
     try:
-        problem = exchange_problem(run_dir, cfg.sync.exchange.url)  # (another exchange's run dir: that exchange never made)
+        # (another exchange's run dir: that exchange never made)
+        problem = exchange_problem(run_dir, cfg.sync.exchange.url)
         if problem:
             raise NotAdmitted(problem)
         exchange = probe_exchange(cfg.sync.exchange.url, say)  # before any write: an unusable one is a config error
@@ -282,7 +283,8 @@ def probe_exchange(url: str, say, patience_s: float = PROBE_S) -> PatientExchang
         exchange.list("run/")
     except ExchangeUnavailable as e:
         raise ExchangeError(f"sync.exchange.url {url}: unusable for {patience_s:g} s at the start "
-                            f"({str(e).split('(sync.exchange.patience): ', 1)[-1]}); check it, or start the run when it answers") from None
+                            f"({str(e).split('(sync.exchange.patience): ', 1)[-1]}); check it, or start the run "
+                            f"when it answers") from None
     return exchange
 
 

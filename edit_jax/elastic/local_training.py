@@ -104,7 +104,7 @@ class LocalTraining:
     def delta_of(self, shared: R.RoundState, params) -> list[np.ndarray]:
         """Δ = θ̄ − θ_i per leaf, float32, from this worker's host params (leading axis: its replica)."""
         return [np.asarray(t - np.asarray(p, np.float32)[0], np.float32)
-                for t, p in zip(jax.tree.leaves(shared.theta), jax.tree.leaves(params))]
+                for t, p in zip(jax.tree.leaves(shared.theta), jax.tree.leaves(params), strict=True)]
 
     def save_progress(self, shared: R.RoundState, local: Local) -> None:
         """This worker's steps no round counted yet, on disk (``progress.py``)."""
@@ -120,15 +120,18 @@ class LocalTraining:
         count them (``progress.why_not``); otherwise it starts from θ̄, recorded."""
         p, why = PG.resumable(self.progress_file, run_start=self.t0, cursor=shared.cursors[self.me],
                               posted_rounds=R.posted_rounds(self.ex, self.me),
-                              delta_like=[jax.ShapeDtypeStruct(np.shape(t), np.float32) for t in jax.tree.leaves(shared.theta)],
+                              delta_like=[jax.ShapeDtypeStruct(np.shape(t), np.float32)
+                                          for t in jax.tree.leaves(shared.theta)],
                               opt_like=jax.tree.leaves(local.state.opt_state), residual_like=list(local.residual or []))
         if p is None and why:
             self.record({"step": shared.global_step, "worker": self.me, "progress_ignored": why})
         if p is None:
             return False
         stale = shared.round > p.round  # a round closed since the save: its steps are carried, a round stale
-        local.state = self.restart_from(shared, local.state, jax.tree.unflatten(jax.tree.structure(shared.theta), p.delta),
-                                        opt=jax.tree.unflatten(jax.tree.structure(local.state.opt_state), p.opt), stale=stale)
+        local.state = self.restart_from(shared, local.state,
+                                        jax.tree.unflatten(jax.tree.structure(shared.theta), p.delta),
+                                        opt=jax.tree.unflatten(jax.tree.structure(local.state.opt_state), p.opt),
+                                        stale=stale)
         local.done, local.since, local.carried = p.done, p.since, p.since if stale else 0
         local.residual = p.residual if local.residual is not None else None
         self.record({"step": shared.global_step, "worker": self.me, "progress_resumed": p.since, "from_round": p.round,

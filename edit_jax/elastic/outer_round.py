@@ -69,7 +69,7 @@ class OuterRound:
             lock = self._locks.setdefault(n, threading.Lock())
         with lock:
             if n not in self._programs:
-                spec = lambda x, lead=(): jax.ShapeDtypeStruct(lead + np.shape(x), np.asarray(x).dtype,  # noqa: E731
+                spec = lambda x, lead=(): jax.ShapeDtypeStruct(lead + np.shape(x), np.asarray(x).dtype,
                                                                sharding=SingleDeviceSharding(self.cpu))
                 args = (jax.tree.map(spec, state.theta), jax.tree.map(spec, state.outer_opt),
                         jax.tree.map(spec, state.extra), jax.tree.map(lambda x: spec(x[0], (n,)), state.detectors),
@@ -163,9 +163,9 @@ class OuterRound:
         itself when nothing is (every other rule)."""
         if state.extra is None:
             return state
-        put = lambda t: jax.device_put(t, self.cpu)  # noqa: E731
+        put = lambda t: jax.device_put(t, self.cpu)
         theta, outer_opt = jax.device_get(self._flush_fn(put(state.theta), put(state.outer_opt), put(state.extra)))
-        host = lambda t: jax.tree.map(np.asarray, t)  # noqa: E731
+        host = lambda t: jax.tree.map(np.asarray, t)
         return dataclasses.replace(state, theta=host(theta), outer_opt=host(outer_opt))
 
     def initial(self, theta: Any, slots: int, n_units: int, window: int) -> RoundState:
@@ -173,7 +173,7 @@ class OuterRound:
         theta = jax.tree.map(lambda x: np.asarray(x, np.float32), theta)
         outer_opt = init_outer_opt_state(self.opt, theta, self.layerwise)
         det = Detector.zeros((slots, n_units), window)
-        host = lambda t: jax.tree.map(np.asarray, t)  # noqa: E731
+        host = lambda t: jax.tree.map(np.asarray, t)
         units = as_units(theta, self.layerwise)
         extra = self.rule.init_extra(jax.tree.map(lambda x: x[None], units))  # one worker's: nothing in flight
         return RoundState(0, host(theta), host(outer_opt), host(det), 0, [0] * slots, extra=host(self._pool(extra)))
@@ -184,19 +184,19 @@ class OuterRound:
         ids = np.asarray([p.worker for p in posts])
         if not self.packed:
             deltas = jax.tree.unflatten(jax.tree.structure(state.theta),
-                                        [np.stack(ls) for ls in zip(*(p.delta for p in posts))])
+                                        [np.stack(ls) for ls in zip(*(p.delta for p in posts), strict=True)])
             extra = ()
         else:
             deltas, extra = self._stack_packed(state, posts)
         steps = np.asarray([p.steps_since - (1.0 - self.carried_weight) * p.carried for p in posts], np.float32)
         shares = steps / steps.sum() if steps.sum() > 0 else np.full(len(posts), 1.0 / len(posts), np.float32)
         dets = jax.tree.map(lambda x: x[ids], state.detectors)
-        put = lambda t: jax.device_put(t, self.cpu)  # noqa: E731
+        put = lambda t: jax.device_put(t, self.cpu)
         step = self.program(state, len(posts))
         theta, outer_opt, pooled, new_dets, figures = step(put(state.theta), put(state.outer_opt), put(state.extra),
                                                            put(dets), put(deltas), *map(put, extra),
                                                            put(np.asarray(shares, np.float32)))
-        host = lambda t: jax.tree.map(np.asarray, jax.device_get(t))  # noqa: E731
+        host = lambda t: jax.tree.map(np.asarray, jax.device_get(t))
         all_dets = host(state.detectors)
         all_dets = jax.tree.map(lambda a, n: _set_rows(a, ids, n), all_dets, host(new_dets))
         cursors = list(state.cursors)
@@ -214,14 +214,14 @@ class OuterRound:
         want, units = self._rows(state.theta), np.shape(state.detectors.mean)[1]
         for p in posts:
             fits = len(p.delta) == len(want) and all(a.shape == b.shape and a.dtype == b.dtype
-                                                     for a, b in zip(p.delta, want))
+                                                     for a, b in zip(p.delta, want, strict=True))
             if not fits or np.shape(p.norms) != (units,):
                 raise ValueError(f"round {p.round}: worker {p.worker}'s packed post has rows "
                                  f"{[(a.shape, str(a.dtype)) for a in p.delta]} and norms {np.shape(p.norms)}, this "
                                  f"config's model needs {[(b.shape, str(b.dtype)) for b in want]} and ({units},) "
                                  f"(sync.wire.kind={self.codec.name})")
         norms = np.stack([np.asarray(p.norms, np.float32) for p in posts])
-        return [np.stack(rows) for rows in zip(*(p.delta for p in posts))], (norms,)
+        return [np.stack(rows) for rows in zip(*(p.delta for p in posts), strict=True)], (norms,)
 
 
 def _set_rows(a: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:

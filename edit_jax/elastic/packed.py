@@ -85,7 +85,7 @@ def unit_rows(theta: Any, layerwise: bool, chunk: int) -> tuple[int, int, int]:
     if layers is None:
         return -(-sum(np.size(x) for x in jax.tree.leaves(root)) // chunk), 0, 0
     n_layers = np.shape(jax.tree.leaves(layers)[0])[0]
-    size = lambda t, drop=0: sum(math.prod(np.shape(x)[drop:]) for x in jax.tree.leaves(t))  # noqa: E731
+    size = lambda t, drop=0: sum(math.prod(np.shape(x)[drop:]) for x in jax.tree.leaves(t))
     return -(-size(root) // chunk), n_layers, -(-size(layers, 1) // chunk)
 
 

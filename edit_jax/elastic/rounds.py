@@ -239,7 +239,7 @@ class RoundState:
         if why:
             raise BadObject(f"exchange object {what}: {why}")
         want = jax.tree.leaves(template.arrays())
-        if len(leaves) != len(want) or any(a.shape != np.shape(b) for a, b in zip(leaves, want)):
+        if len(leaves) != len(want) or any(a.shape != np.shape(b) for a, b in zip(leaves, want, strict=True)):
             raise ValueError(f"exchange object {what}: the round state does not fit this config's model "
                              f"({len(leaves)} arrays, expected {len(want)} of the config's shapes)")
         theta, outer_opt, detectors, extra = jax.tree.unflatten(jax.tree.structure(template.arrays()), leaves)
@@ -423,6 +423,7 @@ def collect_garbage(ex: Exchange, r: int) -> None:
             ex.delete(key)
 
 
-__all__ = ["Post", "PostCheck", "BadObject", "Manifest", "RoundState", "manifest_versions", "state_rounds", "KEEP_ROUNDS", "post_key", "manifest_key", "state_key", "hello_key",
-           "newest_round", "newest_state", "read_manifest", "posted", "posted_rounds", "expected", "collect", "collect_garbage",
-           "announced", "beats", "members", "live_owner", "retract", "tree_hash", "pack", "unpack"]
+__all__ = ["Post", "PostCheck", "BadObject", "Manifest", "RoundState", "manifest_versions", "state_rounds",
+           "KEEP_ROUNDS", "post_key", "manifest_key", "state_key", "hello_key",
+           "newest_round", "newest_state", "read_manifest", "posted", "posted_rounds", "expected", "collect",
+           "collect_garbage", "announced", "beats", "members", "live_owner", "retract", "tree_hash", "pack", "unpack"]

@@ -122,7 +122,8 @@ class S3Exchange:
         except (self._BotoCoreError, self._ClientError) as e:
             raise self._error("open the bucket", None, e) from e
         except ValueError as e:  # botocore's "Invalid endpoint", a bad region name
-            raise ExchangeError(f"sync.exchange.url {self.url!r}: malformed endpoint or region ({self._where()}): {e}") from None
+            raise ExchangeError(f"sync.exchange.url {self.url!r}: malformed endpoint or region "
+                                f"({self._where()}): {e}") from None
 
     @classmethod
     def from_url(cls, url: str) -> S3Exchange:
@@ -147,12 +148,14 @@ class S3Exchange:
             if code == "NoSuchBucket" or (key is None and code in ("404", "NotFound")):
                 return ExchangeError(f"{where}: bucket {self.bucket!r} does not exist (at {self._where()})")
             if status == 403 or code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-                return ExchangeError(f"{where}: access denied ({code}); check the AWS credentials and the bucket's policy")
+                return ExchangeError(f"{where}: access denied ({code}); check the AWS credentials and the "
+                                     f"bucket's policy")
             busy = status >= 500 or status == 429 or code in _BUSY
             return ExchangeError(f"{where}: {code or status}: {err}", transient=busy)
         name = type(err).__name__
         if name in ("NoCredentialsError", "PartialCredentialsError"):
-            return ExchangeError(f"{where}: no AWS credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or a profile)")
+            return ExchangeError(f"{where}: no AWS credentials (set AWS_ACCESS_KEY_ID and "
+                                 f"AWS_SECRET_ACCESS_KEY, or a profile)")
         if name in _UNREACHABLE:
             return ExchangeError(f"{where}: cannot reach {self._where()}: {err}", transient=True)
         return ExchangeError(f"{where}: {err}", transient=name in ("IncompleteReadError", "ResponseStreamingError"))

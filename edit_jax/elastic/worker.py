@@ -19,7 +19,6 @@ membership (``rounds.py``). Records (``RUN/metrics.jsonl``): each worker's train
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -73,12 +72,15 @@ class ElasticWorker(LocalTraining, RoundRecovery):
         if not cfg.sync.exchange.url and exchange is None:
             raise ValueError("sync.exchange.url: required for an elastic worker (a directory or s3://bucket/prefix)")
         if not 0 <= worker < cfg.mesh.replica:
-            raise ValueError(f"--worker: expected a worker slot 0..{cfg.mesh.replica - 1} (mesh.replica slots), got {worker}")
+            raise ValueError(f"--worker: expected a worker slot 0..{cfg.mesh.replica - 1} (mesh.replica slots), "
+                             f"got {worker}")
         self.me, self.run_dir, self.say = worker, run_dir, say
-        if problem := exchange_problem(run_dir, cfg.sync.exchange.url):  # before the exchange is opened (which makes it)
+        # before the exchange is opened (which makes it)
+        if problem := exchange_problem(run_dir, cfg.sync.exchange.url):
             raise NotAdmitted(problem)
         # Storage faults waited out for sync.exchange.patience (patience.py), the open included.
-        self.ex = exchange or open_patient(cfg.sync.exchange.url, cfg.sync.exchange.patience, say, f"edit-jax worker {worker}")
+        self.ex = exchange or open_patient(cfg.sync.exchange.url, cfg.sync.exchange.patience, say,
+                                           f"edit-jax worker {worker}")
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
         every_s, quiet_s = beat_interval(cfg.sync.exchange.grace)
         self.heartbeat, self.watch = Heartbeat(self.ex, worker, self.owner, every_s), BeatWatch(quiet_s)
@@ -98,7 +100,8 @@ class ElasticWorker(LocalTraining, RoundRecovery):
         corpus = load_corpus(cfg.data)
         check_model_vocab(corpus, cfg.model.vocab_size)
         self.stream = make_train_stream(corpus, cfg.data.seq_len, cfg.batch_size, cfg.mesh.replica, cfg.data.seed)
-        self.val = val_batches(corpus, cfg.data.seq_len, cfg.batch_size // cfg.mesh.replica, cfg.eval_batches) if cfg.eval_batches else []
+        self.val = (val_batches(corpus, cfg.data.seq_len, cfg.batch_size // cfg.mesh.replica, cfg.eval_batches)
+                    if cfg.eval_batches else [])
         self.codec = Codec.from_sync(cfg.sync)
         self.wire = self.codec.name  # what the posts and records carry
         self.outer = OuterRound(self.plan, self.codec, cfg.sync.exchange.carried_weight, self.exe)
@@ -219,7 +222,7 @@ class ElasticWorker(LocalTraining, RoundRecovery):
             return
         R.collect_garbage(self.ex, new.round)
         slots = self.cfg.mesh.replica
-        per_slot = lambda v: [v[m.members.index(w)] if w in m.members else None for w in range(slots)]  # noqa: E731
+        per_slot = lambda v: [v[m.members.index(w)] if w in m.members else None for w in range(slots)]
         step = new.global_step
         self.record({"step": step, "global_step": step, "sync": True, "round": new.round, "members": m.members,
                      "expected": m.expected, "closed_by": m.closed_by, "theta_hash": new.digest(),
@@ -228,10 +231,11 @@ class ElasticWorker(LocalTraining, RoundRecovery):
                      "outer_update_norm": figures["outer_update_norm"],
                      "steps": [p.steps_since for p in posts], "carried": [p.carried for p in posts],
                      "cursors": [p.cursor for p in posts], "finished": new.finished,
-                     **({"rejected": m.rejected} if m.rejected else {}), **({"version": m.version} if m.version else {}),
+                     **({"rejected": m.rejected} if m.rejected else {}),
+                     **({"version": m.version} if m.version else {}),
                      **({"published_for": published_for} if published_for is not None else {})})
         before = (new.tally - sum(p.steps_since for p in posts)) // slots
-        crossed = lambda every: new.finished or (every > 0 and step // every > before // every)  # noqa: E731
+        crossed = lambda every: new.finished or (every > 0 and step // every > before // every)
         save, evaluate = crossed(self.cfg.checkpoint_every), self.val and crossed(self.cfg.eval_every)
         model = self.outer.flushed(new) if save or evaluate else new  # (CO2: its last round applied)
         if save:  # what `edit-jax sample / export` read (rundir/trained.py)
@@ -394,7 +398,8 @@ class ElasticWorker(LocalTraining, RoundRecovery):
             else:
                 local.since = 0
             self.record({"step": shared.global_step, "worker": self.me, "late_post": post.round,
-                         "late_steps": post.steps_since, "late_posts": self.cfg.sync.exchange.late_posts, "caught_up_to": shared.round})
+                         "late_steps": post.steps_since, "late_posts": self.cfg.sync.exchange.late_posts,
+                         "caught_up_to": shared.round})
         self.hand_over_last(shared)
         self.record({"step": shared.global_step, "worker": self.me, "finished_round": shared.round,
                      "theta_hash": shared.digest()})

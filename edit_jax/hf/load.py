@@ -302,7 +302,7 @@ def load_params(cfg: ModelConfig, abstract: Any, shardings: Any) -> Any:
         raise InitFromError(f"{_key(path)}: tensors {sorted(unused)[:5]} have no place in a "
                             f"{'tied' if cfg.tie_embeddings else 'untied'} llama model of its config.json")
     leaves = []
-    for (kp, x), sh in zip(flat, jax.tree.leaves(shardings)):
+    for (kp, x), sh in zip(flat, jax.tree.leaves(shardings), strict=True):
         name, transposed = sources[_path(kp)]
         read = _reader(tensors, path, name, transposed, kp[0].key == "layers", tuple(x.shape))
         leaves.append(jax.make_array_from_callback(tuple(x.shape), sh, read))
@@ -317,5 +317,5 @@ def initial_params(cfg: Config, layout) -> Any:
     return load_params(cfg.model, abstract, shardings)
 
 
-__all__ = ["initial_params", "ARCHITECTURE", "InitFromError", "read_architecture", "adopt_architecture", "validate", "tensor_index",
-           "load_params"]
+__all__ = ["initial_params", "ARCHITECTURE", "InitFromError", "read_architecture", "adopt_architecture", "validate",
+           "tensor_index", "load_params"]

@@ -55,7 +55,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from edit_jax.localsgd.api_checks import NonFiniteWatch, base_key, check_ys, checked_step_output, per_worker, \
     put_batch, refuse_nonfinite_sync, stacked_layer_count
-from edit_jax.localsgd.api_layout import state_shardings
+from edit_jax.localsgd.api_layout import manual_workers, state_shardings, worker_unit_specs
 from edit_jax.localsgd.api_rules import LocalSGDRule, co2, compressed, diloco, edit, from_method, post_local_sgd
 from edit_jax.localsgd.nnx_model import NNXModel, transformation
 from edit_jax.localsgd.outer_spec import OuterSpec, Penalty
@@ -102,14 +102,15 @@ class LocalSGD:
     get a random key as one more, last argument (dropout), a different one per worker and step.
     ``donate``: each step consumes the state it is given (its buffers are reused). ``warmup_steps``:
     W synchronous steps first (every step the workers' mean gradient, ``loss_fn`` only), then θ̄ =
-    the workers' params and the rule's schedule counted from W (EDIT.md's warmup). ``shard_outer``:
-    θ̄ and the outer optimizer state split over every device of the mesh, 1/(N·S) of them per
-    device, as the harness lays them out (``api_layout.py``); else every device holds a whole copy."""
+    the workers' params and the rule's schedule counted from W (EDIT.md's warmup). ``fsdp``: each
+    worker's params, optimizer state and rule state split over the worker's own devices (1/S each);
+    ``shard_outer``: θ̄ and the outer optimizer state split over every device of the mesh (1/(N·S)),
+    as the harness lays them out (``api_layout.py``); else whole copies on each device."""
 
     def __init__(self, rule: LocalSGDRule, mesh: Mesh, tau: int, inner_step: Callable | None = None, *,
                  loss_fn: Callable | None = None, optimizer: optax.GradientTransformation | None = None,
                  seed: int | jax.Array | None = None, donate: bool = True, warmup_steps: int = 0,
-                 shard_outer: bool = False):
+                 shard_outer: bool = False, fsdp: bool = False):
         if not isinstance(rule, LocalSGDRule):
             raise ValueError("rule: expected a LocalSGDRule (diloco(), post_local_sgd(), edit(), co2(), "
                              f"compressed(...), from_method(...)), got {rule!r}")
@@ -133,7 +134,7 @@ class LocalSGD:
         # run on the same devices with Auto axes (GSPMD propagates the sharding).
         self.mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
         self.rule, self.tau, self.donate, self.warmup = rule, int(tau), donate, int(warmup_steps)
-        self.shard_outer = bool(shard_outer)
+        self.shard_outer, self.fsdp = bool(shard_outer), bool(fsdp)
         self.inner_step, self.loss_fn, self.optimizer = inner_step, loss_fn, optimizer
         self.n = int(self.mesh.shape[REPLICA])
         self.batch_axes = tuple(a for a in self.mesh.axis_names if a != REPLICA and self.mesh.shape[a] > 1)
@@ -146,7 +147,7 @@ class LocalSGD:
     @classmethod
     def for_nnx(cls, rule: LocalSGDRule, mesh: Mesh, tau: int, model, optimizer, loss_fn: Callable, *,
                 blocks: str | None = None, seed: int | jax.Array | None = None, donate: bool = True,
-                shard_outer: bool = False) -> "LocalSGD":
+                shard_outer: bool = False, fsdp: bool = False) -> "LocalSGD":
         """A Flax NNX ``model`` (an ``nnx.Module``) trained with ``optimizer`` (optax, or an
         ``nnx.Optimizer``: its ``tx``) on ``loss_fn(model, batch) -> loss | (loss, metrics)``: its
         ``nnx.Param`` state is the params (``init()`` takes them from the model), its RNG streams
@@ -160,7 +161,7 @@ class LocalSGD:
                              "edit(layerwise=False), co2(), ...)")
         wrapped = NNXModel(model, blocks if rule.layerwise else None)
         trainer = cls(rule, mesh, tau, loss_fn=wrapped.loss_fn(loss_fn), optimizer=transformation(optimizer),
-                      seed=seed, donate=donate, shard_outer=shard_outer)
+                      seed=seed, donate=donate, shard_outer=shard_outer, fsdp=fsdp)
         trainer.nnx = wrapped
         return trainer
 
@@ -186,7 +187,7 @@ class LocalSGD:
         n_units = 1 + stacked_layer_count(params, self.rule.name) if self.rule.layerwise else 1
 
         def build(params, opt_state):
-            stack = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (self.n,) + jnp.shape(x)), t)  # noqa: E731
+            stack = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (self.n,) + jnp.shape(x)), t)
             theta = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
             outer_state = self._fresh_outer_state(theta)
             det = Detector.zeros((self.n, n_units), max(2, self.rule.penalty.warmup))
@@ -285,6 +286,9 @@ class LocalSGD:
             return self._jitted(kind, state)(state, *args)
 
     def _workers(self, fn: Callable, *args, in_axes=0, out_axes=0):
+        if self.fsdp:  # (api_layout.py: a vmap would let GSPMD move activations across replicas)
+            in_axes = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(args)
+            return manual_workers(self.mesh, fn, args, in_axes, out_axes)
         return jax.vmap(fn, in_axes=in_axes, out_axes=out_axes, axis_name=REPLICA, spmd_axis_name=REPLICA)(*args)
 
     def _key_args(self, k) -> tuple:
@@ -400,8 +404,8 @@ class LocalSGD:
             if xs is None:
                 return unit, None
             synced, res = rule.in_forward_sync(unit, xs, which, spec)
-            if self.shard_outer:  # the synced unit laid out as the worker's own copy, not as θ̄'s shards
-                synced = jax.lax.with_sharding_constraint(synced, jax.tree.map(lambda _: P(), synced))
+            if self.shard_outer or self.fsdp:  # the synced unit laid out as the worker's own, not as θ̄'s shards
+                synced = jax.lax.with_sharding_constraint(synced, worker_unit_specs(self.mesh, synced, self.fsdp))
             return checkpoint_name(synced, HOOK_SAVED), res
 
         def worker(params, opt_state, batch, det, extra):
@@ -420,7 +424,7 @@ class LocalSGD:
     # -- layout ------------------------------------------------------------------------------------
 
     def _shardings(self, state: LocalSGDState) -> LocalSGDState:
-        return state_shardings(self.mesh, state, self.shard_outer, self.rule.layerwise)  # (api_layout.py)
+        return state_shardings(self.mesh, state, self.shard_outer, self.rule.layerwise, self.fsdp)  # (api_layout.py)
 
     def _put_batch(self, batch):
         return put_batch(self.mesh, self.n, self.batch_axes, batch)

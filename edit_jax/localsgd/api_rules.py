@@ -120,9 +120,9 @@ _OLD_OPTIONS = {"sparse_chunk": "chunk", "sparse_k": "k", "ef_dtype": "residual_
 def from_method(method: str, **sync_fields) -> LocalSGDRule:
     """The rule of ``METHODS[method]`` with ``sync_fields`` (``SyncConfig``'s fields: ``anomaly``,
     ``outer=OuterConfig(...)``, ``wire=WireConfig(...)``, ``co2=CO2Config(...)``, ...; a field that
-    moved into a section, ``outer_lr=`` or ``compress=`` say, is read as its new key), built as ``methods.plan_for`` builds the
-    trainer's: the fields the method fixes take their fixed values, the rule's config rules run
-    (a ``ConfigError`` naming ``sync.<field>``)."""
+    moved into a section, ``outer_lr=`` or ``compress=`` say, is read as its new key), built as
+    ``methods.plan_for`` builds the trainer's: the fields the method fixes take their fixed values,
+    the rule's config rules run (a ``ConfigError`` naming ``sync.<field>``)."""
     if method not in methods.METHODS:
         raise ValueError(f"method: expected one of {', '.join(methods.METHODS)}, got {method!r}")
     for key in [k for k in sync_fields if f"sync.{k}" in RENAMED  # a field that moved into a section

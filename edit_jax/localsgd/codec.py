@@ -55,9 +55,9 @@ class Codec:
         written before the field existed, is the default)."""
         if isinstance(s, Mapping):
             wire = upgrade({"sync": dict(s)}, quiet)["sync"].get("wire") or {}
-            get = lambda f: wire.get(f, getattr(_WIRE_DEFAULTS, f))  # noqa: E731
+            get = lambda f: wire.get(f, getattr(_WIRE_DEFAULTS, f))
         else:
-            get = lambda f: getattr(s.wire, f)  # noqa: E731
+            get = lambda f: getattr(s.wire, f)
         o = {part: get(field) for part, field in FIELDS.items()}
         if o["kind"] not in sparse.BITS:  # chunk and k mean nothing to the dense kinds: one value per wire
             o["chunk"], o["k"] = DEFAULTS["chunk"], DEFAULTS["k"]

@@ -124,7 +124,7 @@ def flatten_unit(tree: Any, multiple: int) -> tuple[jax.Array, Any]:
 
     def unflatten(vec):
         out, at = [], 0
-        for x, size in zip(leaves, sizes):
+        for x, size in zip(leaves, sizes, strict=True):
             out.append(vec[at:at + size].reshape(x.shape))
             at += size
         return jax.tree.unflatten(treedef, out)
@@ -161,7 +161,7 @@ def compressed_weighted_sum(delta: Any, w_all: jax.Array, codec, residual: Any =
     new_residual = None
     if residual is not None:
         new_residual = unflatten((blocks - codec.decode(payload)).reshape(-1))
-    bcast = lambda v, y: v.reshape((n,) + (1,) * (y.ndim - 1))  # noqa: E731
+    bcast = lambda v, y: v.reshape((n,) + (1,) * (y.ndim - 1))
     if pattern == "all_gather":
         got = codec.decode(tuple(gather_workers(p) for p in payload))  # [N, nb, B]
         total = jnp.sum(bcast(w_all, got) * got, axis=0)
@@ -202,5 +202,5 @@ def stacked_compressed_sum(delta: Any, w_all: jax.Array, codec, residual: Any = 
     return unflatten(total.reshape(-1)), new_residual
 
 
-__all__ = ["BLOCK", "stacked_compressed_sum", "exchange_pattern", "ring_bits_per_param", "quantize_int8", "dequantize_int8", "encode",
-           "decode", "flatten_unit", "compressed_weighted_sum"]
+__all__ = ["BLOCK", "stacked_compressed_sum", "exchange_pattern", "ring_bits_per_param", "quantize_int8",
+           "dequantize_int8", "encode", "decode", "flatten_unit", "compressed_weighted_sum"]

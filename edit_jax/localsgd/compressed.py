@@ -55,7 +55,8 @@ class Compressed(RuleWrapper):
         require(w.residual_dtype == "float32" or w.error_feedback, "sync.wire.residual_dtype",
                 f"stores the residual: needs {ef}=true")
         require(w.residual_dtype == "float32" or not s.exchange.url, "sync.wire.residual_dtype",
-                "bfloat16 halves the device-resident residual of the in-program sync; exchange workers (sync.exchange.url) "
+                "bfloat16 halves the device-resident residual of the in-program sync; exchange workers "
+                "(sync.exchange.url) "
                 "keep theirs in host memory as float32, bit for bit the in-program float32 sync: leave it float32")
         require(w.kind not in BITS or w.error_feedback, ef,
                 f"sync.wire.kind={w.kind} sends {w.k} of every {w.chunk} values: without the "
@@ -107,7 +108,8 @@ class Compressed(RuleWrapper):
         if not self.codec.carries_residual:
             return self.rule.remap_extra(extra, n)
         inner = self.rule.remap_extra(self._inner(extra), n)
-        return {**(inner or {}), "residual": worker_zeros(extra["residual"], n)}  # residuals are per worker: every worker starts at 0
+        # residuals are per worker: every worker starts at 0
+        return {**(inner or {}), "residual": worker_zeros(extra["residual"], n)}
 
     def extra_from_format2(self, residual, pending):
         inner = self.rule.extra_from_format2(None, pending)

@@ -104,7 +104,8 @@ class Method:
     # The factory of the sync rule it runs (a rule module's ``SyncRule`` subclass, built from the
     # sync config; ``rule.py`` lists them). The rule says where and when it syncs.
     rule: RuleFactory
-    fixed: dict = field(default_factory=dict)  # sync fields this method sets whatever the config says ("outer.lr": a section's)
+    # sync fields this method sets whatever the config says ("outer.lr": a section's)
+    fixed: dict = field(default_factory=dict)
     penalty: bool = False  # EDiT's penalty (anomaly elimination, weighting, clipping) is configurable
 
     @property
@@ -248,15 +249,18 @@ class TimeSchedule:
         return SyncDecision(run, shares, int(round(total_done / len(steps_done))), finished)
 
 
-def step_kinds(schedule, cfg) -> list[str]:
-    """The step kinds ``schedule`` runs, in first-use order (the warmup, one tau window and a bit).
-    A kind first runs next to the warmup's end or to a fragment group's due step, so only the steps
-    around those are asked (a warmup or tau of 10^9 steps is planned at once, not stepped through)."""
+def step_kinds(schedule, cfg, start: int = 0) -> list[str]:
+    """The step kinds ``schedule`` runs from step ``start`` on (a resumed run: past the warmup, no
+    warmup step), in first-use order (the warmup, one tau window and a bit). A kind first runs next
+    to the warmup's end or to a fragment group's due step, and the kinds repeat every tau steps
+    after the warmup, so only the steps around those are asked (a warmup or tau of 10^9 steps is
+    planned at once, not stepped through)."""
     kinds = []
     w, tau, f = schedule.warmup, max(cfg.sync.tau, 1), max(cfg.sync.fragments, 1)
-    horizon = w + 2 * tau + 2
-    due = {0, w, *(w + j for g in range(f) for j in (g * tau // f, tau + g * tau // f))}
-    for k in sorted({k + d for k in due for d in (-1, 0, 1, 2) if 0 <= k + d < horizon}):
+    base = w if start <= w else w + (start - w) // tau * tau  # the tau window start is in
+    horizon = base + 2 * tau + 2
+    due = {start, w, *(base + j for g in range(f) for j in (g * tau // f, tau + g * tau // f))}
+    for k in sorted({k + d for k in due for d in (-1, 0, 1, 2) if start <= k + d < horizon}):
         name = str(schedule.kind(k))
         if name not in kinds:
             kinds.append(name)
@@ -345,6 +349,6 @@ def keeps_outer(name: str) -> bool:
     return method(name).keeps_outer
 
 
-__all__ = ["step_kinds", "METHODS", "Method", "Plan", "OuterSpec", "Penalty", "MethodPlan", "StepSchedule", "TimeSchedule", "SyncDecision",
-           "Schedule", "STEP_KINDS", "SYNC_KINDS", "StepKind", "HSDP", "LOCAL",
+__all__ = ["step_kinds", "METHODS", "Method", "Plan", "OuterSpec", "Penalty", "MethodPlan", "StepSchedule",
+           "TimeSchedule", "SyncDecision", "Schedule", "STEP_KINDS", "SYNC_KINDS", "StepKind", "HSDP", "LOCAL",
            "OUTER_OPTIMIZERS", "plan_for", "normalise", "method", "sync_fields_for", "validate", "keeps_outer"]

@@ -51,7 +51,7 @@ def scan_blocks(blocks: nnx.Module, x: Any, **kw) -> Any:
     forward = _FORWARD.get()
     hook = forward.hook if forward else (lambda unit, xs, which: (unit, None))
     xs = forward.layer_xs if forward else None
-    is_key = lambda v: jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)  # noqa: E731
+    is_key = lambda v: jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
 
     def own(v, i):  # layer i's part of a leaf of the blocks' other state
         if np.ndim(v) and np.shape(v)[0] == n:
@@ -102,7 +102,7 @@ class NNXModel:
             raise ValueError(f"model: holds state other than nnx.Param and RNG streams ({', '.join(others[:3])}"
                              f"{' ...' if len(others) > 3 else ''}): a functional step would drop its updates; "
                              "LocalSGD trains nnx.Param only (BatchNorm: use LayerNorm / RMSNorm)")
-        is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+        is_var = lambda x: isinstance(x, nnx.Variable)
         self.streams = sorted({v.tag for v in jax.tree.leaves(self.rng_state, is_leaf=is_var) if is_var(v)})
 
     def merge(self, params: Any, key: jax.Array | None = None) -> nnx.Module:

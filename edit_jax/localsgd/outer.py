@@ -254,7 +254,7 @@ def outer_step(avg, outer_params, opt_state, any_ok, p: Penalty, opt, norm_axes)
     skipped (a rollback of the window: θ̄ and the optimizer state kept) when every worker was
     flagged. ``norm_axes``: the mesh axes a unit's blocks are split over, or a function giving
     a tree's squared norm (a reduction's ``sq_norm``)."""
-    sq = norm_axes if callable(norm_axes) else (lambda t: shard_sq_norm(t, norm_axes))  # noqa: E731
+    sq = norm_axes if callable(norm_axes) else (lambda t: shard_sq_norm(t, norm_axes))
     avg_norm = jnp.sqrt(sq(avg))
     clip = jnp.minimum(1.0, p.clip_threshold / (avg_norm + 1e-6)) if p.clip else jnp.ones_like(avg_norm)
     avg = jax.tree.map(lambda d: d * clip, avg)
@@ -326,7 +326,7 @@ def _sync_unit_over_replica(local, outer_chunk, opt_chunk, det: Detector, p: Pen
     det, flagged = detector_step(det, g_all[r], p)  # this worker's detector, on its own norm
     flags = replica_gather(flagged) > 0.5  # [N]
     w_all = mix_step_weights(softmax_weights(g_all, flags, p), shares, flags, p)
-    bcast = lambda v, x: v.reshape((n,) + (1,) * (x.ndim - 1))  # noqa: E731
+    bcast = lambda v, x: v.reshape((n,) + (1,) * (x.ndim - 1))
     avg = jax.tree.map(lambda d: jnp.sum(bcast(w_all, d) * jnp.where(bcast(flags, d), 0.0, d), axis=0), delta)
     new_outer, new_opt_state, clip, avg_norm, update_norm = outer_step(avg, outer_chunk, opt_chunk,
                                                                         jnp.sum(w_all) > 0, p, opt, (SHARD, REPLICA))
@@ -337,6 +337,6 @@ def _sync_unit_over_replica(local, outer_chunk, opt_chunk, det: Detector, p: Pen
 
 
 __all__ = ["Detector", "Penalty", "UnitSync", "sync_unit", "detector_step", "detector_test", "detector_feed",
-           "worker_weights", "softmax_weights", "mix_step_weights", "outer_optimizer", "make_outer_optimizer", "sgd_trace",
-           "clipped_momentum", "staleness_gap_penalty", "stale_outer_step",
+           "worker_weights", "softmax_weights", "mix_step_weights", "outer_optimizer", "make_outer_optimizer",
+           "sgd_trace", "clipped_momentum", "staleness_gap_penalty", "stale_outer_step",
            "with_sgd_trace", "outer_step"]

@@ -166,7 +166,8 @@ class StepPrograms:
                     grads = jax.tree.map(lambda g: jax.lax.pmean(g, REPLICA), grads)
                 return loss, grads
 
-            mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, BATCH_SPEC), out_specs=(P(), self.layout.param_specs))
+            mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, BATCH_SPEC),
+                                   out_specs=(P(), self.layout.param_specs))
             self._compiled[key] = jax.jit(lambda st, b: mapped(st.replace(outer=None), b))
         return self._compiled[key]
 
@@ -237,8 +238,8 @@ class StepPrograms:
         whole batch's loss and gradient."""
         def body(carry, micro):
             total, acc = carry
-            (l, _), g = self._loss_and_grads(params, micro)
-            return (total + l, jax.tree.map(jnp.add, acc, g)), None
+            (micro_loss, _), g = self._loss_and_grads(params, micro)
+            return (total + micro_loss, jax.tree.map(jnp.add, acc, g)), None
 
         (loss, grads), _ = jax.lax.scan(body, (loss, grads), micro_batches)
         return loss, grads

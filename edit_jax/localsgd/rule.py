@@ -32,7 +32,7 @@ A ``METHODS`` row (``methods.py``) names its rule's factory (``LayerwiseSync.bui
 ``Timed.around(LayerwiseSync.build)``); ``methods.plan_for`` builds it and wraps it in
 ``Compressed`` when ``sync.wire.kind`` is set. ``programs.py`` calls the protocol declared on
 ``SyncRule``; no method flag is read outside ``methods.py`` and the rule modules.
-"""
+"""  # noqa: E501 - the table of rules above is wider than a line
 
 from __future__ import annotations
 

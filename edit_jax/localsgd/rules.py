@@ -33,10 +33,11 @@ def validate(cfg: Config) -> None:
     for owner in OWNING:
         if not _holds(rule, owner):
             section = getattr(s, owner.owned_section)
+            users = _methods_of(lambda r: _holds(r, owner))  # noqa: B023 - called at once
             for f in dataclasses.fields(section):
                 value, default = getattr(section, f.name), getattr(type(section)(), f.name)
                 require(value == default, f"sync.{owner.owned_section}.{f.name}",
-                        f"is used by method {_methods_of(lambda r: _holds(r, owner))} only (method is {s.method!r}); "
+                        f"is used by method {users} only (method is {s.method!r}); "
                         f"got {value}")
     if s.exchange.url:
         validate_exchange(cfg, rule)

@@ -100,11 +100,12 @@ def gather_unit(local: Any, dims: Any, dtype: Any = None, fused: bool = False) -
     if dtype is not None:
         leaves = [x.astype(dtype) for x in leaves]
     if not fused or len(leaves) < 2 or len({x.dtype for x in leaves}) > 1:
-        return treedef.unflatten([jax.lax.all_gather(x, SHARD, axis=d, tiled=True) for x, d in zip(leaves, dim_list)])
-    moved = [jnp.moveaxis(x, d, 0) for x, d in zip(leaves, dim_list)]  # FSDP dim first: [D/S, rest...]
+        return treedef.unflatten([jax.lax.all_gather(x, SHARD, axis=d, tiled=True)
+                                  for x, d in zip(leaves, dim_list, strict=True)])
+    moved = [jnp.moveaxis(x, d, 0) for x, d in zip(leaves, dim_list, strict=True)]  # FSDP dim first: [D/S, rest...]
     full = jax.lax.all_gather(jnp.concatenate([m.reshape(-1) for m in moved]), SHARD, axis=0)  # [S, total]
     out, start = [], 0
-    for m, d in zip(moved, dim_list):
+    for m, d in zip(moved, dim_list, strict=True):
         piece = full[:, start:start + m.size].reshape((-1,) + m.shape[1:])  # shard-major: [D, rest...]
         out.append(jnp.moveaxis(piece, 0, d))
         start += m.size

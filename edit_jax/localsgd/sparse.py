@@ -108,7 +108,8 @@ def decode(packed: jax.Array, bits: int, k: int, chunk: int) -> jax.Array:
 # ----------------------------------------------------------------------------- the exchange
 
 
-def sparse_exchange(flat: jax.Array, e: jax.Array | None, w_all: jax.Array, codec) -> tuple[jax.Array, jax.Array | None]:
+def sparse_exchange(flat: jax.Array, e: jax.Array | None, w_all: jax.Array,
+                    codec) -> tuple[jax.Array, jax.Array | None]:
     """Under ``shard_map``: this worker's flat vector (padded to whole chunks) and residual (same
     layout or None) -> (Σ_i w_i·decode(payload_i) [same length], the new residual or None). Only the
     packed uint8 rows cross ``replica`` (one all-gather). ``codec``: a sparse ``codec.Codec``."""

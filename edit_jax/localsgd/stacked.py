@@ -64,7 +64,7 @@ def workers_sync(rule: SyncRule, spec: SyncSpec, params: Any, opt_state: Any, ou
 
 def cat_units(root, layers, axis: int = 0):
     """The root's values and the layers' (stacked on ``axis``) as one unit axis ``axis``: [.., U, ..]."""
-    return jax.tree.map(lambda r, l: jnp.concatenate([jnp.expand_dims(r, axis), l], axis=axis), root, layers)
+    return jax.tree.map(lambda r, lay: jnp.concatenate([jnp.expand_dims(r, axis), lay], axis=axis), root, layers)
 
 
 def unit_detector(det: Detector, u) -> Detector:

@@ -47,9 +47,9 @@ def sync_stale(params, outer, spec: SyncSpec, gap_penalty: float, flush: bool = 
     table = jnp.where(slot, unit_sq_sums(pending)[None, :], 0.0)  # where: NaN * 0 is NaN
     pending_sum, table = jax.lax.psum((pending, table), REPLICA)
     over_blocks = spec.reduction.norm_axes  # the axes a worker's unit is split over (FSDP: ``shard``)
-    block_sum = (lambda x: jax.lax.psum(x, over_blocks)) if over_blocks else (lambda x: x)  # noqa: E731
+    block_sum = (lambda x: jax.lax.psum(x, over_blocks)) if over_blocks else (lambda x: x)
     sent = jnp.sqrt(block_sum(table)).T  # [U, N]: each worker's stale pseudo gradient
-    one = lambda ps, lo, op, st: stale_outer_step(ps, n, lo, op, st, opt, lam)  # noqa: E731
+    one = lambda ps, lo, op, st: stale_outer_step(ps, n, lo, op, st, opt, lam)
     root = one(pending_sum["root"], local["root"], outer.params["root"], outer.opt_state["root"])
     if jax.tree.leaves(local["layers"]):
         layers = jax.vmap(one)(pending_sum["layers"], local["layers"], outer.params["layers"],
@@ -59,11 +59,11 @@ def sync_stale(params, outer, spec: SyncSpec, gap_penalty: float, flush: bool = 
     new_outer = {"root": root[0], "layers": layers[0]}
     new_opt = {"root": root[1], "layers": layers[1]}
 
-    unit_norms = lambda tree: jnp.sqrt(block_sum(unit_sq_sums(tree)))  # noqa: E731
+    unit_norms = lambda tree: jnp.sqrt(block_sum(unit_sq_sums(tree)))
     clip = jnp.ones(sent.shape[0], jnp.float32)
     if spec.outer.momentum_clip > 0:  # how much of the momentum survived the clamp, per unit
         beta = spec.outer.momentum
-        trace = lambda st: {u: sgd_trace(st[u]) if jax.tree.leaves(st[u]) else {}  # noqa: E731
+        trace = lambda st: {u: sgd_trace(st[u]) if jax.tree.leaves(st[u]) else {}
                             for u in ("root", "layers")}
         g = {"root": root[3], "layers": layers[3]}  # Delta_{t-1} / Lambda_t
         raw = jax.tree.map(lambda g, m: g + beta * m, g, trace(outer.opt_state))

@@ -163,7 +163,7 @@ class StateLayout:
             o = self.state_specs.outer
             self.device_outer = named(mesh, {"params": o.params, "opt_state": o.opt_state})
         if self.offload:  # θ̄ and the outer optimizer state live in host memory between syncs
-            host = lambda s: NamedSharding(mesh, s, memory_kind="pinned_host")  # noqa: E731
+            host = lambda s: NamedSharding(mesh, s, memory_kind="pinned_host")
             outer = self.state_shardings.outer
             outer = outer.replace(params=jax.tree.map(host, self.state_specs.outer.params, is_leaf=_is_spec),
                                   opt_state=jax.tree.map(host, self.state_specs.outer.opt_state, is_leaf=_is_spec))
@@ -177,11 +177,13 @@ class StateLayout:
 
     def _check_outer_divisible(self, abstract):
         bad = [f"{jax.tree_util.keystr(path)} (dim {d} = {x.shape[d]})"
-               for (path, x), d in zip(jax.tree_util.tree_flatten_with_path(abstract)[0], jax.tree.leaves(self.shard_dims))
+               for (path, x), d in zip(jax.tree_util.tree_flatten_with_path(abstract)[0],
+                                       jax.tree.leaves(self.shard_dims), strict=True)
                if x.shape[d] % (self.n * self.s)]
         if bad:
             raise ConfigError(f"config key 'sync.outer_sharding': 'replica_shard' needs each parameter's FSDP dim "
-                              f"divisible by mesh.replica x mesh.shard = {self.n * self.s}; not so for {', '.join(bad)}")
+                              f"divisible by mesh.replica x mesh.shard = {self.n * self.s}; "
+                              f"not so for {', '.join(bad)}")
 
     def _state_specs(self, abstract_params) -> TrainState:
         rep = jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.n,) + x.shape, x.dtype), abstract_params)
@@ -192,7 +194,8 @@ class StateLayout:
             outer_opt_specs = {u: _opt_specs(self.outer_opt, opt_abstract[u], self.outer_param_specs[u])
                                for u in ("root", "layers")}
             det = Detector(P(REPLICA), P(REPLICA), P(REPLICA), P(REPLICA))
-            outer = OuterState(self.outer_param_specs, outer_opt_specs, det, P(), self.rule.extra_specs(self.param_specs))
+            outer = OuterState(self.outer_param_specs, outer_opt_specs, det, P(),
+                               self.rule.extra_specs(self.param_specs))
         return TrainState(P(), self.param_specs, opt_specs, outer, P())
 
     # -- states ---------------------------------------------------------------------------------
@@ -225,7 +228,7 @@ class StateLayout:
         """θ̄ and the outer optimizer state where a sync computes on them (inside jit)."""
         if not self.offload:
             return outer
-        put = lambda x, s: jax.device_put(x, s)  # noqa: E731
+        put = lambda x, s: jax.device_put(x, s)
         return outer.replace(params=jax.tree.map(put, outer.params, self.device_outer["params"]),
                              opt_state=jax.tree.map(put, outer.opt_state, self.device_outer["opt_state"]))
 

@@ -81,10 +81,10 @@ def assemble_sync(outer, root: UnitSync, layers: UnitSync | None):
     None: a model without layers (the public API's whole-model rules: any pytree is the root)."""
     if layers is None:
         none = outer.params["layers"]  # an empty tree
-        no_units = lambda t: jax.tree.map(lambda x: jnp.zeros((0,) + jnp.shape(x), x.dtype), t)  # noqa: E731
+        no_units = lambda t: jax.tree.map(lambda x: jnp.zeros((0,) + jnp.shape(x), x.dtype), t)
         layers = UnitSync(none, none, outer.opt_state["layers"], no_units(root.detector), no_units(root.metrics),
                           None if root.residual is None else none)
-    cat = lambda r, l: jnp.concatenate([r[None], l], axis=0)  # noqa: E731  (unit axis first)
+    cat = lambda r, lay: jnp.concatenate([r[None], lay], axis=0)  # (unit axis first)
     params = as_varying({"root": root.params, "layers": layers.params})
     params = with_replica_dim(params)  # restore the local replica dim
     det = jax.tree.map(cat, root.detector, layers.detector)
@@ -112,14 +112,14 @@ def assemble_group_sync(params, outer, root: UnitSync | None, layers: UnitSync |
         return {"root": full["root"] if root is None else root_new,
                 "layers": jax.tree.map(put, full["layers"], layers_new) if layers is not None else full["layers"]}
 
-    pick = lambda r, name: getattr(r, name) if r is not None else None  # noqa: E731
+    pick = lambda r, name: getattr(r, name) if r is not None else None
     local = local_blocks(params)
     new_params = with_replica_dim(as_varying(merge(local, pick(root, "params"), pick(layers, "params"))))
     det = local_blocks(outer.detector)  # [U, ...]
     if root is not None:
         det = jax.tree.map(lambda full, r: full.at[0].set(r), det, root.detector)
     if layers is not None:
-        det = jax.tree.map(lambda full, l: full.at[1 + lo:1 + hi].set(l), det, layers.detector)
+        det = jax.tree.map(lambda full, lay: full.at[1 + lo:1 + hi].set(lay), det, layers.detector)
     if residual is not None:
         residual = with_replica_dim(as_varying(merge(local_blocks(residual), pick(root, "residual"),
                                                      pick(layers, "residual"))))
@@ -166,7 +166,7 @@ def reset_nonfinite_workers(opt_state, metrics: dict, opt_specs, norm_axes=SHARD
 
     def per_worker(spec, x) -> bool:  # a leaf with the worker axis (AdamW's μ, ν), not the shared count
         return bool(spec) and spec[0] == REPLICA and jnp.issubdtype(x.dtype, jnp.inexact)
-    leaves = [x for spec, x in zip(jax.tree.leaves(specs, is_leaf=_is_spec), jax.tree.leaves(opt_state))
+    leaves = [x for spec, x in zip(jax.tree.leaves(specs, is_leaf=_is_spec), jax.tree.leaves(opt_state), strict=True)
               if per_worker(spec, x)]
     n_bad = sum((jnp.sum(~jnp.isfinite(x)) for x in leaves), jnp.int32(0))
     bad = ~g_ok | ((jax.lax.psum(n_bad, norm_axes) if norm_axes else n_bad) > 0)

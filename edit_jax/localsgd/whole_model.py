@@ -40,7 +40,7 @@ def sync_whole(params, outer, spec: SyncSpec, shares: jax.Array | None = None, s
         *xs, r = xs
         return None, one(*xs, replica_dims=spec.dims("layer"), residual=r)
 
-    cut = (lambda x: x[lo:hi]) if span is not None else (lambda x: x)  # noqa: E731
+    cut = (lambda x: x[lo:hi]) if span is not None else (lambda x: x)
     layers = None
     if hi > lo:
         _, layers = jax.lax.scan(body, None, jax.tree.map(cut, (

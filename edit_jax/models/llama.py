@@ -261,7 +261,7 @@ def forward_hidden(cfg: ModelConfig, params: Params, tokens: jax.Array, hook: Ho
             layer_ys.append(None)
             continue
         seg = params["layers"] if layer_segments is None else \
-            jax.tree.map(lambda p: p[start:start + n], params["layers"])  # noqa: B023
+            jax.tree.map(lambda p: p[start:start + n], params["layers"])  # noqa: B023 - called at once
         if pipelined and seg_xs is not None:
             x, ys = _pipelined_layers(cfg, hook, x, seg, seg_xs)
         else:

@@ -242,7 +242,7 @@ def open_tsp_length(weights: np.ndarray) -> float:
 
 
 def path_length(weights: np.ndarray, order) -> float:
-    return float(sum(weights[a, b] for a, b in zip(order[:-1], order[1:])))
+    return float(sum(weights[a, b] for a, b in zip(order[:-1], order[1:], strict=True)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,7 +303,7 @@ class DtfmCostModel:
         values = np.empty(len(self._iu[0]))
         pair_keys = []
         missing = []
-        for p, (a, b) in enumerate(zip(*self._iu)):
+        for p, (a, b) in enumerate(zip(*self._iu, strict=True)):
             key = (keys[a], keys[b]) if keys[a] < keys[b] else (keys[b], keys[a])
             value = cache.get(key)
             if value is None:
@@ -318,7 +318,7 @@ class DtfmCostModel:
             values[missing] = fresh
             if len(cache) + len(missing) > self._cache_size:
                 cache.clear()
-            cache.update(zip(pair_keys, fresh.tolist()))
+            cache.update(zip(pair_keys, fresh.tolist(), strict=True))
         graph = np.zeros((g, g))
         graph[self._iu] = values
         return graph + graph.T
@@ -364,7 +364,7 @@ class DtfmCostModel:
             nxt = members[order[j]]
             _, cols = bottleneck_matching(self.pp_pair[np.ix_(prev, nxt)])
             grid[:, j] = nxt[cols]
-        edges = [float(graph[a, b]) for a, b in zip(order[:-1], order[1:])]
+        edges = [float(graph[a, b]) for a, b in zip(order[:-1], order[1:], strict=True)]
         dp = float(group_dp.max())
         return DtfmLayout(cost=dp + 2.0 * pp, dp_cost=dp, pp_cost=pp, stage_order=order, grid=grid,
                           group_dp_costs=group_dp, edge_costs=edges)

@@ -171,7 +171,7 @@ class EditCostModel:
             return labels
         labels = labels.copy()
         spare = rng.permutation(np.flatnonzero((labels == idle_label) & self.fits))
-        for device, substitute in zip(misplaced, spare):
+        for device, substitute in zip(misplaced, spare, strict=False):
             labels[device], labels[substitute] = labels[substitute], labels[device]
         return labels
 

@@ -83,7 +83,7 @@ def print_report(report: dict, objective, topology: Topology) -> None:
           f"seed {report['seed']}, {report['evaluations']} evaluations per search")
     if report["objective"] == "dtfm":
         print(f"layout: {objective.d_pp} stages (data-parallel groups) in pipeline order")
-        for j, (group, dp) in enumerate(zip(report["groups"], report["group_dp_costs"])):
+        for j, (group, dp) in enumerate(zip(report["groups"], report["group_dp_costs"], strict=True)):
             regions = _region_summary(topology, group)
             print(f"  stage {j}: devices {sorted(group)}  DP {dp:.3f}s" + (f"  [{regions}]" if regions else ""))
         print(f"pipelines (rows of the mesh, {report['mesh_shape'][0]} x {report['mesh_shape'][1]}):")

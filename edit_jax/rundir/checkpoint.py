@@ -1,9 +1,9 @@
 """Checkpoints with orbax: the whole train state, the data iterator position and a metadata record.
 
-Layout: ``RUN_DIR/checkpoints/<step>/{state,data,meta}``. ``meta`` holds the config that wrote the
-checkpoint and the state's format (``state.STATE_FORMAT``; absent: format 1), so that a resume with an incompatible config (other model shape, shard count or
-method) is refused with a message naming the keys, instead of failing deep inside orbax.
-A checkpoint that cannot be read is reported and left in place: nothing is written over it.
+Layout: ``RUN_DIR/checkpoints/<step>/{state,data,meta}``. ``meta`` holds the config that wrote the checkpoint and the
+state's format (``state.STATE_FORMAT``; absent: format 1), so that a resume with an incompatible config (other model
+shape, shard count or method) is refused with a message naming the keys, instead of failing deep inside orbax. A
+checkpoint that cannot be read is reported and left in place: nothing is written over it.
 
 Integrity (see integrity.py): ``meta`` also holds a checksum of every array, computed on device
 before the save; restores verify it (``UnreadableCheckpointError`` on a mismatch). Rotation is
@@ -150,7 +150,7 @@ class _DrainingLoop(asyncio.SelectorEventLoop):
                     else:  # one that ignored its cancellation: closed here, where what it raises is dropped
                         try:
                             task.get_coro().close()
-                        except BaseException:  # noqa: BLE001
+                        except BaseException:
                             pass
         super().close()
 
@@ -253,7 +253,7 @@ class Checkpointer:
         try:
             self.manager.save(int(step), args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state), meta=ocp.args.JsonSave(meta)))
-        except Exception as e:  # noqa: BLE001 - orbax / TensorStore wrap OS errors in many types
+        except Exception as e:  # orbax / TensorStore wrap OS errors in many types
             self._failed(int(step), existed, e)
         self.pending = (int(step), meta["checksums"], existed, bool(healthy))
         if not self.asynchronous:
@@ -269,7 +269,7 @@ class Checkpointer:
         self.pending = None
         try:
             self.manager.wait_until_finished()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._failed(step, existed, e)
         self._rotate(step, checksums, healthy)
 
@@ -284,7 +284,7 @@ class Checkpointer:
         """A save of ``step`` failed: its leftovers are removed, ``CheckpointSaveError`` raised."""
         try:  # let orbax's background writes of this save end first: they could recreate its dir
             self.manager.wait_until_finished()
-        except Exception:  # noqa: BLE001 - the same failure again: the first one is reported
+        except Exception:  # the same failure again: the first one is reported
             pass
         self._remove_partial(step, final=not existed)
         raise CheckpointSaveError(f"could not save checkpoint {os.path.join(self.directory, str(step))}: "
@@ -386,7 +386,7 @@ class Checkpointer:
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
             return out["meta"]
-        except Exception as e:  # noqa: BLE001 - orbax raises many types; report them all the same way
+        except Exception as e:  # orbax raises many types; report them all the same way
             raise UnreadableCheckpointError(f"checkpoint {path} is unreadable (metadata): {_brief(e)}. "
                                             "It was left untouched; move it away to start over.",
                                             why=f"its metadata is unreadable ({_read_failure(e)})",
@@ -408,7 +408,7 @@ class Checkpointer:
             with _reads_end_with_the_restore():
                 out = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise _restore_failed(path, e) from e
         meta = self.read_meta(step) if meta is None else meta  # read once for both checks
         self.verify(step, out["state"], meta)
@@ -428,7 +428,7 @@ class Checkpointer:
                 out = reader.restore(step, args=ocp.args.Composite(
                     state=ocp.args.PyTreeRestore(item=abstract_state, restore_args=restore_args),
                     data=ocp.args.JsonRestore()))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise _restore_failed(path, e) from e
         finally:
             reader.close()

@@ -119,7 +119,7 @@ def _on_device(tree: Any) -> Any:
 @partial(jax.jit, static_argnums=1)
 def _checksums(state: Any, positions: tuple[int, ...]) -> list[jax.Array]:
     """One checksum per leaf; ``positions[i]``: leaf i's index in the whole state (salts the sum)."""
-    return [_leaf_checksum(x, i * 0x632BE5AB + 1) for i, x in zip(positions, jax.tree.leaves(state))]
+    return [_leaf_checksum(x, i * 0x632BE5AB + 1) for i, x in zip(positions, jax.tree.leaves(state), strict=True)]
 
 
 def _paths(tree: Any) -> list[str]:
@@ -130,7 +130,8 @@ def state_checksums(state: Any) -> dict[str, int]:
     """``{leaf path: uint32 checksum}`` of every array in ``state`` (device or host arrays)."""
     paths = _paths(state)
     values = _checksums(_on_device(state), tuple(range(len(paths))))
-    return {p: int(local_value(v)) for p, v in zip(paths, values)}  # this process's copy (multi-process too)
+    # this process's copy (multi-process too)
+    return {p: int(local_value(v)) for p, v in zip(paths, values, strict=True)}
 
 
 def part_checksums(part: Any, prefix: str, whole: Any) -> dict[str, int]:
@@ -141,7 +142,7 @@ def part_checksums(part: Any, prefix: str, whole: Any) -> dict[str, int]:
     index = {p: i for i, p in enumerate(_paths(whole))}
     paths = [prefix + p for p in _paths(part)]
     values = _checksums(_on_device(part), tuple(index[p] for p in paths))
-    return {p: int(local_value(v)) for p, v in zip(paths, values)}
+    return {p: int(local_value(v)) for p, v in zip(paths, values, strict=True)}
 
 
 def checksum_mismatches(saved: dict[str, int], now: dict[str, int]) -> list[str]:

@@ -104,12 +104,12 @@ def restore_local_sgd(directory: str, like, step: int | None = None):
         path = os.path.join(os.path.abspath(directory), str(step))
         try:
             meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        except Exception as e:  # noqa: BLE001 - orbax raises many types
+        except Exception as e:  # orbax raises many types
             raise _restore_failed(path, e) from e
         tree = _arrays(like)
         if meta.get("format") != FORMAT or meta.get("layout") != _layout(tree):
             saved, now = meta.get("layout") or [], _layout(tree)
-            first = next((f"{a!r} there, {b!r} here" for a, b in zip(saved, now) if a != b),
+            first = next((f"{a!r} there, {b!r} here" for a, b in zip(saved, now, strict=False) if a != b),
                          f"{len(saved)} arrays there, {len(now)} here")
             raise CheckpointError(f"checkpoint {path} holds another state than this trainer's (another rule, model "
                                   f"or optimizer): {first}")
@@ -117,7 +117,7 @@ def restore_local_sgd(directory: str, like, step: int | None = None):
                     for i, x in enumerate(jax.tree.leaves(tree))}
         try:
             arrays = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise _named(_restore_failed(path, e), tree) from e
     finally:
         manager.close()

@@ -91,7 +91,7 @@ def load_exchange_state(run_dir: str) -> TrainedModel:
     template = state_shapes(cfg).outer.params
     n = len(jax.tree.leaves(template))
     params = jax.tree.unflatten(jax.tree.structure(template), leaves[:n])
-    if any(np.shape(a) != b.shape for a, b in zip(leaves[:n], jax.tree.leaves(template))):
+    if any(np.shape(a) != b.shape for a, b in zip(leaves[:n], jax.tree.leaves(template), strict=True)):
         raise TrainedModelError(f"{path}: its θ̄ does not fit the run's config.json model")
     step = int(meta["tally"]) // cfg.mesh.replica
     return TrainedModel(cfg, step, params, "outer", path, run_dir)
@@ -117,7 +117,7 @@ def load_trained(run_dir: str, step: int | None = None) -> TrainedModel:
         cfg = from_dict(upgrade(meta["config"], quiet))
     except (ConfigError, KeyError, TypeError) as e:
         raise TrainedModelError(f"checkpoint {path}: its stored config cannot be read: {e}") from e
-    except Exception as e:  # noqa: BLE001 - orbax raises many types
+    except Exception as e:  # orbax raises many types
         raise TrainedModelError(f"checkpoint {path} is unreadable (metadata): {type(e).__name__}: {e}") from e
     shapes = state_shapes(cfg)
     # The shapes the checkpoint's checksums were computed over (as its format laid them out).
@@ -128,7 +128,7 @@ def load_trained(run_dir: str, step: int | None = None) -> TrainedModel:
     try:
         out = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(os.path.join(path, "state"), args=(
             ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise TrainedModelError(f"checkpoint {path} could not be read: {type(e).__name__}: {e}"
                                 f"{_older_hint(steps, step)}") from e
     # The same checksums a resume verifies, over the arrays read here: damaged bytes would

@@ -59,7 +59,7 @@ class WandbLog:
             self.run = wandb.init(project=cfg.log.wandb_project, name=os.path.basename(os.path.abspath(run_dir)),
                                   id=rid, resume="allow", dir=run_dir, config=to_dict(cfg),
                                   tags=[cfg.sync.method])
-        except Exception as e:  # noqa: BLE001 - wandb raises its own types (UsageError, CommError, ...)
+        except Exception as e:  # wandb raises its own types (UsageError, CommError, ...)
             raise ConfigError(f"config key 'log.wandb': W&B could not start ({type(e).__name__}: "
                               f"{str(e).strip().splitlines()[0] if str(e).strip() else e}); log in (`wandb login` "
                               "or WANDB_API_KEY), or set WANDB_MODE=offline") from e

@@ -97,7 +97,7 @@ def _jax_detects() -> str | None:
 
         found = [c for c in clusters.ClusterEnv._cluster_types
                  if not getattr(c, "opt_in_only_method", False) and c.is_env_present()]
-    except Exception:  # noqa: BLE001 - an internal API: any change means "not detected"
+    except Exception:  # an internal API: any change means "not detected"
         return None
     return found[0].__name__ if found else None
 

@@ -73,7 +73,8 @@ def code_fingerprint() -> str:
             versions.append(f"{package}=none")
     h.update(repr(versions).encode())
     h.update(os.environ.get("XLA_FLAGS", "").encode())
-    settings = sorted((k, v) for k, v in jax.config.values.items() if isinstance(v, (str, int, float, bool, type(None))))
+    settings = sorted((k, v) for k, v in jax.config.values.items()
+                      if isinstance(v, (str, int, float, bool, type(None))))
     h.update(repr(settings).encode())
     return h.hexdigest()
 
@@ -135,7 +136,7 @@ class ExecutableStore:
                                                                     execution_devices=list(devices))
                 self.loaded.append(name)
                 return program
-            except Exception as e:  # noqa: BLE001 - a damaged or foreign entry: compile instead
+            except Exception as e:  # a damaged or foreign entry: compile instead
                 self.damaged.append(f"{os.path.basename(path)}: {type(e).__name__}: {str(e)[:120]}")
         with _jax_config.persistent_cache_min_compile_time_secs(float("inf")):  # nor may a later miss load it
             program = jitted.lower(*args).compile(FRESH)

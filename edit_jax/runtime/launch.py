@@ -308,7 +308,7 @@ class Attempt:
         Ctrl-C while the set starts reaches them all). A handler's call inside a call leaves it the work."""
         if self._passing:
             return  # the call under way loops until nobody lacks a line
-        lacking = lambda: any(self.told.get(i, 0) < len(self.signals) and p.poll() is None  # noqa: E731
+        lacking = lambda: any(self.told.get(i, 0) < len(self.signals) and p.poll() is None
                               for i, p in enumerate(self.procs))
         self._passing = True
         try:  # (no line twice, none out of order)
@@ -384,7 +384,7 @@ def run_workers(attempt: Attempt, train_argv: list[str], n: int, shard: int, pin
         # Workers that end normally end within moments of each other (they meet to finish).
         late = ended and time.monotonic() - finished_at > FINISH_GRACE_S
         if any(c not in NORMAL_EXITS for c in ended) or late:
-            i, how = lost_worker(codes, [process_state(p.pid) if c is None else "" for p, c in zip(procs, codes)])
+            i, how = lost_worker(codes, [process_state(procs[j].pid) if c is None else "" for j, c in enumerate(codes)])
             stop_all()
             attempt.lost = (i, procs[i].pid, how, relay.suppressed)
             return EXIT_WORKER_LOST

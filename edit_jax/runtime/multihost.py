@@ -59,7 +59,7 @@ def initialize(heartbeat_seconds: int, cluster: ClusterParams | None = None) -> 
     try:
         jax.distributed.initialize(cluster.coordinator, cluster.num_processes, cluster.process_id,
                                    local_device_ids=ids, **timeouts)
-    except Exception as e:  # noqa: BLE001 - JAX raises ValueError, RuntimeError, XlaRuntimeError here
+    except Exception as e:  # JAX raises ValueError, RuntimeError, XlaRuntimeError here
         text = " ".join(str(e).split())
         raise JoinError(f"--distributed: could not join the other processes as {cluster.describe()}: "
                            f"{type(e).__name__}: {text[:300]}") from e
@@ -143,7 +143,7 @@ def _gather_split(*xs) -> list[np.ndarray]:
     sends the distinct blocks it holds (as bytes), and every process knows from the shardings which
     blocks each sends (``devices_indices_map``)."""
     def block(x, index) -> tuple:
-        return tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, x.shape))
+        return tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, x.shape, strict=True))
 
     held: dict[int, list] = {}  # process -> (array, block) it holds, distinct, in array and device-id order
     for i, x in enumerate(xs):
@@ -153,14 +153,14 @@ def _gather_split(*xs) -> list[np.ndarray]:
             if ib not in blocks:
                 blocks.append(ib)
     dtypes = [np.dtype(x.dtype) for x in xs]
-    size = lambda i, b: int(np.prod([hi - lo for lo, hi in b])) * dtypes[i].itemsize  # noqa: E731
+    size = lambda i, b: int(np.prod([hi - lo for lo, hi in b])) * dtypes[i].itemsize
     mine = {(i, block(x, s.index)): np.ascontiguousarray(np.asarray(s.data))
             for i, x in enumerate(xs) for s in x.addressable_shards}
     payload = b"".join(mine[ib].tobytes() for ib in held[jax.process_index()])
     row = np.zeros(-(-max(sum(size(i, b) for i, b in ibs) for ibs in held.values()) // 4) * 4, np.uint8)
     row[:len(payload)] = np.frombuffer(payload, np.uint8)
     rows = _gather_rows(row.view(np.int32))
-    out = [np.empty(x.shape, dt) for x, dt in zip(xs, dtypes)]
+    out = [np.empty(x.shape, dt) for x, dt in zip(xs, dtypes, strict=True)]
     for p, blocks in held.items():
         buf, at = np.ascontiguousarray(rows[p]).view(np.uint8), 0
         for i, b in blocks:
@@ -177,7 +177,7 @@ def host_values(tree: Any) -> Any:
     gather (a collective: every process must call it)."""
     leaves, treedef = jax.tree.flatten(tree)
     split = [i for i, x in enumerate(leaves) if _split_over_processes(x)]
-    gathered = dict(zip(split, _gather_split(*(leaves[i] for i in split)))) if split else {}
+    gathered = dict(zip(split, _gather_split(*(leaves[i] for i in split)), strict=True)) if split else {}
     out = [gathered[i] if i in gathered else host_value(x) for i, x in enumerate(leaves)]
     return jax.tree.unflatten(treedef, out)
 
@@ -240,8 +240,8 @@ def exchange_floats(values) -> np.ndarray:
 
 
 __all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "launched_worker", "initialize", "check_runtime",
-           "meshes", "local_config", "to_global", "to_local", "global_batch", "local_value", "host_value", "host_values",
-           "barrier", "exchange", "exchange_floats"]
+           "meshes", "local_config", "to_global", "to_local", "global_batch", "local_value", "host_value",
+           "host_values", "barrier", "exchange", "exchange_floats"]
 
 
 # ----------------------------------------------------------------------------- config rules

@@ -70,21 +70,25 @@ def report_lines(p: dict) -> list[str]:
     for kind, v in p["steps"].items():
         g = v["xla_gpu"]
         m = g["memory"]
-        rep = ", ".join(f"{op} {d['async']:g}/{d['sync']:g}" for op, d in g["collectives_by_axis"].get("replica", {}).items())
+        rep = ", ".join(f"{op} {d['async']:g}/{d['sync']:g}"
+                        for op, d in g["collectives_by_axis"].get("replica", {}).items())
         ratio = f"{m['estimate_over_xla']:.3f}" if m["estimate_over_xla"] else "n/a"
-        lines.append(f"{kind:<16}{m['peak_bytes'] / GIB:>10.2f}{m['argument_bytes'] / GIB:>8.2f}{m['temp_bytes'] / GIB:>8.2f}"
+        lines.append(f"{kind:<16}{m['peak_bytes'] / GIB:>10.2f}{m['argument_bytes'] / GIB:>8.2f}"
+                     f"{m['temp_bytes'] / GIB:>8.2f}"
                      f"{m['output_bytes'] / GIB:>8.2f}{m['alias_bytes'] / GIB:>8.2f}{m['estimate_bytes'] / GIB:>10.2f}"
                      f"{ratio:>9}  {rep or '-'}")
         if "sync_overlap" in g:
             o = g["sync_overlap"]
-            lines.append(f"  EDiT sync: each unit's pseudo gradient crosses replica {'once' if o['once_per_unit'] else 'NOT once'} "
+            lines.append(f"  EDiT sync: each unit's pseudo gradient crosses replica "
+                         f"{'once' if o['once_per_unit'] else 'NOT once'} "
                          f"({o['elements_moved'] / o['unit_elements']:.3f} x its elements, in "
-                         f"{o['replica_tensor_collectives_per_step']:g} collectives for {o['units']} units); in the layer "
-                         f"loop {o['in_loop_async_with_compute']} of {o['in_loop']} async with compute between start and done")
+                         f"{o['replica_tensor_collectives_per_step']:g} collectives for {o['units']} units); "
+                         f"in the layer loop {o['in_loop_async_with_compute']} of {o['in_loop']} async with compute "
+                         f"between start and done")
             lines.append(gpu_window.report_line(g.get("sync_window"), g.get("sync_window")))
     fits = p["xla_gpu_fits"]
-    lines.append(f"XLA:GPU: {'fits' if fits else 'does NOT fit'}: largest peak {p['xla_gpu_max_peak_bytes'] / GIB:.2f} GiB "
-                 f"of {p['device_memory_gb']:g} GiB")
+    lines.append(f"XLA:GPU: {'fits' if fits else 'does NOT fit'}: largest peak "
+                 f"{p['xla_gpu_max_peak_bytes'] / GIB:.2f} GiB of {p['device_memory_gb']:g} GiB")
     return lines
 
 

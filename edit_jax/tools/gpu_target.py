@@ -76,7 +76,7 @@ def load_target(name: str | None = None, path: str | None = None) -> GpuTarget:
 def cuda_plugin_missing() -> str | None:
     """Why the CUDA plugin cannot be used (None: it can)."""
     try:
-        import jax_plugins.xla_cuda12  # noqa: F401  (the plugin of jax[cuda12])
+        import jax_plugins.xla_cuda12  # noqa: F401 - only whether it imports (the plugin of jax[cuda12])
     except ImportError:
         return f"the CUDA plugin is not installed: {CUDA_HINT}"
     return None
@@ -93,7 +93,7 @@ def target_devices(target: GpuTarget, count: int) -> list:
         topo = topologies.get_topology_desc(platform="cuda", target_config=target.text, topology=f"1x1x{count}")
     except NotImplementedError:
         raise TargetError(f"--target {target.name}: this jax has no CUDA topologies: {CUDA_HINT}") from None
-    except Exception as e:  # noqa: BLE001 - XLA's parse error of a bad description
+    except Exception as e:  # XLA's parse error of a bad description
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TargetError(f"--target {target.name}: XLA cannot use this description: {first}") from None
     return list(topo.devices)

@@ -113,7 +113,7 @@ def sync_window(text: str, schedule: list[dict]) -> dict | None:
             open_ -= {o.split()[-1].lstrip("%") for o in ins.operands}
         in_flight.append(bool(open_))
     totals = {"gemm": [0.0, 0.0, 0, 0], "attention": [0.0, 0.0, 0, 0]}  # flops in window, all, count in, all
-    for ins, inside in zip(instrs, in_flight):
+    for ins, inside in zip(instrs, in_flight, strict=True):
         got = instr_compute(ins, mod, types)
         if got is None:
             continue
@@ -168,8 +168,9 @@ def report_line(window: dict | None, verdict: dict | None) -> str:
             + (f", {w['bare_pieces']} with nothing under them" if w.get("bare_pieces") else ""))
     if v is not None:
         bare = f" ({v['bare_sync_ms']:.2f} ms of it bare)" if v.get("bare_sync_ms") else ""
-        line += (f"\n  at {v['link_gbps']:g} Gb/s: sync {v['sync_ms']:.2f} ms per layer{bare} vs window {v['window_ms_at_peak']:.2f} "
-                 f"ms at peak / {v['window_ms_at_mfu']:.2f} ms at MFU {v['mfu']:g}: {v['verdict']}")
+        line += (f"\n  at {v['link_gbps']:g} Gb/s: sync {v['sync_ms']:.2f} ms per layer{bare} "
+                 f"vs window {v['window_ms_at_peak']:.2f} ms at peak / {v['window_ms_at_mfu']:.2f} ms "
+                 f"at MFU {v['mfu']:g}: {v['verdict']}")
     return line
 
 
@@ -186,5 +187,5 @@ if __name__ == "__main__":  # python -m edit_jax.tools.gpu_window HLO.txt REPLIC
         for rate in (10, 100, 400):
             print(report_line(win, window_verdict(win, rate, H100_BF16_PEAK_FLOPS)))
 
-__all__ = ["sync_window", "window_verdict", "report_line", "instr_compute", "H100_BF16_PEAK_FLOPS", "peak_flops", "DEFAULT_MFU",
-           "DEFAULT_LINK_GBPS"]
+__all__ = ["sync_window", "window_verdict", "report_line", "instr_compute", "H100_BF16_PEAK_FLOPS", "peak_flops",
+           "DEFAULT_MFU", "DEFAULT_LINK_GBPS"]

@@ -156,8 +156,8 @@ def mesh_groups(text: str) -> list[list[int]]:
     rest = [n for n in names if n not in chosen]
     groups = []
     for fixed in itertools.product(*(range(sizes[n]) for n in rest)):
-        base = sum(i * strides[n] for n, i in zip(rest, fixed))
-        groups.append([base + sum(i * strides[n] for n, i in zip(chosen, idx))
+        base = sum(i * strides[n] for n, i in zip(rest, fixed, strict=True))
+        groups.append([base + sum(i * strides[n] for n, i in zip(chosen, idx, strict=True))
                        for idx in itertools.product(*(range(sizes[n]) for n in chosen))])
     if m.group(2):
         ids = _device_ids(m.group(2).strip(), math.prod(sizes.values()), text)

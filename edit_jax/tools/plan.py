@@ -30,6 +30,7 @@ import sys
 import jax
 
 from edit_jax.config import ModelConfig
+from edit_jax.localsgd.codec import Codec
 from edit_jax.localsgd.compress import ring_bits_per_param
 from edit_jax.localsgd.fragments import unit_param_counts
 from edit_jax.localsgd.methods import plan_for, step_kinds
@@ -69,18 +70,32 @@ def state_bytes(abstract_state) -> dict:
 
 
 def sync_bits(cfg, rule, sync_bytes: float) -> dict:
-    """Bits per parameter one device sends across ``replica`` at a full sync: from the compiled
-    program's collectives (ring bytes x 8 / the params a device holds) and as the config implies
-    (``compress.ring_bits_per_param``: the wire format with its padding)."""
+    """Bits per parameter at a full sync. ``sync_bits_per_param``: what one device moves across
+    ``replica`` (its traffic), from the compiled program's collectives (ring bytes x 8 / the params
+    a device holds); ``config_sync_bits_per_param``: the same as the config implies it
+    (``compress.ring_bits_per_param``: the wire format with its padding). ``payload_bits_per_param``:
+    one worker's encoded pseudo gradient, what a worker's post would hold. A sparse wire is
+    all-gathered, so its traffic grows as (N − 1) payloads where the int8 all-to-all's stays under
+    2 x 8.1: ``int8_sync_bits_per_param`` is int8's traffic on this mesh and
+    ``sparse_crossover_replicas`` the replica count from which the sparse wire moves more."""
     sizes = [u // cfg.mesh.shard for u in unit_param_counts(cfg)]
-    return {"sync_bits_per_param": 8.0 * sync_bytes / sum(sizes), "wire": rule.codec.name,
-            "config_sync_bits_per_param": ring_bits_per_param(rule.codec, sizes, cfg.mesh.replica)}
+    codec, n = rule.codec, cfg.mesh.replica
+    int8 = Codec("int8")
+    out = {"sync_bits_per_param": 8.0 * sync_bytes / sum(sizes), "wire": codec.name,
+           "config_sync_bits_per_param": ring_bits_per_param(codec, sizes, n),
+           "payload_bits_per_param": codec.bits_per_param(sizes),
+           "int8_sync_bits_per_param": ring_bits_per_param(int8, sizes, n)}
+    if codec.is_sparse:  # (N − 1)·b against 2(N − 1)/N·b8 (the int8 all-to-all): from N ~ 2·b8/b, ~72 for topk2
+        out["sparse_crossover_replicas"] = next(
+            (m for m in range(2, 4097) if ring_bits_per_param(codec, sizes, m) > ring_bits_per_param(int8, sizes, m)),
+            None)
+    return out
 
 
 def _flops(compiled) -> float | None:
     try:
         cost = compiled.cost_analysis()
-    except Exception:  # noqa: BLE001 - not every backend / version has it
+    except Exception:  # not every backend / version has it
         return None
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}
@@ -156,7 +171,8 @@ def plan(cfg, device_memory_gb: float = 80.0, target: GpuTarget | None = None, l
         "steps": steps,
         "tau_window": window,
     }
-    if cfg.sync.exchange.url:  # what is planned above is the in-program A-EDiT: say what the exchange's workers differ in
+    # What is planned above is the in-program A-EDiT: say what the exchange's workers differ in.
+    if cfg.sync.exchange.url:
         out["exchange"] = {"url": cfg.sync.exchange.url, "devices_per_worker": s, "tau_time": cfg.sync.time.tau,
                            "wire": cfg.sync.wire.kind}
     if target is not None:  # the verdict is XLA:GPU's own peak, not the estimate
@@ -189,14 +205,23 @@ def report(p: dict) -> str:
     if p["tau_window"]:
         lines.append(f"tau-window mean across replica: {p['tau_window']['mean_replica_ring_bytes_per_step']:,.0f} B "
                      f"per step (tau = {p['tau_window']['tau']}); a full sync sends "
-                     f"{p['tau_window']['sync_bits_per_param']:.3f} bits per parameter (config, {p['tau_window']['wire']}: "
+                     f"{p['tau_window']['sync_bits_per_param']:.3f} bits per parameter "
+                     f"(config, {p['tau_window']['wire']}: "
                      f"{p['tau_window']['config_sync_bits_per_param']:.3f})")
+        w = p["tau_window"]
+        if w.get("sparse_crossover_replicas"):
+            lines.append(f"{w['wire']}: a worker's payload is {w['payload_bits_per_param']:.3f} bits per parameter; "
+                         f"all-gathered, each device receives {p['config']['mesh'][0] - 1} of them per sync, "
+                         f"{w['config_sync_bits_per_param'] / max(w['int8_sync_bits_per_param'], 1e-12):.2f}x int8's "
+                         f"{w['int8_sync_bits_per_param']:.2f} bits on this mesh; from "
+                         f"{w['sparse_crossover_replicas']} replicas on, int8 moves fewer")
     where = "as compiled: the estimate is Llama's" if est["peak_phase"] == "compiled" else \
         f"peak in the {est['peak_phase']} backward"
     lines.append(f"GPU estimate GiB ({est['kind']}, {where}): "
                  + ", ".join(f"{k} {_gb(v)}" for k, v in est["parts"].items() if v)
                  + f" (fused attention: {est['fused_attention']})")
-    lines.append(f"{'fits' if p['estimate_fits'] else 'does NOT fit'}: state {_gb(st['total_device_bytes'])} + estimate "
+    lines.append(f"{'fits' if p['estimate_fits'] else 'does NOT fit'}: "
+                 f"state {_gb(st['total_device_bytes'])} + estimate "
                  f"{_gb(est['total_bytes'])} = {p['gpu_estimate_total_gb']:.2f} GiB of {p['device_memory_gb']:g} GiB "
                  f"(the {'XLA:GPU' if 'target' in p else 'CPU'} compile's largest temporaries: "
                  f"{_gb(p['cpu_compiled_max_temp_bytes'])} GiB)")

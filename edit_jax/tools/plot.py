@@ -199,16 +199,16 @@ def run_labels(configs: list[dict], paths: list[str] | None = None) -> list[str]
     keys = sorted(set().union(*flats) - NOISE_KEYS - {"sync.method"})
     missing = "(unset)"
     differing = [k for k in keys
-                 if len({_fmt(f.get(k, missing)) for f, m in zip(flats, methods) if _bears_on(k, m)}) > 1]
+                 if len({_fmt(f.get(k, missing)) for f, m in zip(flats, methods, strict=True) if _bears_on(k, m)}) > 1]
     everything = set().union(*flats)
     short = {k: _shortest_tail(k, everything) for k in differing}
     labels = []
-    for f, m in zip(flats, methods):
+    for f, m in zip(flats, methods, strict=True):
         parts = [f"{short[k]}={_fmt(f.get(k, missing))}" for k in differing if _bears_on(k, m)]
         labels.append(" ".join([m] + [p if len(p) <= 40 else p[:37] + "..." for p in parts]))
     if paths:
         labels = [f"{label} [{os.path.basename(os.path.normpath(path)) or path}]" if labels.count(label) > 1
-                  else label for label, path in zip(labels, paths)]
+                  else label for label, path in zip(labels, paths, strict=True)]
     return labels
 
 
@@ -271,7 +271,7 @@ def make_figure(runs: list[Run], x: str = "tokens"):
     colors = [f"C{i % 10}" for i in range(len(runs))]
 
     ax = axes[0]
-    for run, color in zip(runs, colors):
+    for run, color in zip(runs, colors, strict=True):
         to_x = _x_mapper(run, x)
         steps = np.array([r["step"] for r in run.train], dtype=float)
         loss = np.array([r["loss"] for r in run.train], dtype=float)
@@ -292,7 +292,7 @@ def make_figure(runs: list[Run], x: str = "tokens"):
         # The clip factor (1 = no clip, far below when clipping) on its own scale: on the weights'
         # axis a change of the weights (~1/N each) could not be seen beside it.
         clip_ax = weight_ax.twinx()
-        for run, color in zip(runs, colors):
+        for run, color in zip(runs, colors, strict=True):
             if not run.syncs:
                 continue
             to_x = _x_mapper(run, x)
@@ -335,13 +335,13 @@ def make_figure(runs: list[Run], x: str = "tokens"):
 def _membership(ax, runs: list[Run], colors: list[str], x: str) -> None:
     """Exchange-mode A-EDiT: a mark at (round, worker) for each round's member, the runs side by
     side within a worker's row (workers that left, stalled or joined show as gaps)."""
-    for i, (run, color) in enumerate(zip(runs, colors)):
+    for i, (run, color) in enumerate(zip(runs, colors, strict=True)):
         if not run.rounds:
             continue
         to_x = _x_mapper(run, x)
         xs = to_x([r["step"] for r in run.rounds])
         offset = 0.15 * (i - (len(runs) - 1) / 2)
-        for at, r in zip(xs, run.rounds):
+        for at, r in zip(xs, run.rounds, strict=True):
             ax.plot([at] * len(r["members"]), np.asarray(r["members"], dtype=float) + offset, linestyle="none",
                     marker="|", markersize=8, color=color)
         ax.plot([], [], linestyle="none", marker="|", color=color, label=run.label)
@@ -368,7 +368,7 @@ def plot_runs(run_dirs: list[str], out: str, labels: list[str] | None = None, x:
         raise PlotError(f"{len(labels)} labels for {len(run_dirs)} run dirs: give one --label per run dir, or none")
     runs = [load_run(d) for d in run_dirs]
     names = labels or run_labels([r.config for r in runs], run_dirs)
-    for run, name in zip(runs, names):
+    for run, name in zip(runs, names, strict=True):
         run.label = name
     fig = make_figure(runs, x)
     try:

@@ -204,7 +204,8 @@ def main(argv: list[str]) -> int:
     sampler = Sampler(model.cfg.model, model.params, model.cfg.data.seq_len, tok.eos_id, tok.vocab_size)
     prompt = np.concatenate([[tok.eos_id], tok.encode(args.prompt)]).astype(np.int32)
     gen = sampler.generate(prompt, args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, seed=args.seed, num_samples=args.num_samples, stop_at_eos=not args.no_eos_stop)
+                           top_p=args.top_p, seed=args.seed, num_samples=args.num_samples,
+                           stop_at_eos=not args.no_eos_stop)
     what = "θ̄ (outer params)" if model.source == "outer" else "the replicas' params"
     print(f"edit-jax: {model.checkpoint}: {what}, {model.cfg.sync.method}, step {model.step}; "
           f"device {sampler.device.platform}", file=sys.stderr)

@@ -30,6 +30,7 @@ import numpy as np
 from edit_jax.localsgd.methods import LOCAL, step_kinds
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.rundir import integrity
+from edit_jax.runtime import multihost
 from edit_jax.training.drivers import shares_array
 from edit_jax.training.evaluate import Evaluator
 
@@ -47,7 +48,7 @@ class Ahead:
 
     def line(self) -> str:
         longest = max(self.seconds.values(), default=0.0)
-        failed = (f"; not ahead, compiled at first use instead: "
+        failed = ("; not ahead, compiled at first use instead: "
                   + "; ".join(f"{name} ({why})" for name, why in self.failed.items())) if self.failed else ""
         return (f"edit-jax: compiled {len(self.seconds)} programs ahead in {self.wall_s:.1f} s "
                 f"(the longest {longest:.1f} s, side by side){failed}")
@@ -61,30 +62,43 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
+def _evaluations(cfg, schedule, start: int) -> tuple[bool, bool]:
+    """(whether an evaluation after ``start`` reads the replicas' params, whether one reads θ̄): the
+    evaluations at every ``eval_every`` steps and at the end (``Evaluator.params_for``); only those
+    up to the warmup's end and the last can differ from the rest."""
+    every, end = cfg.eval_every, cfg.steps
+    steps = {end} | ({e for e in range(every, min(end, schedule.warmup + every) + 1, every)} if every > 0 else set())
+    live = [schedule.uses_outer and schedule.outer_is_live(e) for e in sorted(steps) if e > start]
+    return (not all(live), any(live)) if live else (False, False)
+
+
 def run_programs(programs: StepPrograms, evaluator: Evaluator, state: Any, eval_rows: tuple[int, int] | None,
-                 saves: bool, worker: StepPrograms | None = None) -> dict[str, Callable[[], Any]]:
-    """Name -> a call that lowers and compiles one program the run will use. ``eval_rows``: the
-    validation batches' shape (None: no evaluation); ``saves``: checkpoints are written;
-    ``worker``: A-EDiT's, the programs of this process's worker after the warmup."""
+                 saves: bool, worker: StepPrograms | None = None, start: int = 0) -> dict[str, Callable[[], Any]]:
+    """Name -> a call that lowers and compiles one program the run will use from step ``start`` on
+    (a resumed run's restored step). ``eval_rows``: the validation batches' shape (None: no
+    evaluation); ``saves``: checkpoints are written; ``worker``: A-EDiT's, the programs of this
+    process's worker after the warmup."""
     cfg, schedule = programs.cfg, programs.schedule
     batch = programs.abstract_batch()
     state = _abstract(state)
     jobs: dict[str, Callable[[], Any]] = {}
-    kinds = step_kinds(schedule, cfg)
+    kinds = step_kinds(schedule, cfg, start)
     if worker is not None:  # lock-step only in the warmup; then the worker's steps and the sync with shares
         kinds = [k for k in kinds if k == "hsdp"]
         jobs.update(_worker_programs(programs, worker, state, batch))
     for kind in sorted(kinds, key=lambda k: "sync" not in k):  # the largest first: the pool ends sooner
         fn = programs.step_fn(kind)
         jobs[f"step {kind}"] = lambda fn=fn: fn.lower(state, batch).compile()
-    if schedule.uses_outer and schedule.warmup > 0 and worker is None:  # the first sync only sets θ̄
+    if schedule.uses_outer and start <= schedule.warmup > 0 and worker is None:  # the first sync only sets θ̄
         init = programs.init_outer_fn()
         jobs["outer init"] = lambda: init.lower(state).compile()
+    replicas_read, outer_read = _evaluations(cfg, schedule, start)
     if eval_rows is not None:
         rows = jax.ShapeDtypeStruct(eval_rows, batch.dtype, sharding=batch.sharding)
-        replicas = evaluator.loss_fn(False)
-        jobs["evaluation"] = lambda: replicas.lower(state.params, rows).compile()
-        if schedule.uses_outer:  # after the warmup the model evaluated is θ̄ after a sync
+        if replicas_read:  # Baseline, or an evaluation within the warmup
+            replicas = evaluator.loss_fn(False)
+            jobs["evaluation"] = lambda: replicas.lower(state.params, rows).compile()
+        if outer_read:  # after the warmup the model evaluated is θ̄ after a sync
             sync, over_outer = programs.sync_fn(), evaluator.loss_fn(True)
             synced = jax.eval_shape(sync, state)[0]
             jobs["evaluation sync"] = lambda: sync.lower(state).compile()
@@ -148,7 +162,8 @@ def compile_run_ahead(programs: StepPrograms, evaluator: Evaluator, state: Any, 
     if not programs.cfg.train.compile_ahead or os.environ.get(ENV_COMPILE_AHEAD, "1") == "0":
         return
     rows = tuple(np.shape(setup.val[0])) if setup.val else None
-    ahead = compile_ahead(run_programs(programs, evaluator, state, rows, setup.ckpt is not None, worker),
+    start = int(multihost.local_value(state.step))
+    ahead = compile_ahead(run_programs(programs, evaluator, state, rows, setup.ckpt is not None, worker, start),
                           stopped=stopped)
     say(ahead.line())
     setup.sink.timing({"timing": "compile_ahead", "at": at, "wall_s": ahead.wall_s, "seconds": ahead.seconds})

@@ -41,7 +41,7 @@ class Evaluator:
                     local = jax.tree.map(lambda x, d: jax.lax.all_gather(x, REPLICA, axis=d, tiled=True), local,
                                          {"root": dims["root"], "layers": lay.shard_dims["layers"]})
                 fused = cfg.mesh.fused_gather
-                hook = lambda unit, xs, which: (gather_unit(unit, dims[which], dtype, fused), None)  # noqa: E731
+                hook = lambda unit, xs, which: (gather_unit(unit, dims[which], dtype, fused), None)
                 if hasattr(m.model, "loss_sum"):  # chunked logits, as in training
                     total, _ = m.model.loss_sum(cfg.model, local, batch[:, :-1], batch[:, 1:], hook)
                 else:

@@ -248,7 +248,8 @@ class Training:
             if diverged is None:
                 how = (f"signal {self.stop.signal}" if self.stop.signal else
                        "stop_after" if self.stop_after is not None else "another worker")
-                self.say(f"edit-jax: stopped at step {now} ({how}); checkpoint saved, re-run the same command to resume")
+                self.say(f"edit-jax: stopped at step {now} ({how}); checkpoint saved, "
+                         f"re-run the same command to resume")
             return End(interrupted=True, diverged=diverged)
         if adv.time_up:
             self.say(f"edit-jax: max_seconds={self.cfg.max_seconds:g} reached at step {now}")

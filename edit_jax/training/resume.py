@@ -88,7 +88,7 @@ def restore_verified(ckpt: Checkpointer, cfg: Config, programs: StepPrograms, sa
             bad.append(step)
             errors.append(e)
             continue
-        moves = [(b, "checkpoints.bad", err) for b, err in zip(bad, errors)]
+        moves = [(b, "checkpoints.bad", err) for b, err in zip(bad, errors, strict=True)]
         moves += [(newer, "checkpoints.aside", None) for newer in steps if newer > step and newer not in bad]
         for victim, where, err in moves:
             dest = ckpt.set_aside(victim, where, move=lead)

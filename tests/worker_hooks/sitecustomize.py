@@ -68,8 +68,9 @@ if os.environ.get("EDIT_JAX_TEST_LOG") and "EDIT_JAX_PROCESS_ID" in os.environ:
         import json
         import threading
 
-        def _watch(metrics=os.path.join(os.environ["EDIT_JAX_TEST_RUN_DIR"], "metrics.jsonl"),
-                   step=int(_kill_at.split(":")[1])):
+        def _watch(metrics=os.path.join(os.environ["EDIT_JAX_TEST_RUN_DIR"],  # noqa: B008 - read at import
+                                        "metrics.jsonl"),
+                   step=int(_kill_at.split(":")[1])):  # noqa: B008 - read once, as the hook is imported
             while True:
                 try:
                     with open(metrics) as f:

@@ -39,8 +39,8 @@ def load(tok, files: list[str], cfg) -> SourceResult:
     what = f"{len(files)} file{'s' if len(files) != 1 else ''}"
     if any(is_val) and not all(is_val):
         enc = tok.encode_documents(docs)
-        train = _pack([e for e, v in zip(enc, is_val) if not v], tok.eos_id, dtype)
-        val = _pack([e for e, v in zip(enc, is_val) if v], tok.eos_id, dtype)
+        train = _pack([e for e, v in zip(enc, is_val, strict=True) if not v], tok.eos_id, dtype)
+        val = _pack([e for e, v in zip(enc, is_val, strict=True) if v], tok.eos_id, dtype)
         split = "file-level (sha256 of path)"
         extra = dict(train_files=is_val.count(False), val_files=is_val.count(True))
     else:

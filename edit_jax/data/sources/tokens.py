@@ -97,8 +97,9 @@ class CheckedTokens:
     checked against the vocabulary: an id outside ``[0, vocab)`` is a DataError naming the file
     and the offset of the first bad id in it. A contiguous range is read with ``pread`` (``direct``),
     not through the map: a fault on a mapped file maps the kernel's whole page-cache folio (up to
-    megabytes on recent kernels) into the process, so RSS would grow with every window touched. Has what the streams and ``ConcatTokens`` use: ``size``,
-    ``dtype``, ``nbytes``, ``len``, slicing, ``reshape(-1)`` and ``np.asarray``."""
+    megabytes on recent kernels) into the process, so RSS would grow with every window touched.
+    Has what the streams and ``ConcatTokens`` use: ``size``, ``dtype``, ``nbytes``, ``len``,
+    slicing, ``reshape(-1)`` and ``np.asarray``."""
 
     def __init__(self, arr: np.ndarray, path: str, start: int, stop: int, vocab_size: int, tokenizer: str,
                  header_bytes: int = 0, direct: bool = False):
@@ -125,7 +126,8 @@ class CheckedTokens:
             return self[key][0]
         first, stop, step = key.indices(self.size)
         if self.direct and step == 1:
-            piece = read_tokens(self.path, self.dtype, self.header_bytes, self.start + first, self.start + max(first, stop))
+            piece = read_tokens(self.path, self.dtype, self.header_bytes, self.start + first,
+                                self.start + max(first, stop))
         else:
             piece = self.arr[self.start:self.stop][key]
         if piece.size:
@@ -170,7 +172,8 @@ def _identity(path: str, arr: np.ndarray, cut: int, header: int, direct: bool) -
     first and last 1024 tokens (two preads)."""
     n = arr.size
     if direct:
-        ends = [read_tokens(path, arr.dtype, header, 0, min(n, 1024)), read_tokens(path, arr.dtype, header, max(0, n - 1024), n)]
+        ends = [read_tokens(path, arr.dtype, header, 0, min(n, 1024)),
+                read_tokens(path, arr.dtype, header, max(0, n - 1024), n)]
     else:
         ends = [np.asarray(arr[:1024]), np.asarray(arr[-1024:])]
     ends = np.concatenate(ends).astype(np.int64)
