@@ -18,6 +18,18 @@ from edit_jax.validate import validate
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def load_example(name: str):
+    """``examples/NAME.py`` imported as a module (its ``main`` callable in this process), registered
+    in ``sys.modules``: flax's dataclasses look their module up."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(REPO, "examples", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def child_xla_flags() -> str:
     """The suite's XLA_FLAGS (conftest.py) for a CLI process a test starts, less the device count:
     the CLI and the launcher set their own from the mesh."""

@@ -14,10 +14,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +26,7 @@ import edit_jax
 from edit_jax.localsgd.api import LocalSGD, Penalty, diloco, edit, identity_hook, post_local_sgd
 from edit_jax.localsgd.outer import sgd_trace
 from edit_jax.tools import hlo
-from tests.helpers import REPO
+from tests.helpers import load_example
 from tests.stages import one_stage
 
 N, S = 4, 2
@@ -60,14 +57,6 @@ def _get(tree, path):
 # ============================================================================= the example
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("own_model_example", os.path.join(REPO, "examples", "own_model.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # flax's dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("rule", ["diloco", "edit", "co2", "edit+topk2"])
 def test_example_trains_with_each_rule(rule):
     name, _, wire = rule.partition("+")
@@ -77,7 +66,7 @@ def test_example_trains_with_each_rule(rule):
     stage = "default" if rule in pair else "3.12"
     other = pair.get(rule) or next(k for k, v in pair.items() if v == rule)
     one_stage(stage, f"the example with {rule}", 18, other=f"the example with {other}")
-    example = _example()
+    example = load_example("own_model")
     out = example.main(["--rule", name, "--tiny", "--steps", "24" if wire else "12"]
                        + (["--wire", wire] if wire else []))
     losses = out["losses"]

@@ -7,9 +7,6 @@ worker's devices do meet (the FSDP gathers)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 
 import jax
 import numpy as np
@@ -18,28 +15,14 @@ import pytest
 
 import edit_jax
 from edit_jax.tools import hlo
-from tests.helpers import REPO
+from tests.helpers import load_example
 from tests.stages import one_stage
 
 N, S = 2, 4
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("own_model_layout", os.path.join(REPO, "examples", "own_model.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def _bytes_per_device(tree) -> int:
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
-
-
-def _get(tree, path):
-    for key in path:
-        tree = getattr(tree, key.name) if hasattr(key, "name") else tree[getattr(key, "key", getattr(key, "idx", None))]
-    return tree
 
 
 def _step(loss_fn, tx):
@@ -54,7 +37,7 @@ def _step(loss_fn, tx):
 def test_fsdp_and_a_sharded_outer_state_train_as_without_them_on_a_fraction_of_the_memory(rule):
     one_stage("default" if rule == "diloco" else "3.12", f"FSDP within a worker with {rule}", 25,
               other="the same with " + ("edit" if rule == "diloco" else "diloco"))
-    ex = _example()
+    ex = load_example("own_model")
     mesh = jax.make_mesh((N, S), ("replica", "shard"), devices=jax.devices()[: N * S])
     model = ex.make_model(d_model=32, n_layers=2, n_heads=2, seq_len=16)
     loss_fn, tx = ex.make_loss(model), optax.adamw(3e-3)
@@ -76,8 +59,8 @@ def test_fsdp_and_a_sharded_outer_state_train_as_without_them_on_a_fraction_of_t
     # last-bit change of a near-zero gradient into a visible change of one entry: under jax 0.12,
     # 2 of 12,288 entries of one kernel moved by 8e-5, and the outer momentum, a difference of
     # nearby params, carries it at 2.4e-4); a layout or sync error moves whole arrays, by 1e-2 or more.
-    for path, a in jax.tree_util.tree_flatten_with_path(split)[0]:
-        b = np.asarray(_get(plain, path), np.float64)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(split)[0], jax.tree.leaves(plain), strict=True):
+        b = np.asarray(b, np.float64)
         err = np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-12)
         assert err < 2e-3, (jax.tree_util.keystr(path), err)
 

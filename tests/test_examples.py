@@ -7,7 +7,6 @@ with each rule in ``test_api.py``.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import signal
@@ -18,19 +17,10 @@ import time
 import jax
 import numpy as np
 
-from edit_jax.runtime.compile_cache import compile_cache
-from tests.helpers import REPO, kill_group
+from tests.helpers import REPO, kill_group, load_example
 from tests.stages import one_stage
 
 EXAMPLE = os.path.join(REPO, "examples", "own_nnx_model.py")
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location("own_nnx_model_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # flax's dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def _falls(losses):
@@ -42,7 +32,7 @@ def _falls(losses):
 
 def test_nnx_example_trains_with_diloco():
     one_stage("default", "the NNX example with DiLoCo", 15, other="the NNX example's EDiT, killed and resumed")
-    out = _example().main(["--rule", "diloco", "--tiny", "--steps", "24"])
+    out = load_example("own_nnx_model").main(["--rule", "diloco", "--tiny", "--steps", "24"])
     _falls(out["losses"])
     assert out["val_loss"] < math.log(256) - 2.0, out["val_loss"]
 
@@ -68,10 +58,9 @@ def test_nnx_example_with_edit_killed_after_a_save_resumes_bit_for_bit(tmp_path)
     assert proc.returncode == -signal.SIGKILL, "".join(seen)
     assert "step    7  saved\n" in seen and not any("done" in line for line in seen), "".join(seen)
 
-    example = _example()
-    with compile_cache(os.environ["EDIT_JAX_COMPILE_CACHE"]):  # (the second run reads the first's programs)
-        resumed = example.main(args)  # the same command again: it reads the newest checkpoint
-        whole = example.main(["--rule", "edit", "--tiny", "--steps", str(steps)])
+    example = load_example("own_nnx_model")
+    resumed = example.main(args)  # the same command again: it reads the newest checkpoint
+    whole = example.main(["--rule", "edit", "--tiny", "--steps", str(steps)])
     restored_at = steps - len(resumed["losses"])
     assert restored_at in (8, 12), restored_at  # step 7's save, or step 11's if it got that far
     _falls(whole["losses"])

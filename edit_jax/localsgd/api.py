@@ -287,7 +287,6 @@ class LocalSGD:
 
     def _workers(self, fn: Callable, *args, in_axes=0, out_axes=0):
         if self.fsdp:  # (api_layout.py: a vmap would let GSPMD move activations across replicas)
-            in_axes = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(args)
             return manual_workers(self.mesh, fn, args, in_axes, out_axes)
         return jax.vmap(fn, in_axes=in_axes, out_axes=out_axes, axis_name=REPLICA, spmd_axis_name=REPLICA)(*args)
 

@@ -15,9 +15,10 @@ optimizer state have no worker axis.
   device, as the harness lays out its outer state. A local step does not touch them; the sync's
   program gathers what it needs. Without it each device holds a whole copy.
 
-A leaf is split on its largest dimension that the devices divide (never the worker axis, nor the
-layer axis of stacked layers: each layer's slice is a unit of the sync); a leaf none of whose
-dimensions they divide (a scalar, a small bias) stays whole on each device.
+A leaf is split on the dimension the trainer's FSDP picks (``sharding.fsdp_dim``: the largest the
+devices divide, never the worker axis nor the layer axis of stacked layers, each layer's slice
+being a unit of the sync); a leaf none of whose dimensions they divide (a scalar, a small bias)
+stays whole on each device, where the trainer would refuse it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from edit_jax.localsgd.sharding import REPLICA
+from edit_jax.localsgd.sharding import REPLICA, MeshError, fsdp_dim
 
 
 def _in_layers(path) -> bool:
@@ -36,12 +37,14 @@ def _in_layers(path) -> bool:
 
 
 def leaf_spec(shape: tuple[int, ...], skip: int, over: tuple[str, ...], devices: int) -> P:
-    """The spec of one leaf: ``over`` on its largest dimension from ``skip`` on that ``devices``
-    divides (ties: the first); none (P()): whole on every device."""
-    dims = [d for d in range(skip, len(shape)) if shape[d] >= devices and shape[d] % devices == 0]
-    if not over or devices == 1 or not dims:
+    """The spec of one leaf: ``over`` on the FSDP dimension of its dimensions from ``skip`` on
+    (``sharding.fsdp_dim``); none that ``devices`` divides (P()): whole on every device."""
+    if not over or devices == 1:
         return P()
-    d = max(dims, key=lambda i: (shape[i], -i))
+    try:
+        d = skip + fsdp_dim(shape[skip:], devices, stacked=False)
+    except MeshError:
+        return P()
     spec = [None] * len(shape)
     spec[d] = over if len(over) > 1 else over[0]
     return P(*spec)
@@ -66,9 +69,8 @@ def state_shardings(mesh: Mesh, state: Any, shard_outer: bool, layerwise: bool, 
 
     def per_worker(tree):  # [N, ...]: replica on the worker axis; with fsdp a dimension split within the worker
         def one(path, x):
-            shape = tuple(getattr(x, "shape", ()))
             skip = 1 + int(layerwise and _in_layers(path))
-            spec = leaf_spec((0,) + shape[1:], skip, inner, inner_devices) if len(shape) > 1 else P()
+            spec = leaf_spec(tuple(getattr(x, "shape", ())), skip, inner, inner_devices)
             return NamedSharding(mesh, P(REPLICA, *tuple(spec)[1:]))
         return jax.tree_util.tree_map_with_path(one, tree)
 
@@ -85,12 +87,13 @@ def worker_unit_specs(mesh: Mesh, unit: Any, fsdp: bool) -> Any:
     return jax.tree.map(lambda x: leaf_spec(tuple(x.shape), 0, inner, devices), unit)
 
 
-def manual_workers(mesh: Mesh, fn, args: tuple, in_axes: tuple, out_axes: Any):
+def manual_workers(mesh: Mesh, fn, args: tuple, in_axes: Any, out_axes: Any):
     """``fn`` run per worker under ``shard_map``, manual over ``replica`` only (the other axes are
     GSPMD's: FSDP within the worker): what ``jax.vmap(fn, in_axes, out_axes, axis_name=REPLICA)``
     computes, but XLA cannot move a worker's values to another replica's devices between syncs.
     ``in_axes`` / ``out_axes``: 0 (stacked per worker) or None (one value for all), per argument and
-    per output (a tuple or one entry)."""
+    per output (a tuple, or one entry for all of them), as ``vmap`` takes them."""
+    in_axes = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(args)
     outs = out_axes if isinstance(out_axes, tuple) else (out_axes,)
 
     def body(*local):

@@ -114,19 +114,21 @@ def parse_replica_groups(attrs: str, num_devices: int) -> list[list[int]] | None
     raise ValueError(f"cannot parse replica_groups in {attrs[:200]!r}")
 
 
-def iota_groups(text: str) -> list[list[int]]:
-    """Expands the iota form: arange(prod(dims)).reshape(dims).transpose(perm).reshape(G, S)."""
+def _iota(dims: str, perm: str | None):
+    """arange(prod(dims)).reshape(dims).transpose(perm), from the texts ``"2,4"`` and ``"1,0"``."""
     import numpy as np
 
+    shape = [int(x) for x in dims.split(",")]
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    return ids.transpose([int(x) for x in perm.split(",")]) if perm else ids
+
+
+def iota_groups(text: str) -> list[list[int]]:
+    """Expands the iota form: arange(prod(dims)).reshape(dims).transpose(perm).reshape(G, S)."""
     m = _IOTA_RE.match(text)
     if m is None:
         raise ValueError(f"cannot parse iota replica_groups {text[:80]!r}")
-    out_shape = [int(x) for x in m.group(1).split(",")]
-    dims = [int(x) for x in m.group(2).split(",")]
-    ids = np.arange(math.prod(dims)).reshape(dims)
-    if m.group(3):
-        ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-    return ids.reshape(out_shape).tolist()
+    return _iota(m.group(2), m.group(3)).reshape([int(x) for x in m.group(1).split(",")]).tolist()
 
 
 _MESH_RE = re.compile(r"^mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}")
@@ -167,15 +169,9 @@ def mesh_groups(text: str) -> list[list[int]]:
 
 def _device_ids(spec: str, count: int, text: str) -> list[int]:
     """The devices of a mesh's positions, from its ``device_ids=(...)``: ``[dims]T(perm)`` or a list."""
-    import numpy as np
-
     m = _DEVICE_IOTA_RE.match(spec)
     if m:
-        dims = [int(x) for x in m.group(1).split(",")]
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        if m.group(2):
-            ids = ids.transpose([int(x) for x in m.group(2).split(",")])
-        ids = ids.reshape(-1).tolist()
+        ids = _iota(m.group(1), m.group(2)).reshape(-1).tolist()
     elif re.fullmatch(r"[\d,\s]+", spec):
         ids = [int(x) for x in spec.split(",") if x.strip()]
     else:

@@ -67,7 +67,7 @@ def _evaluations(cfg, schedule, start: int) -> tuple[bool, bool]:
     evaluations at every ``eval_every`` steps and at the end (``Evaluator.params_for``); only those
     up to the warmup's end and the last can differ from the rest."""
     every, end = cfg.eval_every, cfg.steps
-    steps = {end} | ({e for e in range(every, min(end, schedule.warmup + every) + 1, every)} if every > 0 else set())
+    steps = {end} | (set(range(every, min(end, schedule.warmup + every) + 1, every)) if every > 0 else set())
     live = [schedule.uses_outer and schedule.outer_is_live(e) for e in sorted(steps) if e > start]
     return (not all(live), any(live)) if live else (False, False)
 
@@ -89,7 +89,8 @@ def run_programs(programs: StepPrograms, evaluator: Evaluator, state: Any, eval_
     for kind in sorted(kinds, key=lambda k: "sync" not in k):  # the largest first: the pool ends sooner
         fn = programs.step_fn(kind)
         jobs[f"step {kind}"] = lambda fn=fn: fn.lower(state, batch).compile()
-    if schedule.uses_outer and start <= schedule.warmup > 0 and worker is None:  # the first sync only sets θ̄
+    # The first sync (step W) only sets θ̄: compiled while it lies ahead.
+    if schedule.uses_outer and schedule.warmup > 0 and start <= schedule.warmup and worker is None:
         init = programs.init_outer_fn()
         jobs["outer init"] = lambda: init.lower(state).compile()
     replicas_read, outer_read = _evaluations(cfg, schedule, start)
