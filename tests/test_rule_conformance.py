@@ -14,8 +14,11 @@ params, θ̄, the outer momentum, CO2's pseudo gradients in flight) they give th
 - a lossy wire with error feedback (int8, topk2) on EDiT: trainer and API equal to each other,
   residuals included, and within the wire's error of the uncompressed reference; topk2 through the
   exchange too (packed posts, each poster's residual settled by the round's flags);
-- a rule written in this file (the coordinate-wise median of the pseudo gradients), registered
-  with one line, runs in all three drivers and equals NumPy's median.
+- a rule written in this file (the coordinate-wise trimmed mean of the pseudo gradients), with a
+  config section of its own (``sync.trimmed_mean.trim``), registered with one line
+  (``methods.register``), runs in all three drivers and equals NumPy's median at trim 1/3 of 3
+  workers and the mean at 0; its section reads like a field (command line, ``config.json``) and is
+  refused for another method, out of range, or where the rule is not registered.
 
 CO2 is the one rule the exchange does not run (its pending pseudo gradients live on the workers
 between rounds; ``admission`` refuses it). Two workers, tiny shapes: a few seconds per case.
@@ -44,7 +47,8 @@ from edit_jax.localsgd.sync import local_blocks, reset_nonfinite_workers, sync_m
     with_replica_dim, as_varying
 from edit_jax.localsgd.whole_model import WholeModelSync
 from edit_jax.runtime.mesh import make_mesh
-from edit_jax.config import CO2Config, OuterConfig, PenaltyConfig, WireConfig
+from edit_jax.config import CO2Config, ConfigError, OuterConfig, PenaltyConfig, WireConfig, from_dict, \
+    register_rule_section, require, to_dict
 from edit_jax.validate import load_config
 from tests.stages import one_stage
 from tests.test_edit_sync import TINY, Ref, np_sync
@@ -63,8 +67,8 @@ FIELDS = {
 
 
 def _trainer(method: str, shard: int, n: int = N, **fields) -> StepPrograms:
-    flat = {f"{section}.{k}": v for section in ("penalty", "outer", "wire", "co2") if section in fields
-            for k, v in dataclasses.asdict(fields.pop(section)).items()}
+    flat = {f"{section}.{k}": v for section in [k for k, v in fields.items() if dataclasses.is_dataclass(v)]
+            for k, v in dataclasses.asdict(fields.pop(section)).items()}  # a section's fields, as keys
     cfg = load_config(TINY, BASE + [f"mesh.replica={n}", f"mesh.shard={shard}", f"batch_size={max(4, n * shard)}",
                                      f"sync.method={method}"]
                       + [f"sync.{k}={str(v).lower() if isinstance(v, bool) else v}"
@@ -304,26 +308,50 @@ def test_the_api_refuses_what_one_program_cannot_run():
 # ============================================================================= a rule of one's own
 
 
-class MedianSync(WholeModelSync):
-    """θ̄ takes the outer step on the coordinate-wise median of the workers' pseudo gradients (robust
-    to one worker gone astray). Written against the protocol only: ``after_step`` and ``flush``."""
+@dataclasses.dataclass
+class TrimmedMeanConfig:
+    """The rule's own hyperparameters: ``sync.trimmed_mean.trim`` on a command line."""
 
-    name = "median"
+    trim: float = 0.0  # the fraction of the workers dropped at each end, per coordinate (0: the mean)
+
+
+class TrimmedMeanSync(WholeModelSync):
+    """θ̄ takes the outer step on the coordinate-wise trimmed mean of the workers' pseudo gradients:
+    the ⌊trim·N⌋ smallest and largest dropped (robust to a worker gone astray; trim 1/3 of 3
+    workers is the median). Written against the protocol only (``after_step`` and ``flush``), with a
+    config section of its own."""
+
+    name = "trimmed_mean"
+    owned_section, section_type = "trimmed_mean", TrimmedMeanConfig
+
+    def __init__(self, trim: float = 0.0):
+        self.trim = float(trim)
+
+    @classmethod
+    def build(cls, sync):
+        return cls(sync.trimmed_mean.trim)
+
+    @staticmethod
+    def validate_fields(s):
+        require(0 <= s.trimmed_mean.trim < 0.5, "sync.trimmed_mean.trim",
+                f"must be in [0, 0.5) (a fraction dropped at each end), got {s.trimmed_mean.trim}")
 
     def flush(self, params, outer, spec, residual=None):
+        n = spec.n_workers
+        cut = int(self.trim * n)
         delta = jax.tree.map(lambda t, x: t - x.astype(jnp.float32), outer.params, local_blocks(params))
-        med = jax.tree.map(lambda d: jnp.median(gather_workers(d), axis=0), delta)
+        kept = jax.tree.map(lambda d: jnp.sort(gather_workers(d), axis=0)[cut:n - cut].mean(0), delta)
         new_outer, new_opt = {}, {}
         for u, update in (("root", spec.opt.update), ("layers", jax.vmap(spec.opt.update))):
-            if not jax.tree.leaves(med[u]):  # the API's whole-model view: any pytree is the root
+            if not jax.tree.leaves(kept[u]):  # the API's whole-model view: any pytree is the root
                 new_outer[u], new_opt[u] = outer.params[u], outer.opt_state[u]
                 continue
-            step, new_opt[u] = update(med[u], outer.opt_state[u], outer.params[u])
+            step, new_opt[u] = update(kept[u], outer.opt_state[u], outer.params[u])
             new_outer[u] = optax.apply_updates(outer.params[u], step)
         sq = unit_sq_sums(delta)
         g = jnp.sqrt(jax.lax.psum(sq, spec.reduction.norm_axes) if spec.reduction.norm_axes else sq)
         g_all = gather_workers(g, axis=1)  # [U, N], identical on every worker
-        unit = {"pseudo_grad_norm": g_all, "weight": jnp.full_like(g_all, 1.0 / spec.n_workers),
+        unit = {"pseudo_grad_norm": g_all, "weight": jnp.full_like(g_all, 1.0 / n),
                 "flagged": jnp.zeros(g_all.shape, bool), "clip_factor": jnp.ones(g_all.shape[:1]),
                 "update_norm": jnp.zeros(g_all.shape[:1])}
         new_params = jax.tree.map(lambda o, p: o.astype(p.dtype), with_replica_dim(as_varying(new_outer)), params)
@@ -337,13 +365,20 @@ class MedianSync(WholeModelSync):
         return params, outer, opt_state, metrics, residual
 
 
-def test_a_rule_written_here_registers_with_one_line_and_runs_in_all_three_drivers(monkeypatch):
-    monkeypatch.setitem(methods.METHODS, "median", methods.Method("median", "the median pseudo gradient",
-                                                                  rule=MedianSync.build))
-    # 3 workers: the median is not the mean
-    m = _trainer("median", shard=2, n=3, outer=OuterConfig(lr=0.6, momentum=0.8))
+@pytest.fixture
+def trimmed_mean_registered():
+    # The one line a user writes (in a Python config file, a module of theirs):
+    methods.register(methods.Method("trimmed_mean", "the trimmed mean pseudo gradient", rule=TrimmedMeanSync.build))
+    yield
+    methods.unregister("trimmed_mean")
+
+
+def test_a_rule_written_here_registers_with_one_line_and_runs_in_all_three_drivers(trimmed_mean_registered):
+    # 3 workers, trim 0.34: the median, which is not the mean
+    outer = OuterConfig(lr=0.6, momentum=0.8)
+    m = _trainer("trimmed_mean", shard=2, n=3, outer=outer, trimmed_mean=TrimmedMeanConfig(trim=0.34))
     posts = _posts(m)
-    assert isinstance(m.plan.rule, MedianSync)
+    assert m.plan.rule == TrimmedMeanSync(0.34) and m.cfg.sync.trimmed_mean.trim == 0.34
     f64 = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t)
     theta, trace0, workers = f64(posts.outer.params), f64(posts.outer.trace), f64(posts.params)
     med = jax.tree.map(lambda t, w: np.median(t[None] - w, axis=0), theta, workers)
@@ -354,11 +389,46 @@ def test_a_rule_written_here_registers_with_one_line_and_runs_in_all_three_drive
                for a, b in zip(jax.tree.leaves(med), jax.tree.leaves(mean), strict=True)) > 1e-3
 
     synced, _ = jax.device_get(m.sync_fn()(jax.device_put(posts, m.state_shardings)))
-    _close(synced.outer.params, want, "median trainer θ̄")
-    trainer, state = _api("median", m, posts, rule=api.from_method("median", outer=OuterConfig(lr=0.6, momentum=0.8)))
+    _close(synced.outer.params, want, "trimmed mean trainer θ̄")
+    rule = api.from_method("trimmed_mean", outer=outer, trimmed_mean=TrimmedMeanConfig(trim=0.34))
+    trainer, state = _api("trimmed_mean", m, posts, rule=rule)
     new, figures = jax.device_get(trainer.sync(state))
-    _close(new.outer_params, want, "median API θ̄")
+    _close(new.outer_params, want, "trimmed mean API θ̄")
     assert np.asarray(figures["unit_pseudo_grad_norm"]).shape == (1, 3)  # the API's one unit
     got, figures, _ = _exchange(m, posts)
-    _close(got.theta, want, "median exchange θ̄")
+    _close(got.theta, want, "trimmed mean exchange θ̄")
     assert np.asarray(figures["unit_pseudo_grad_norm"]).shape == (1, 3)  # the exchange's one unit too
+    # trim 0 is the mean: the hyperparameter reaches the sync
+    m0 = _trainer("trimmed_mean", shard=2, n=3, outer=outer)
+    synced0, _ = jax.device_get(m0.sync_fn()(jax.device_put(posts, m0.state_shardings)))
+    trace = jax.tree.map(lambda b, d: 0.8 * b + d, trace0, mean)
+    _close(synced0.outer.params, jax.tree.map(lambda t, d, b: t - 0.6 * (d + 0.8 * b), theta, mean, trace),
+           "trimmed mean at trim 0 (the mean) trainer θ̄")
+
+
+def test_a_registered_rule_section_reads_like_a_field_and_is_refused_where_it_does_not_belong(trimmed_mean_registered):
+    base = BASE + ["mesh.replica=2", "mesh.shard=1", "batch_size=4"]
+    cfg = load_config(TINY, base + ["sync.method=trimmed_mean", "sync.trimmed_mean.trim=0.25"])
+    assert cfg.sync.trimmed_mean == TrimmedMeanConfig(0.25)
+    assert to_dict(cfg)["sync"]["trimmed_mean"] == {"trim": 0.25}  # config.json: sync.trimmed_mean, as a field's
+    assert from_dict(to_dict(cfg)) == cfg
+    with pytest.raises(ConfigError, match="'sync.trimmed_mean.trim': is used by method trimmed_mean only"):
+        load_config(TINY, base + ["sync.method=diloco", "sync.trimmed_mean.trim=0.25"])
+    with pytest.raises(ConfigError, match=r"'sync.trimmed_mean.trim': must be in \[0, 0.5\)"):
+        load_config(TINY, base + ["sync.method=trimmed_mean", "sync.trimmed_mean.trim=0.5"])
+    with pytest.raises(ConfigError, match="unknown config key 'sync.trimmed_mean.trimm'; did you mean"):
+        load_config(TINY, base + ["sync.method=trimmed_mean", "sync.trimmed_mean.trimm=0.1"])
+    with pytest.raises(ValueError, match="sync.trimmed_mean: expected a TrimmedMeanConfig"):
+        api.from_method("trimmed_mean", trimmed_mean={"trim": 0.1})
+    with pytest.raises(ValueError, match="a row of the library's method table"):
+        methods.register(methods.Method("diloco", "another diloco", rule=TrimmedMeanSync.build))
+    with pytest.raises(ConfigError, match="sync.trimmed_mean is already registered as .*TrimmedMeanConfig"):
+        register_rule_section("trimmed_mean", OuterConfig)
+    saved = to_dict(cfg)
+    methods.unregister("trimmed_mean")
+    try:  # a run dir's config.json read where the rule is not registered: one line, naming the key
+        with pytest.raises(ConfigError, match="unknown config key 'sync.trimmed_mean': .*registers its section"):
+            from_dict(saved)
+    finally:
+        methods.register(methods.Method("trimmed_mean", "the trimmed mean pseudo gradient",
+                                        rule=TrimmedMeanSync.build))

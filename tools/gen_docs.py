@@ -70,6 +70,8 @@ def config_fields(cls=None, prefix: str = "") -> list[tuple[str, type, str, obje
     out = []
     for f in dataclasses.fields(cls):
         typ = hints[f.name]
+        if f.metadata.get("registered"):  # sync.rule_sections: the sections of rules registered at run time
+            continue
         if dataclasses.is_dataclass(typ):  # (the model section: its default family's class, Llama's)
             out += config_fields(type(f.default_factory()), f"{prefix}{f.name}.")
         else:

@@ -16,11 +16,12 @@ from edit_jax.config.parse import (ALIASES, apply_overrides, dumps, from_dict, g
                                    with_fields)
 from edit_jax.config.sections import (COMPRESS, MODEL_CONFIGS, CO2Config, Config, ConfigError, DataConfig, DebugConfig,
                                       ExchangeConfig, FamilyConfig, LlamaConfig, LogConfig, MeshConfig, ModelConfig,
-                                      OptimConfig, OuterConfig, PenaltyConfig, SpikeConfig, SyncConfig, TimeConfig,
-                                      TrainConfig, WireConfig, model_config_class)
+                                      OptimConfig, OuterConfig, PenaltyConfig, RULE_SECTIONS, SpikeConfig, SyncConfig,
+                                      TimeConfig, TrainConfig, WireConfig, model_config_class,
+                                      register_rule_section)
 
 __all__ = ["Config", "FamilyConfig", "ModelConfig", "LlamaConfig", "MODEL_CONFIGS", "model_config_class", "MeshConfig",
            "DataConfig", "OptimConfig", "SyncConfig", "PenaltyConfig", "OuterConfig", "WireConfig", "CO2Config",
            "TimeConfig", "ExchangeConfig", "DebugConfig", "LogConfig", "TrainConfig", "SpikeConfig", "ConfigError",
            "COMPRESS", "ALIASES", "apply_overrides", "require", "to_dict", "from_dict", "dumps", "get_field",
-           "with_fields"]
+           "with_fields", "RULE_SECTIONS", "register_rule_section"]

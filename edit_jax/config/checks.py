@@ -20,6 +20,9 @@ def _require_finite(obj, prefix: str = "") -> None:
         val, key = getattr(obj, f.name), prefix + f.name
         if dataclasses.is_dataclass(val):
             _require_finite(val, key + ".")
+        elif f.metadata.get("registered"):  # sync.rule_sections: each a registered rule's section, sync.NAME
+            for name, section in val.items():
+                _require_finite(section, f"{prefix}{name}.")
         elif isinstance(val, float):
             require(math.isfinite(val), key, f"must be a finite number, got {val}")
 

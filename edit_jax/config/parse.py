@@ -10,7 +10,7 @@ import json
 import typing
 from typing import Any
 
-from edit_jax.config.sections import Config, ConfigError, FamilyConfig, model_config_class
+from edit_jax.config.sections import RULE_SECTIONS, Config, ConfigError, FamilyConfig, SyncConfig, model_config_class
 
 ALIASES = {"method": "sync.method"}  # `method=NAME` is shorthand for `sync.method=NAME`
 
@@ -68,6 +68,11 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         obj, parts = cfg, key.split(".")
         for depth, part in enumerate(parts):
             types_ = _field_types(type(obj))
+            if isinstance(obj, SyncConfig) and part in RULE_SECTIONS and depth < len(parts) - 1:
+                obj = obj.rule_sections.setdefault(part, RULE_SECTIONS[part]())  # a registered rule's section
+                continue
+            if isinstance(obj, SyncConfig):  # its own sections and the registered rules', not the dict
+                types_ = {**{k: t for k, t in types_.items() if k != "rule_sections"}, **RULE_SECTIONS}
             if part not in types_:
                 prefix = ".".join(parts[:depth])
                 known = [f"{prefix}.{k}" if prefix else k for k in types_]
@@ -105,7 +110,11 @@ def _with_family(model: FamilyConfig, family: str) -> FamilyConfig:
 
 
 def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
+    d = dataclasses.asdict(cfg)
+    sync = d.get("sync") if isinstance(cfg, Config) else d if isinstance(cfg, SyncConfig) else None
+    if sync is not None:  # a registered rule's section is written as sync.NAME, as a field's is
+        sync.update(sync.pop("rule_sections"))
+    return d
 
 
 def from_dict(d: dict, cls=Config, prefix: str = "") -> Any:
@@ -118,7 +127,15 @@ def from_dict(d: dict, cls=Config, prefix: str = "") -> Any:
     kwargs = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        if k not in types_:
+        if cls is SyncConfig and k in RULE_SECTIONS:  # a registered rule's section
+            kwargs.setdefault("rule_sections", {})[k] = from_dict(v, RULE_SECTIONS[k], key + ".")
+            continue
+        if k not in types_ or (cls is SyncConfig and k == "rule_sections"):
+            if cls is SyncConfig and isinstance(v, dict):
+                raise ConfigError(f"unknown config key '{key}': not a section of SyncConfig, nor of a rule registered "
+                                  f"in this process ({', '.join(RULE_SECTIONS) or 'none'}; a rule from outside the "
+                                  "library registers its section with its method, localsgd.methods.register, before "
+                                  "the config is read)")
             if issubclass(cls, FamilyConfig):  # e.g. Llama's d_model given to a family of other fields
                 family = d.get("family", "llama")
                 llamas = family != "llama" and model_config_class(family) is model_config_class("llama")
@@ -172,6 +189,10 @@ def with_fields(cfg: Any, fields: dict) -> Any:
             top[head] = value
     for head, sub in nested.items():
         top[head] = with_fields(top.get(head, getattr(cfg, head)), sub)
+    if isinstance(cfg, SyncConfig):  # a registered rule's section goes into rule_sections
+        own = {k: top.pop(k) for k in list(top) if k in RULE_SECTIONS}
+        if own:
+            top["rule_sections"] = {**cfg.rule_sections, **own}
     return dataclasses.replace(cfg, **top)
 
 

@@ -6,6 +6,7 @@ from ``key=value`` overrides and JSON dicts; ``checks.py`` checks what the field
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -195,7 +196,9 @@ class ExchangeConfig:
 @dataclass
 class SyncConfig:
     """How replicas meet. ``method`` picks a row of the method table (``methods.py``), which may
-    fix some of these fields; the run's ``config.json`` records them as they took effect."""
+    fix some of these fields; the run's ``config.json`` records them as they took effect. A rule
+    from outside the library brings its own section, ``sync.NAME``, registered with its method
+    (``localsgd.methods.register``)."""
 
     # a name in edit_jax.localsgd.methods.METHODS: baseline | post_local_sgd | diloco | edit | a_edit | co2
     method: str = "baseline"
@@ -212,6 +215,16 @@ class SyncConfig:
     co2: CO2Config = field(default_factory=CO2Config)  # CO2's own (method co2 only)
     time: TimeConfig = field(default_factory=TimeConfig)  # A-EDiT's wall-clock syncs (localsgd/timed.py)
     exchange: ExchangeConfig = field(default_factory=ExchangeConfig)  # workers as separate programs (elastic/)
+    # The sections of rules registered from outside the library (RULE_SECTIONS) that this config
+    # sets, by name; each reads as ``sync.NAME`` like a field (on a command line, in config.json).
+    rule_sections: dict = field(default_factory=dict, metadata={"registered": True})
+
+    def __getattr__(self, name: str):
+        # Reached only when no field has the name: a registered rule's section, its values as set,
+        # else its defaults (reading it stores nothing, so the config compares as before).
+        if name in RULE_SECTIONS:
+            return self.__dict__.get("rule_sections", {}).get(name) or RULE_SECTIONS[name]()
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 @dataclass
@@ -306,6 +319,25 @@ LlamaConfig = ModelConfig
 MODEL_CONFIGS: dict[str, type] = {"llama": ModelConfig}
 
 
+# sync.NAME -> the dataclass of a rule's own hyperparameters, for a rule from outside the library
+# (``localsgd.methods.register`` adds it from the rule's ``owned_section`` / ``section_type``; the
+# library's own rules' sections are SyncConfig's fields, as Llama's is the default model section).
+RULE_SECTIONS: dict[str, type] = {}
+
+
+def register_rule_section(name: str, cls: type) -> None:
+    """``sync.<name>`` reads as the dataclass ``cls`` (its fields with their defaults)."""
+    if not dataclasses.is_dataclass(cls):
+        raise ConfigError(f"rule section {name!r}: expected a dataclass of the rule's fields, got {cls!r}")
+    if name in {f.name for f in dataclasses.fields(SyncConfig)}:
+        raise ConfigError(f"rule section {name!r}: sync.{name} is already a field of SyncConfig")
+    was = RULE_SECTIONS.get(name, cls)
+    if (was.__module__, was.__qualname__) != (cls.__module__, cls.__qualname__):  # (a file run again: its class anew)
+        raise ConfigError(f"rule section {name!r}: sync.{name} is already registered as "
+                          f"{was.__module__}.{was.__qualname__}")
+    RULE_SECTIONS[name] = cls
+
+
 def model_config_class(family: str) -> type:
     """The class of the ``model`` section of a config whose ``model.family`` is ``family``."""
     return MODEL_CONFIGS.get(family, ModelConfig)
@@ -314,4 +346,4 @@ def model_config_class(family: str) -> type:
 __all__ = ["Config", "FamilyConfig", "ModelConfig", "LlamaConfig", "MODEL_CONFIGS", "model_config_class", "MeshConfig",
            "DataConfig", "OptimConfig", "SyncConfig", "PenaltyConfig", "OuterConfig", "WireConfig", "CO2Config",
            "TimeConfig", "ExchangeConfig", "DebugConfig", "LogConfig", "TrainConfig", "SpikeConfig", "ConfigError",
-           "COMPRESS"]
+           "COMPRESS", "RULE_SECTIONS", "register_rule_section"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from edit_jax.config import CO2Config, Config, OuterConfig, SyncConfig, WireConfig
+from edit_jax.config import RULE_SECTIONS, CO2Config, Config, OuterConfig, SyncConfig, WireConfig
 from edit_jax.config.renames import RENAMED, new_key
 from edit_jax.localsgd import methods, rules
 from edit_jax.localsgd.codec import KINDS
@@ -131,10 +131,17 @@ def from_method(method: str, **sync_fields) -> LocalSGDRule:
         value = sync_fields.pop(key)  # (first: the URL's old key is its section's name)
         current = sync_fields.get(section, getattr(SyncConfig(), section))
         sync_fields[section] = dataclasses.replace(current, **{name: value})
-    fields = {f.name for f in dataclasses.fields(SyncConfig)}
-    bad = sorted(set(sync_fields) - fields)
+    fields = {f.name for f in dataclasses.fields(SyncConfig)} - {"rule_sections"}
+    bad = sorted(set(sync_fields) - fields - set(RULE_SECTIONS))
     if bad:
-        raise ValueError(f"from_method: unknown sync field(s) {bad} (SyncConfig's fields)")
+        raise ValueError(f"from_method: unknown sync field(s) {bad} (SyncConfig's fields, or a registered rule's "
+                         f"section: {', '.join(RULE_SECTIONS) or 'none registered'})")
+    own = {k: sync_fields.pop(k) for k in list(sync_fields) if k in RULE_SECTIONS}  # a registered rule's section
+    for k, v in own.items():
+        if not isinstance(v, RULE_SECTIONS[k]):
+            raise ValueError(f"sync.{k}: expected a {RULE_SECTIONS[k].__name__}, got {v!r}")
+    if own:
+        sync_fields["rule_sections"] = own
     default = SyncConfig()
     for key, why in (("fragments", "streaming fragments"), ("warmup_steps", "a synchronous warmup"),
                      ("exchange", "the exchange")):

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from edit_jax.config import Config, SyncConfig, get_field, require, with_fields
+from edit_jax.config import RULE_SECTIONS, Config, SyncConfig, get_field, register_rule_section, require, with_fields
 from edit_jax.localsgd.compressed import Compressed
 from edit_jax.localsgd.layerwise import LayerwiseSync
 from edit_jax.localsgd.outer_spec import OUTER_OPTIMIZERS, OuterSpec, Penalty
@@ -136,6 +136,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            rule=StaleSync.build,
            fixed={"layerwise": False, "outer.optimizer": "nesterov", "outer.nesterov": False, **_NO_PENALTY}),
 )}
+
+LIBRARY_METHODS = tuple(METHODS)  # the rows above; ``register`` adds others, never replaces these
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -292,6 +295,46 @@ class MethodPlan:
         return isinstance(self.schedule, TimeSchedule) and k >= self.schedule.warmup
 
 
+def register(row: Method) -> None:
+    """Adds ``row`` to ``METHODS``: a rule from outside the library, its one line (in a Python
+    config file, a test, a user's module; before a config naming it is read). A rule class with
+    hyperparameters declares ``owned_section`` and ``section_type``: ``sync.<owned_section>`` then
+    reads as that dataclass on a command line, in a config file and in ``config.json``."""
+    if not isinstance(row, Method):
+        raise TypeError(f"register: expected a methods.Method row, got {row!r}")
+    if row.name in LIBRARY_METHODS:
+        raise ValueError(f"method {row.name!r} is a row of the library's method table ({', '.join(LIBRARY_METHODS)}); "
+                         "register a rule of your own under a name of its own")
+    # A registered row registered again replaces it (a config file read twice, a notebook cell run again).
+    owner = rule_class(row.rule)
+    if owner is not None and owner.section_type is not None:
+        register_rule_section(owner.owned_section, owner.section_type)
+    METHODS[row.name] = row
+
+
+def unregister(name: str) -> None:
+    """Takes a row ``register`` added out of the method table (and its rule's section, when no
+    other row's rule owns it): for tests and notebooks that register a rule and go on."""
+    row = METHODS.pop(name)
+    owner = rule_class(row.rule)
+    if owner is not None and owner.section_type is not None and all(
+            rule_class(m.rule) is not owner for m in METHODS.values()):
+        RULE_SECTIONS.pop(owner.owned_section, None)
+
+
+def rule_class(factory: RuleFactory) -> type | None:
+    """The ``SyncRule`` class whose ``build`` ``factory`` is (None for a wrapper's factory such as
+    ``Timed.around(...)``, whose rule owns no section)."""
+    owner = getattr(factory, "__self__", None)
+    return owner if isinstance(owner, type) and issubclass(owner, SyncRule) else None
+
+
+def section_owners() -> dict[str, type]:
+    """sync section name -> the rule class that owns it, over the method table's rows."""
+    owners = (rule_class(m.rule) for m in METHODS.values())
+    return {c.owned_section: c for c in owners if c is not None and c.owned_section}
+
+
 def method(name: str) -> Method:
     if name not in METHODS:
         raise KeyError(f"unknown method {name!r}; known: {', '.join(METHODS)}")
@@ -351,4 +394,5 @@ def keeps_outer(name: str) -> bool:
 
 __all__ = ["step_kinds", "METHODS", "Method", "Plan", "OuterSpec", "Penalty", "MethodPlan", "StepSchedule",
            "TimeSchedule", "SyncDecision", "Schedule", "STEP_KINDS", "SYNC_KINDS", "StepKind", "HSDP", "LOCAL",
-           "OUTER_OPTIMIZERS", "plan_for", "normalise", "method", "sync_fields_for", "validate", "keeps_outer"]
+           "OUTER_OPTIMIZERS", "plan_for", "normalise", "method", "sync_fields_for", "validate", "keeps_outer",
+           "register", "unregister", "rule_class", "section_owners"]

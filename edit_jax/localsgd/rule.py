@@ -90,6 +90,13 @@ class SyncRule:
     # by wall clock with each worker at its own pace after the warmup (``methods.TimeSchedule``).
     asynchronous = False
     codec: Codec = NONE  # the wire, and the state it carries (the compressed wrapper's)
+    # Its own hyperparameters' config section, ``sync.<owned_section>`` ("": none; CO2's is
+    # "co2"), set away from its defaults for a method of another rule is refused (``rules.py``).
+    # ``section_type``: its dataclass, for a rule from outside the library, whose section is not a
+    # field of ``SyncConfig`` (``methods.register`` registers it); ``build`` reads it as
+    # ``sync.<owned_section>`` all the same.
+    owned_section = ""
+    section_type: type | None = None
 
     # A rule is a value: two rules of one class with the same attributes are equal (two plans of
     # one config compare equal, as they did when a plan named its rule by a string).
@@ -109,6 +116,11 @@ class SyncRule:
     @staticmethod
     def validate(cfg: Config) -> None:
         """This rule's config rules (raise ``ConfigError`` naming the field)."""
+
+    @staticmethod
+    def validate_fields(s: SyncConfig) -> None:
+        """Its own section's ranges, whatever the method (``rules.validate`` calls it for every
+        rule of the method table that owns a section)."""
 
     def check_config(self, cfg: Config) -> None:
         """The config rules of this rule as built (a wrapper's, then its rule's)."""

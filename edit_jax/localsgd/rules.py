@@ -12,31 +12,29 @@ import dataclasses
 
 from edit_jax.config import Config, SyncConfig, require
 from edit_jax.localsgd.compressed import Compressed
-from edit_jax.localsgd.methods import METHODS
+from edit_jax.localsgd.methods import METHODS, section_owners
 from edit_jax.localsgd.rule import RuleWrapper, SyncRule
-from edit_jax.localsgd.stale import StaleSync
 from edit_jax.localsgd.timed import Timed
-
-OWNING = (StaleSync,)  # rules with a config section of their own (``owned_section``), used by no other rule
-
 
 def validate(cfg: Config) -> None:
     """Every rule's field rules, then the method's own rule's relations with the rest of the config."""
     s = cfg.sync
-    StaleSync.validate_fields(s)
+    owners = section_owners()  # the rules with a config section of their own (CO2's, a registered rule's)
+    for owner in owners.values():
+        owner.validate_fields(s)
     Compressed.validate_fields(s)
     Timed.validate_fields(s)
     m = METHODS.get(s.method)
     if m is None:
         return  # methods.validate names the field
     rule = m.rule(s)
-    for owner in OWNING:
+    for name, owner in owners.items():  # a section is set for the methods whose rule owns it only
         if not _holds(rule, owner):
-            section = getattr(s, owner.owned_section)
+            section = getattr(s, name)
             users = _methods_of(lambda r: _holds(r, owner))  # noqa: B023 - called at once
             for f in dataclasses.fields(section):
                 value, default = getattr(section, f.name), getattr(type(section)(), f.name)
-                require(value == default, f"sync.{owner.owned_section}.{f.name}",
+                require(value == default, f"sync.{name}.{f.name}",
                         f"is used by method {users} only (method is {s.method!r}); "
                         f"got {value}")
     if s.exchange.url:
