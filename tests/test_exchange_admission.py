@@ -25,6 +25,7 @@ from edit_jax.elastic.admission import CONFIG_KEY, NotAdmitted, admit
 from edit_jax.elastic.exchange import DirExchange
 from edit_jax.rundir.runlock import RunLock
 from edit_jax.validate import ConfigError, load_config
+from tests.stages import one_stage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")
@@ -56,7 +57,12 @@ def _snapshot(*dirs) -> dict:
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
-    """A finished two-worker exchange run: (run dir, exchange dir, cwd)."""
+    """A finished two-worker exchange run: (run dir, exchange dir, cwd). Its tests (the refusals of
+    a worker or a launcher that does not belong) run under Python 3.12 only: admission is decided
+    in Python before JAX computes anything (the run's files are compared byte for byte), so the jax
+    version does not enter; the default stage runs test_steps_rule's admission without a run."""
+    one_stage("3.12", "the refusals against a finished exchange run (its 2-worker run and 7 CLI processes)", 45,
+              other="test_steps_rule")
     base = tmp_path_factory.mktemp("admission")
     run, ex = str(base / "run"), str(base / "run.x")
     out = _edit_jax("train", "--config", TINY, "--run-dir", run, f"sync.exchange.url={ex}", *ARGS, cwd=str(base),

@@ -202,7 +202,9 @@ def test_blown_up_run_exits_3_and_a_sane_rerun_does_not_resume_it(tmp_path, proc
     the blown-up checkpoint and exited 3 again)."""
     if processes == 2:
         one_stage("3.12", "the 2-process blown-up run", 31,
-                  other="test_failures.py::test_divergence_exits_3_and_keeps_the_good_checkpoint[2]")
+                  other="[1] and test_failures.py::test_divergence_exits_3_and_keeps_the_good_checkpoint[2]")
+    else:  # (the same scenario in one process: its pair is [2])
+        one_stage("default", "the 1-process blown-up run", 18, other="this test's [2]")
     over = ["method=edit", "steps=4", "checkpoint_every=2", "log_every=10"]
     code, out = _cli(tmp_path, processes, *over, "optim.lr=1e6")
     assert code == 3, out[-3000:]

@@ -331,7 +331,10 @@ def _resumes_like_the_old_code(tmp_path, fixture: str):
 
 def test_legacy_checkpoint_resumes(tmp_path):
     """A checkpoint written before the outer state held an optax state (format 1: `outer.trace`)
-    resumes and reproduces the losses the old code computed without interruption."""
+    resumes and reproduces the losses the old code computed without interruption. Under the default
+    Python only: format 1's translation is the loader's Python; reading an older orbax checkpoint
+    under 3.12's jax and orbax is test_format2_checkpoint_resumes[co2]'s, which runs there."""
+    one_stage("default", "the format-1 checkpoint resumed", 27, other="test_format2_checkpoint_resumes[co2]")
     _resumes_like_the_old_code(tmp_path, os.path.join(REPO, "tests", "fixtures", "legacy_edit_run"))
 
 
@@ -339,5 +342,9 @@ def test_legacy_checkpoint_resumes(tmp_path):
 def test_format2_checkpoint_resumes(tmp_path, case):
     """A checkpoint of state format 2 (the error-feedback residuals and CO2's in-flight pseudo
     gradients as fields of OuterState; now the rule's own subtree, ``outer.extra``) resumes and
-    reproduces the losses the old code computed without interruption."""
+    reproduces the losses the old code computed without interruption. CO2's case runs under Python
+    3.12 only, beside test_legacy_checkpoint_resumes under the default (both: an older checkpoint
+    read by today's jax and orbax, a translation in Python); edit_int8_ef's runs in both stages."""
+    if case == "co2":
+        one_stage("3.12", "CO2's format-2 checkpoint resumed", 17, other="test_legacy_checkpoint_resumes")
     _resumes_like_the_old_code(tmp_path, os.path.join(REPO, "tests", "fixtures", "format2_run", case))

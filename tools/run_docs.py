@@ -1,5 +1,6 @@
 """Runs the documented CPU commands of every page at tiny size (``check_docs.py --tour DIR --pages``,
-tests/test_docs.py), after the README's tour and in its process (one JAX start, one compile cache).
+tests/test_docs.py), after the README's tour and in its process (one JAX start, one compile cache;
+``--skip-tour``: its commands count as run without running, as CI's 3.12 stage does).
 
 Each ```bash command of README.md and docs/**/*.md (``check_docs.bash_commands``) is, in order:
 - not run, with the reason, when it needs what CI has not (``NOT_RUN``: a cluster, SLURM, root, a

@@ -53,9 +53,11 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
-from edit_jax.localsgd.api_checks import NonFiniteWatch, base_key, check_ys, checked_step_output, per_worker, \
-    put_batch, refuse_nonfinite_sync, stacked_layer_count
-from edit_jax.localsgd.api_layout import manual_workers, state_shardings, worker_unit_specs
+from edit_jax.localsgd.api_checks import NonFiniteWatch, base_key, check_arguments, check_fragments, check_ys, \
+    checked_step_output, per_worker, put_batch, refuse_nonfinite_sync, stacked_layer_count
+from edit_jax.localsgd.api_layout import manual_workers, on_device, state_shardings, worker_unit_specs
+from edit_jax.localsgd.fragments import balanced_groups, fragment_layers, unit_sizes
+from edit_jax.localsgd.methods import StepSchedule
 from edit_jax.localsgd.api_rules import LocalSGDRule, co2, compressed, diloco, edit, from_method, post_local_sgd
 from edit_jax.localsgd.nnx_model import NNXModel, transformation
 from edit_jax.localsgd.outer_spec import OuterSpec, Penalty
@@ -110,31 +112,19 @@ class LocalSGD:
     def __init__(self, rule: LocalSGDRule, mesh: Mesh, tau: int, inner_step: Callable | None = None, *,
                  loss_fn: Callable | None = None, optimizer: optax.GradientTransformation | None = None,
                  seed: int | jax.Array | None = None, donate: bool = True, warmup_steps: int = 0,
-                 shard_outer: bool = False, fsdp: bool = False):
-        if not isinstance(rule, LocalSGDRule):
-            raise ValueError("rule: expected a LocalSGDRule (diloco(), post_local_sgd(), edit(), co2(), "
-                             f"compressed(...), from_method(...)), got {rule!r}")
-        if not isinstance(mesh, Mesh) or REPLICA not in mesh.axis_names:
-            raise ValueError(f"mesh: expected a jax.sharding.Mesh with a {REPLICA!r} axis (one position per "
-                             f"worker), got {getattr(mesh, 'axis_names', mesh)!r}")
-        if isinstance(tau, bool) or not isinstance(tau, (int, np.integer)) or tau < 1:
-            raise ValueError(f"tau: expected an integer >= 1 (inner steps between syncs), got {tau!r}")
-        if (inner_step is None) == (loss_fn is None) or (loss_fn is None) != (optimizer is None):
-            raise ValueError("inner_step / loss_fn, optimizer: give either inner_step, or loss_fn and optimizer")
-        if rule.layerwise and inner_step is not None:
-            raise ValueError(f"inner_step: rule {rule.name!r} syncs inside the forward, so its inner update must "
-                             "apply to the synced params: give loss_fn(params, batch, hook, hook_xs) -> (loss, ys) "
-                             "and optimizer instead (docs/api.md)")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps: expected an integer >= 0, got {warmup_steps!r}")
-        if warmup_steps and inner_step is not None:
-            raise ValueError("warmup_steps: the synchronous warmup averages the workers' gradients every step, "
-                             "which an opaque inner_step does not expose: give loss_fn and optimizer instead")
+                 shard_outer: bool = False, fsdp: bool = False, fragments: int = 1, offload_outer: bool = False):
+        check_arguments(rule, mesh, tau, inner_step, loss_fn, optimizer, warmup_steps, REPLICA)
         # The workers' psum runs inside vmap; JAX's Explicit mesh axes reject it, so the programs
         # run on the same devices with Auto axes (GSPMD propagates the sharding).
         self.mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
         self.rule, self.tau, self.donate, self.warmup = rule, int(tau), donate, int(warmup_steps)
-        self.shard_outer, self.fsdp = bool(shard_outer), bool(fsdp)
+        self.shard_outer, self.fsdp, self.offload = bool(shard_outer), bool(fsdp), bool(offload_outer)
+        self.fragments = check_fragments(fragments, self.tau, rule)
+        # The rule's units: the params' {"root", "layers"} for a layer-wise rule, and for any rule
+        # synced in staggered groups (Streaming DiLoCo); else the whole pytree is one unit.
+        self.layered = rule.layerwise or self.fragments > 1
+        # Which program each step runs: the trainer's schedule (methods.StepSchedule), the warmup first.
+        self.schedule = StepSchedule(True, rule.layerwise, self.warmup, self.tau, fragments=self.fragments)
         self.inner_step, self.loss_fn, self.optimizer = inner_step, loss_fn, optimizer
         self.n = int(self.mesh.shape[REPLICA])
         self.batch_axes = tuple(a for a in self.mesh.axis_names if a != REPLICA and self.mesh.shape[a] > 1)
@@ -184,7 +174,10 @@ class LocalSGD:
             if self.optimizer is None:
                 raise ValueError("opt_state: required with inner_step (there is no optimizer to init it)")
             opt_state = self.optimizer.init(params)
-        n_units = 1 + stacked_layer_count(params, self.rule.name) if self.rule.layerwise else 1
+        n_units = 1 + self._layer_count(params) if self.layered else 1
+        if self.fragments > n_units:
+            raise ValueError(f"fragments: at most the number of units (the root and {n_units - 1} layers), "
+                             f"got {self.fragments}")
 
         def build(params, opt_state):
             stack = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (self.n,) + jnp.shape(x)), t)
@@ -205,15 +198,15 @@ class LocalSGD:
         Returns the new state and ``{"inner": the step's metrics, each [N, ...], "sync": the sync's
         figures (on sync steps only)}`` (``averaged`` gives the inner ones' means over the workers)."""
         k = int(state.step)
-        kind = self.kind_at(k)
+        kind = self.schedule.kind(k)
         self._nonfinite.check()  # the last sync's, read one call late (no wait on the device)
         state = state._replace(step=None)
-        if self.warmup and k == self.warmup:  # the first local step: θ̄ = the workers' (identical) params
+        if self.schedule.init_outer_due(k):  # the first local step: θ̄ = the workers' (identical) params
             state = self._run("init_outer", state)
-        new, metrics = self._run(kind if kind in (SYNC_FORWARD, HSDP) else LOCAL, state, self._put_batch(batch),
-                                 np.int32(k))
-        if kind == LOCAL_THEN_SYNC:  # a second, small program: the sync alone (as ``sync``)
-            new, metrics["sync"] = self._run("sync", new)
+        new, metrics = self._run(str(kind) if kind.name in (SYNC_FORWARD, HSDP) else LOCAL, state,
+                                 self._put_batch(batch), np.int32(k))
+        if kind.name == LOCAL_THEN_SYNC:  # a second, small program: the sync alone (as ``sync``; a group's)
+            new, metrics["sync"] = self._run(str(kind).replace(LOCAL_THEN_SYNC, "sync"), new)
         if "sync" in metrics:
             self._nonfinite.saw(k, metrics["sync"])
         return new._replace(step=np.int32(k + 1)), metrics
@@ -244,13 +237,9 @@ class LocalSGD:
 
     def kind_at(self, k: int) -> str:
         """The program of 0-based step ``k``: "hsdp" (the warmup: gradients averaged over the
-        workers), "local", "local_then_sync" or "sync_forward" (counted from the warmup's end)."""
-        if k < self.warmup:
-            return HSDP
-        k -= self.warmup
-        if self.rule.layerwise:
-            return SYNC_FORWARD if k > 0 and k % self.tau == 0 else LOCAL
-        return LOCAL_THEN_SYNC if (k + 1) % self.tau == 0 else LOCAL
+        workers), "local", "local_then_sync" or "sync_forward" (counted from the warmup's end; with
+        ``fragments`` the group it syncs, "local_then_sync@1"), as the trainer's schedule says."""
+        return str(self.schedule.kind(k))
 
     def per_worker(self, batch: Any) -> Any:
         """A global batch [N * B, ...] as the stacked one [N, B, ...]: worker i gets rows [iB, (i+1)B)."""
@@ -271,9 +260,12 @@ class LocalSGD:
         """Program ``kind`` for states laid out as ``state`` (compiled once per kind and layout)."""
         key = (kind, jax.tree.structure(state))
         if key not in self._programs:
-            body = {LOCAL: self._local, SYNC_FORWARD: self._sync_forward, "sync": self._sync_now,
+            name, _, group = kind.partition("@")  # a staggered group's sync: only its units (span)
+            span = self._span(state, int(group)) if group else None
+            body = {LOCAL: self._local, SYNC_FORWARD: partial(self._sync_forward, span=span),
+                    "sync": partial(self._sync_now, span=span),
                     HSDP: lambda state, batch, k: self._local(state, batch, k, average=True),
-                    "flush": lambda state: self._sync_now(state, flush=True), "init_outer": self._init_outer}[kind]
+                    "flush": lambda state: self._sync_now(state, flush=True), "init_outer": self._init_outer}[name]
             shardings = self._shardings(state) if kind == "init_outer" else (self._shardings(state), None)
             self._programs[key] = jax.jit(body, donate_argnums=(0,) if self.donate else (), out_shardings=shardings)
         return self._programs[key]
@@ -341,7 +333,7 @@ class LocalSGD:
     def _fresh_outer_state(self, theta):
         """The outer optimizer's state of θ̄: per unit for layer-wise rules (the trainer's
         ``init_outer_opt_state``: the layers' stacked), else of the whole pytree."""
-        return init_outer_opt_state(self.outer_opt, theta, self.rule.layerwise)
+        return init_outer_opt_state(self.outer_opt, theta, self.layered)
 
     def _init_outer(self, state: LocalSGDState) -> LocalSGDState:
         """After the warmup: θ̄ = the workers' params (identical: every step averaged the gradients),
@@ -360,13 +352,23 @@ class LocalSGD:
     def _as_units(self, tree):
         """A tree laid out as the rule's units: layer-wise, the params' own ``{"root", "layers"}``;
         else the whole pytree is one unit (the root of a model without layers)."""
-        return as_units(tree, self.rule.layerwise)
+        return as_units(tree, self.layered)
 
     def _of_units(self, tree):
-        return of_units(tree, self.rule.layerwise)
+        return of_units(tree, self.layered)
+
+    def _layer_count(self, params) -> int:
+        why = "" if self.rule.layerwise else f"with fragments={self.fragments}: "
+        return stacked_layer_count(params, self.rule.name, why)
+
+    def _span(self, state: LocalSGDState, group: int):
+        """The units of staggered group ``group`` (``fragments.fragment_layers``): the units split
+        into ``fragments`` contiguous groups balanced by parameter count, as the trainer splits them."""
+        sizes = unit_sizes(state.outer_params, self._layer_count(state.outer_params))
+        return fragment_layers(balanced_groups(sizes, self.fragments), group)
 
     def _spec(self, state: LocalSGDState) -> SyncSpec:
-        n_layers = stacked_layer_count(state.outer_params, self.rule.name) if self.rule.layerwise else 0
+        n_layers = self._layer_count(state.outer_params) if self.layered else 0
         return SyncSpec(self.rule.penalty, self.rule.outer, self.outer_opt, n_layers, self.n,
                         reduction=WORKERS,
                         inner_opt_specs=jax.tree.map(lambda _: P(REPLICA), state.opt_state))
@@ -383,21 +385,24 @@ class LocalSGD:
                              outer_opt_state=self._of_units(outer_opt_state), detector=det, extra=extra)
         return refuse_nonfinite_sync(state, new, figures)
 
-    def _sync_now(self, state: LocalSGDState, flush: bool = False):
-        """Every unit synced after the step (``SyncRule.after_step``), or the in-flight flushed
-        (``SyncRule.flush``): ``stacked.workers_sync``, the exchange's round too."""
+    def _sync_now(self, state: LocalSGDState, flush: bool = False, span=None):
+        """Every unit synced after the step (``SyncRule.after_step``; ``span``: a staggered group's
+        units only), or the in-flight flushed (``SyncRule.flush``): ``stacked.workers_sync``, the
+        exchange's round too."""
+        state = self._outer_on_device(state)
         outer = OuterState(self._as_units(state.outer_params), self._as_units(state.outer_opt_state), state.detector,
                            jnp.int32(0), state.extra)  # (detectors and the rule's own: per worker, [N])
         units, opt_state, outer, figures = workers_sync(self.rule.sync, self._spec(state), self._as_units(state.params),
-                                                        state.opt_state, outer, flush=flush, spmd=True)
+                                                        state.opt_state, outer, flush=flush, spmd=True, span=span)
         params = jax.tree.map(lambda s, p: s.astype(p.dtype), self._of_units(units), state.params)
         return self._new_state(state, (params, opt_state, outer.detector, outer.extra),
                                (outer.params, outer.opt_state), figures)
 
-    def _sync_forward(self, state: LocalSGDState, batch, k):
+    def _sync_forward(self, state: LocalSGDState, batch, k, span=None):
         """A step whose forward syncs each unit on its way into compute (EDiT: the rule's
         ``forward_inputs``, ``in_forward_sync``, ``assemble``)."""
-        spec, rule = self._spec(state), self.rule.sync
+        state = self._outer_on_device(state)
+        spec, rule = self._spec(state), self.rule.sync  # (span: None, check_fragments says why)
 
         def hook(unit, xs, which):
             if xs is None:
@@ -423,7 +428,15 @@ class LocalSGD:
     # -- layout ------------------------------------------------------------------------------------
 
     def _shardings(self, state: LocalSGDState) -> LocalSGDState:
-        return state_shardings(self.mesh, state, self.shard_outer, self.rule.layerwise, self.fsdp)  # (api_layout.py)
+        return state_shardings(self.mesh, state, self.shard_outer, self.layered, self.fsdp, self.offload)  # api_layout
+
+    def _outer_on_device(self, state: LocalSGDState) -> LocalSGDState:
+        """An offloaded θ̄ and outer state brought to the devices for a sync (inside its program)."""
+        if not self.offload:
+            return state
+        home = self._shardings(state)
+        return state._replace(outer_params=on_device(state.outer_params, home.outer_params),
+                              outer_opt_state=on_device(state.outer_opt_state, home.outer_opt_state))
 
     def _put_batch(self, batch):
         return put_batch(self.mesh, self.n, self.batch_axes, batch)

@@ -17,8 +17,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from edit_jax.localsgd.api_rules import LocalSGDRule
 from edit_jax.localsgd.outer import UnitSync
 from edit_jax.localsgd.sharding import REPLICA
 
@@ -51,13 +52,14 @@ def checked_step_output(out: Any, params: Any, opt_state: Any) -> tuple[Any, Any
     return out
 
 
-def stacked_layer_count(params: Any, rule: str) -> int:
+def stacked_layer_count(params: Any, rule: str, why: str = "") -> int:
     """The layer count of params laid out for a layer-wise rule, ``{"root": ..., "layers": ...}``
     with every leaf of ``layers`` stacked on one leading layer axis (``ScannedModel``); else a
     ValueError saying what the layout is and, for per-layer trees in a list, how to stack them."""
     if not (isinstance(params, dict) and set(params) == {"root", "layers"}):
         keys = sorted(params) if isinstance(params, dict) else type(params).__name__
-        raise ValueError(f"params: rule {rule!r} syncs layer by layer and needs "
+        how = "in groups of units" if why else "layer by layer"
+        raise ValueError(f"params: {why}rule {rule!r} syncs {how} and needs "
                          f"{{'root': ..., 'layers': <stacked on a leading layer axis>}} (ScannedModel), got {keys}")
     layers = params["layers"]
     if isinstance(layers, (list, tuple)) and layers:
@@ -71,6 +73,49 @@ def stacked_layer_count(params: Any, rule: str) -> int:
         raise ValueError(f"params: every leaf of params['layers'] must be stacked on one leading layer axis "
                          f"of the same size >= 1, got leading sizes {sorted(dims, key=str)}")
     return dims.pop()
+
+
+def check_fragments(fragments, tau: int, rule) -> int:
+    """``fragments`` (the staggered groups of units, the trainer's ``sync.fragments``) as an int,
+    or a ValueError naming it."""
+    if isinstance(fragments, bool) or not isinstance(fragments, (int, np.integer)) or fragments < 1:
+        raise ValueError(f"fragments: expected an integer >= 1 (groups of units synced on staggered steps), "
+                         f"got {fragments!r}")
+    if tau % fragments:
+        raise ValueError(f"fragments: must divide tau={tau} (group f syncs at step f·tau/F of each window), "
+                         f"got {fragments}")
+    if fragments > 1 and not rule.sync.streams:
+        raise ValueError(f"fragments: rule {rule.name!r} syncs every unit together (co2's stale all-reduce "
+                         "spans the whole model); leave fragments=1")
+    if fragments > 1 and rule.layerwise:
+        raise ValueError(f"fragments: rule {rule.name!r} syncs inside the forward, where a group's sync needs the "
+                         "layer scan cut into segments (the trainer's models do it, edit-jax train "
+                         "sync.fragments=F); here staggered groups run with whole-model rules (diloco(), "
+                         "post_local_sgd(), edit(layerwise=False), compressed(...) of them)")
+    return int(fragments)
+
+
+def check_arguments(rule, mesh, tau, inner_step, loss_fn, optimizer, warmup_steps, replica: str) -> None:
+    """``LocalSGD``'s arguments, each refused with one line naming it."""
+    if not isinstance(rule, LocalSGDRule):
+        raise ValueError("rule: expected a LocalSGDRule (diloco(), post_local_sgd(), edit(), co2(), "
+                         f"compressed(...), from_method(...)), got {rule!r}")
+    if not isinstance(mesh, Mesh) or replica not in mesh.axis_names:
+        raise ValueError(f"mesh: expected a jax.sharding.Mesh with a {replica!r} axis (one position per "
+                         f"worker), got {getattr(mesh, 'axis_names', mesh)!r}")
+    if isinstance(tau, bool) or not isinstance(tau, (int, np.integer)) or tau < 1:
+        raise ValueError(f"tau: expected an integer >= 1 (inner steps between syncs), got {tau!r}")
+    if (inner_step is None) == (loss_fn is None) or (loss_fn is None) != (optimizer is None):
+        raise ValueError("inner_step / loss_fn, optimizer: give either inner_step, or loss_fn and optimizer")
+    if rule.layerwise and inner_step is not None:
+        raise ValueError(f"inner_step: rule {rule.name!r} syncs inside the forward, so its inner update must "
+                         "apply to the synced params: give loss_fn(params, batch, hook, hook_xs) -> (loss, ys) "
+                         "and optimizer instead (docs/api.md)")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps: expected an integer >= 0, got {warmup_steps!r}")
+    if warmup_steps and inner_step is not None:
+        raise ValueError("warmup_steps: the synchronous warmup averages the workers' gradients every step, "
+                         "which an opaque inner_step does not expose: give loss_fn and optimizer instead")
 
 
 def all_finite(tree, batch_dims: int = 0) -> jax.Array:

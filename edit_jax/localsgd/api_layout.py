@@ -14,6 +14,8 @@ optimizer state have no worker axis.
 - ``shard_outer``: θ̄ and the outer state split over every device of the mesh, 1/(N·S) per
   device, as the harness lays out its outer state. A local step does not touch them; the sync's
   program gathers what it needs. Without it each device holds a whole copy.
+- ``offload_outer``: θ̄ and the outer state in pinned host memory (either layout above), brought
+  to the devices by the sync's programs only (``on_host`` / ``on_device``).
 
 A leaf is split on the dimension the trainer's FSDP picks (``sharding.fsdp_dim``: the largest the
 devices divide, never the worker axis nor the layer axis of stacked layers, each layer's slice
@@ -54,8 +56,10 @@ def _inner_axes(mesh: Mesh) -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a != REPLICA and mesh.shape[a] > 1)
 
 
-def state_shardings(mesh: Mesh, state: Any, shard_outer: bool, layerwise: bool, fsdp: bool = False) -> Any:
-    """``state`` (a ``LocalSGDState`` of arrays or shapes) with each leaf's ``NamedSharding``."""
+def state_shardings(mesh: Mesh, state: Any, shard_outer: bool, layerwise: bool, fsdp: bool = False,
+                    offload: bool = False) -> Any:
+    """``state`` (a ``LocalSGDState`` of arrays or shapes) with each leaf's ``NamedSharding``;
+    ``offload``: θ̄ and the outer optimizer state in the host's memory (``on_host``)."""
     over = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1) if shard_outer else ()
     devices = math.prod(mesh.shape[a] for a in over)
     inner = _inner_axes(mesh) if fsdp else ()
@@ -74,9 +78,23 @@ def state_shardings(mesh: Mesh, state: Any, shard_outer: bool, layerwise: bool, 
             return NamedSharding(mesh, P(REPLICA, *tuple(spec)[1:]))
         return jax.tree_util.tree_map_with_path(one, tree)
 
+    home = on_host if offload else (lambda t: t)
     return state._replace(params=per_worker(state.params), opt_state=per_worker(state.opt_state),
-                          outer_params=shared(state.outer_params), outer_opt_state=shared(state.outer_opt_state),
+                          outer_params=home(shared(state.outer_params)),
+                          outer_opt_state=home(shared(state.outer_opt_state)),
                           detector=per_worker(state.detector), step=None, extra=per_worker(state.extra))
+
+
+def on_host(shardings: Any) -> Any:
+    """The same layout in pinned host memory: where an offloaded θ̄ waits between syncs (the
+    trainer's ``sync.cpu_offload``), taking no accelerator memory in the local steps."""
+    return jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings)
+
+
+def on_device(tree: Any, shardings: Any) -> Any:
+    """``tree`` (inside jit) moved to the devices' memory in ``shardings``' layout: an offloaded θ̄
+    brought in for a sync (XLA moves it back to the host as the program's output sharding says)."""
+    return jax.tree.map(lambda x, s: jax.device_put(x, s.with_memory_kind("device")), tree, shardings)
 
 
 def worker_unit_specs(mesh: Mesh, unit: Any, fsdp: bool) -> Any:

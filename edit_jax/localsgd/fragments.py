@@ -10,6 +10,7 @@ units, its ``fragment_layers`` span, is sync.py's).
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -21,9 +22,14 @@ from edit_jax.models.family import model_family
 def unit_param_counts(cfg: Config) -> list[int]:
     """Parameters of each unit: [root, layer 0, ..., layer L-1]."""
     abstract = jax.eval_shape(partial(model_family(cfg.model.family).init_params, cfg.model), jax.random.key(0))
-    root = sum(x.size for x in jax.tree.leaves(abstract["root"]))
-    layer = sum(x.size // cfg.model.n_layers for x in jax.tree.leaves(abstract["layers"]))
-    return [root] + [layer] * cfg.model.n_layers
+    return unit_sizes(abstract, cfg.model.n_layers)
+
+
+def unit_sizes(params, n_layers: int) -> list[int]:
+    """Parameters of each unit of ``{"root": ..., "layers": <stacked>}`` (arrays or shapes)."""
+    root = sum(math.prod(x.shape) for x in jax.tree.leaves(params["root"]))
+    layer = sum(math.prod(x.shape) // n_layers for x in jax.tree.leaves(params["layers"]))
+    return [root] + [layer] * n_layers
 
 
 def balanced_groups(sizes: list[int], groups: int) -> tuple[int, ...]:

@@ -89,6 +89,9 @@ class SyncRule:
     # When: False, every tau steps with the workers in lock step (``methods.StepSchedule``); True,
     # by wall clock with each worker at its own pace after the warmup (``methods.TimeSchedule``).
     asynchronous = False
+    # Whether its units may sync in staggered groups (``sync.fragments`` > 1, a ``span`` per sync):
+    # CO2's stale all-reduce spans the whole model, so not it (``StaleSync.validate``, the API).
+    streams = True
     codec: Codec = NONE  # the wire, and the state it carries (the compressed wrapper's)
     # Its own hyperparameters' config section, ``sync.<owned_section>`` ("": none; CO2's is
     # "co2"), set away from its defaults for a method of another rule is refused (``rules.py``).
@@ -211,7 +214,7 @@ class RuleWrapper(SyncRule):
     def __init__(self, rule: SyncRule):
         self.rule = rule
         self.keeps_outer, self.in_forward = rule.keeps_outer, rule.in_forward
-        self.asynchronous, self.codec = rule.asynchronous, rule.codec
+        self.asynchronous, self.codec, self.streams = rule.asynchronous, rule.codec, rule.streams
 
     def check_config(self, cfg: Config) -> None:
         type(self).validate(cfg)

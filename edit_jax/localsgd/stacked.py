@@ -35,12 +35,13 @@ def of_units(tree: Any, layerwise: bool) -> Any:
 
 
 def workers_sync(rule: SyncRule, spec: SyncSpec, params: Any, opt_state: Any, outer: Any, shares=None,
-                 flush: bool = False, spmd: bool = False):
+                 flush: bool = False, spmd: bool = False, span=None):
     """``rule``'s sync of N workers whose ``params`` (laid out as units) and inner ``opt_state`` (or
     None) are stacked [N, ...]; ``outer`` an ``OuterState`` whose ``params`` / ``opt_state`` are one
     copy and whose ``detector`` / ``extra`` are per worker [N, ...]. ``rule.after_step`` (with the
     step ``shares`` of A-EDiT), or ``rule.flush`` (what is in flight, no new round; no inner reset).
     ``spmd``: the worker axis is the mesh's ``replica`` axis (``vmap``'s ``spmd_axis_name``).
+    ``span``: the units of one staggered group only (``fragments.fragment_layers``; None: every unit).
     Returns (params [N], opt_state [N], the new ``OuterState`` (per-worker parts [N]), figures)."""
     def worker(params, opt_state, det, extra):
         view = outer.replace(detector=with_replica_dim(det), extra=with_replica_dim(extra))
@@ -50,7 +51,7 @@ def workers_sync(rule: SyncRule, spec: SyncSpec, params: Any, opt_state: Any, ou
             figures["inner_reset"] = jnp.zeros((spec.n_workers,), bool)
         else:
             units, view, opt_state, figures, _ = rule.after_step(units, view, with_replica_dim(opt_state), spec,
-                                                                 shares)
+                                                                 shares, span)
             opt_state = local_blocks(opt_state)
         mine = (local_blocks(units), opt_state, local_blocks(view.detector), local_blocks(view.extra))
         return mine, (view.params, view.opt_state, view.syncs), figures

@@ -89,6 +89,7 @@ class StaleSync(SyncRule):
     stored outer momentum (``momentum_clip``, 0: off)."""
 
     name = "stale"
+    streams = False  # the stale all-reduce of round t is the whole model's
 
     def __init__(self, gap_penalty: float = 1.0, momentum_clip: float = 0.0):
         self.gap_penalty, self.momentum_clip = float(gap_penalty), float(momentum_clip)
@@ -105,7 +106,8 @@ class StaleSync(SyncRule):
         s = cfg.sync
         # CO2's stale sync is the whole model after the step, one all-reduce of the pending pseudo
         # gradients; the streaming, quantized and replica-sharded exchanges are not built for it.
-        require(s.fragments == 1, "sync.fragments", f"method {s.method} syncs every unit together; got {s.fragments}")
+        require(s.fragments == 1 or StaleSync.streams, "sync.fragments",
+                f"method {s.method} syncs every unit together; got {s.fragments}")
         require(s.wire.kind == "none", "sync.wire.kind",
                 f"method {s.method} exchanges float32 pseudo gradients; got {s.wire.kind!r}")
         require(s.outer_sharding == "shard", "sync.outer_sharding",
