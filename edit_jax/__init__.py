@@ -56,6 +56,7 @@ _API = {
     # DiLoCo / EDiT around your own model, optimizer and loop (docs/api.md)
     "LocalSGD": "edit_jax.localsgd.api",
     "scan_blocks": "edit_jax.localsgd.nnx_model",
+    "scan_layers": "edit_jax.localsgd.layer_scan",
     "LocalSGDState": "edit_jax.localsgd.api",
     "LocalSGDRule": "edit_jax.localsgd.api",
     "diloco": "edit_jax.localsgd.api",

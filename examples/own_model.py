@@ -107,6 +107,7 @@ def main(argv=None) -> dict:
                     help="pseudo gradients on a lossy wire, with error feedback")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--tau", type=int, default=None, help="inner steps between syncs")
+    ap.add_argument("--fragments", type=int, default=1, help="sync the units in this many staggered groups")
     ap.add_argument("--tiny", action="store_true", help="a smaller model and batch (for tests)")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--shard", type=int, default=2, help="devices per worker (data parallel within it)")
@@ -132,9 +133,9 @@ def main(argv=None) -> dict:
     if args.wire != "none":
         rule = edit_jax.compressed(rule, args.wire, error_feedback=True)
     if not rule.layerwise:  # DiLoCo, CO2: the whole model after the step
-        trainer = edit_jax.LocalSGD(rule, mesh, tau, inner_step=train_step)
+        trainer = edit_jax.LocalSGD(rule, mesh, tau, inner_step=train_step, fragments=args.fragments)
     else:  # EDiT syncs inside the forward: it runs the update itself, so it takes the loss and tx
-        trainer = edit_jax.LocalSGD(rule, mesh, tau, loss_fn=loss_fn, optimizer=tx)
+        trainer = edit_jax.LocalSGD(rule, mesh, tau, loss_fn=loss_fn, optimizer=tx, fragments=args.fragments)
 
     data = load_bytes()
     split = int(0.9 * len(data))

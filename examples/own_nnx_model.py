@@ -101,6 +101,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rule", choices=("diloco", "edit"), default="edit")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--fragments", type=int, default=1, help="sync the units in this many staggered groups")
     ap.add_argument("--tiny", action="store_true", help="a smaller model and batch (for tests)")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--shard", type=int, default=2, help="devices per worker (data parallel within it)")
@@ -115,7 +116,8 @@ def main(argv=None) -> dict:
     rule = {"diloco": edit_jax.diloco, "edit": edit_jax.edit}[args.rule](**OUTER)
     # The module as it is; blocks= names its stacked blocks, which a layer-wise rule syncs one by one.
     trainer = edit_jax.LocalSGD.for_nnx(rule, mesh, tau, model=model, optimizer=optax.adamw(3e-3, weight_decay=0.01),
-                                        loss_fn=loss_fn, blocks="blocks" if rule.layerwise else None, seed=0)
+                                        loss_fn=loss_fn, blocks="blocks" if rule.layerwise else None, seed=0,
+                                        fragments=args.fragments)
     state = trainer.init()
     if args.checkpoint and edit_jax.saved_local_sgd_steps(args.checkpoint):  # a run killed before: go on
         state = edit_jax.restore_local_sgd(args.checkpoint, state)

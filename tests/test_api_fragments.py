@@ -9,14 +9,16 @@ units untouched) and against the same run without the offload (bit for bit)."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from edit_jax.localsgd.api import LocalSGD, co2, diloco, edit
+from edit_jax.localsgd.api import LocalSGD, Penalty, co2, diloco, edit
+from edit_jax.localsgd.layer_scan import scan_layers
 from edit_jax.localsgd.outer import sgd_trace
 from tests.stages import one_stage
-from tests.test_api import N, _close, _f64, _mesh, _scanned_batch, _scanned_loss, _scanned_params
+from tests.test_api import N, _close, _f64, _mesh, _scanned_batch, _scanned_loss, _scanned_params, np_edit_sync
 
 
 def _loss(p, batch, hook, hook_xs):
@@ -99,8 +101,6 @@ def test_fragments_are_refused_where_they_cannot_run():
         LocalSGD(diloco(), _mesh(), 4, loss_fn=_loss, optimizer=tx, fragments=3)
     with pytest.raises(ValueError, match="fragments: rule 'co2' syncs every unit together"):
         LocalSGD(co2(), _mesh(), 4, loss_fn=_loss, optimizer=tx, fragments=2)
-    with pytest.raises(ValueError, match="fragments: rule 'edit' syncs inside the forward"):
-        LocalSGD(edit(), _mesh(), 4, loss_fn=_loss, optimizer=tx, fragments=2)
     with pytest.raises(ValueError, match="fragments: expected an integer >= 1"):
         LocalSGD(diloco(), _mesh(), 4, loss_fn=_loss, optimizer=tx, fragments=0)
     trainer = LocalSGD(diloco(), _mesh(), 4, loss_fn=_loss, optimizer=tx, fragments=4)
@@ -108,3 +108,42 @@ def test_fragments_are_refused_where_they_cannot_run():
         trainer.init(_scanned_params(layers=2))
     with pytest.raises(ValueError, match="with fragments=2: rule 'diloco' syncs in groups of units and needs"):
         LocalSGD(diloco(), _mesh(), 4, loss_fn=_loss, optimizer=tx, fragments=2).init({"w": np.zeros(3, np.float32)})
+
+
+def _segmented_loss(p, batch, hook, hook_xs):
+    """``_scanned_loss`` with its layers run by ``edit_jax.scan_layers`` (a staggered group's sync)."""
+    xs = hook_xs if hook_xs is not None else {"root": None, "layers": None}
+    root, root_ys = hook(p["root"], xs["root"], "root")
+    h = jnp.tanh(batch["x"] @ root["w_in"])
+
+    def layer(h, unit):
+        params, unit_xs = unit
+        params, ys = hook(params, unit_xs, "layer")
+        return h + jnp.tanh(h @ params["w"] + params["b"]), ys
+
+    h, layer_ys = scan_layers(layer, h, p["layers"], xs["layers"])
+    return jnp.mean((h @ root["w_out"] - batch["y"]) ** 2), {"root": root_ys, "layers": layer_ys}
+
+
+def test_streaming_edit_syncs_each_group_inside_the_forward_as_numpy_says():
+    # units: the root (3·8 + 8 = 32 params), two layers (64 + 8 = 72 each): [32 | 144] or [104 | 72],
+    # so group 0 is the root and layer 0, group 1 layer 1. tau 2, F 2: group 1 in step 1's forward,
+    # group 0 in step 2's; each the first sync of its units (NumPy's first-sync EDiT on them).
+    penalty = Penalty(warmup=3, temperature=0.05, clip_threshold=0.3)
+    trainer = LocalSGD(edit(outer_lr=0.7, outer_momentum=0.9, penalty=penalty), _mesh(), 2, loss_fn=_segmented_loss,
+                       optimizer=optax.sgd(0.2), fragments=2, donate=False)
+    state = trainer.init(_scanned_params())
+    assert [trainer.kind_at(k) for k in range(4)] == ["local", "sync_forward@1", "sync_forward@0", "sync_forward@1"]
+    state, _ = trainer.step(state, _scanned_batch(0))
+    for k, unsynced in ((1, (True, 0, 1)), (2, (False, 1, 2))):
+        theta = _f64(state.outer_params)
+        want, *_ = np_edit_sync(theta, _f64(state.params), penalty, 0.7, 0.9)
+        state, metrics = trainer.step(state, _scanned_batch(k))
+        assert "sync" in metrics
+        _close(state.outer_params, _keep(theta, want, unsynced), f"θ̄ after the group sync of step {k}")
+    # a forward that scans hook_xs["layers"] itself: one line saying what to call
+    mine = LocalSGD(edit(), _mesh(), 2, loss_fn=_loss, optimizer=optax.sgd(0.2), fragments=2, donate=False)
+    state = mine.init(_scanned_params())
+    state, _ = mine.step(state, _scanned_batch(0))
+    with pytest.raises(ValueError, match=r"run them with\s+edit_jax.scan_layers"):
+        mine.step(state, _scanned_batch(1))

@@ -56,7 +56,8 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 from edit_jax.localsgd.api_checks import NonFiniteWatch, base_key, check_arguments, check_fragments, check_ys, \
     checked_step_output, per_worker, put_batch, refuse_nonfinite_sync, stacked_layer_count
 from edit_jax.localsgd.api_layout import manual_workers, on_device, state_shardings, worker_unit_specs
-from edit_jax.localsgd.fragments import balanced_groups, fragment_layers, unit_sizes
+from edit_jax.localsgd.fragments import group_span
+from edit_jax.localsgd.layer_scan import LayerSegments
 from edit_jax.localsgd.methods import StepSchedule
 from edit_jax.localsgd.api_rules import LocalSGDRule, co2, compressed, diloco, edit, from_method, post_local_sgd
 from edit_jax.localsgd.nnx_model import NNXModel, transformation
@@ -137,7 +138,8 @@ class LocalSGD:
     @classmethod
     def for_nnx(cls, rule: LocalSGDRule, mesh: Mesh, tau: int, model, optimizer, loss_fn: Callable, *,
                 blocks: str | None = None, seed: int | jax.Array | None = None, donate: bool = True,
-                shard_outer: bool = False, fsdp: bool = False) -> "LocalSGD":
+                shard_outer: bool = False, fsdp: bool = False, fragments: int = 1,
+                offload_outer: bool = False) -> "LocalSGD":
         """A Flax NNX ``model`` (an ``nnx.Module``) trained with ``optimizer`` (optax, or an
         ``nnx.Optimizer``: its ``tx``) on ``loss_fn(model, batch) -> loss | (loss, metrics)``: its
         ``nnx.Param`` state is the params (``init()`` takes them from the model), its RNG streams
@@ -151,7 +153,8 @@ class LocalSGD:
                              "edit(layerwise=False), co2(), ...)")
         wrapped = NNXModel(model, blocks if rule.layerwise else None)
         trainer = cls(rule, mesh, tau, loss_fn=wrapped.loss_fn(loss_fn), optimizer=transformation(optimizer),
-                      seed=seed, donate=donate, shard_outer=shard_outer, fsdp=fsdp)
+                      seed=seed, donate=donate, shard_outer=shard_outer, fsdp=fsdp, fragments=fragments,
+                      offload_outer=offload_outer)
         trainer.nnx = wrapped
         return trainer
 
@@ -261,7 +264,8 @@ class LocalSGD:
         key = (kind, jax.tree.structure(state))
         if key not in self._programs:
             name, _, group = kind.partition("@")  # a staggered group's sync: only its units (span)
-            span = self._span(state, int(group)) if group else None
+            span = group_span(state.outer_params, self._layer_count(state.outer_params), self.fragments,
+                              int(group)) if group else None
             body = {LOCAL: self._local, SYNC_FORWARD: partial(self._sync_forward, span=span),
                     "sync": partial(self._sync_now, span=span),
                     HSDP: lambda state, batch, k: self._local(state, batch, k, average=True),
@@ -296,7 +300,8 @@ class LocalSGD:
                                                         average=average)
         return params, opt_state, metrics
 
-    def _loss_step(self, params, opt_state, batch, hook, hook_xs, k, outer=None, spec=None, average=False):
+    def _loss_step(self, params, opt_state, batch, hook, hook_xs, k, outer=None, spec=None, average=False,
+                   span=None):
         """One worker's step from ``loss_fn``; with a sync in the forward (``hook_xs``: the rule's
         per-unit inputs, ``outer`` this worker's view of the outer state), the rule assembles the
         synced state (``SyncRule.assemble``: the params are θ̄, a worker gone non-finite restarts
@@ -315,9 +320,9 @@ class LocalSGD:
             grads = jax.lax.pmean(grads, REPLICA)
         synced = None
         if hook_xs is not None:
-            check_ys(ys)
+            check_ys(ys, span)
             synced, outer, opt_state, figures, _ = self.rule.sync.assemble(
-                with_replica_dim(params), outer, with_replica_dim(opt_state), ys, spec)
+                with_replica_dim(params), outer, with_replica_dim(opt_state), ys, spec, span)
             params = jax.tree.map(lambda s, p: s.astype(p.dtype), local_blocks(synced), params)
             opt_state, synced = local_blocks(opt_state), (outer, figures)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
@@ -361,12 +366,6 @@ class LocalSGD:
         why = "" if self.rule.layerwise else f"with fragments={self.fragments}: "
         return stacked_layer_count(params, self.rule.name, why)
 
-    def _span(self, state: LocalSGDState, group: int):
-        """The units of staggered group ``group`` (``fragments.fragment_layers``): the units split
-        into ``fragments`` contiguous groups balanced by parameter count, as the trainer splits them."""
-        sizes = unit_sizes(state.outer_params, self._layer_count(state.outer_params))
-        return fragment_layers(balanced_groups(sizes, self.fragments), group)
-
     def _spec(self, state: LocalSGDState) -> SyncSpec:
         n_layers = self._layer_count(state.outer_params) if self.layered else 0
         return SyncSpec(self.rule.penalty, self.rule.outer, self.outer_opt, n_layers, self.n,
@@ -402,7 +401,7 @@ class LocalSGD:
         """A step whose forward syncs each unit on its way into compute (EDiT: the rule's
         ``forward_inputs``, ``in_forward_sync``, ``assemble``)."""
         state = self._outer_on_device(state)
-        spec, rule = self._spec(state), self.rule.sync  # (span: None, check_fragments says why)
+        spec, rule = self._spec(state), self.rule.sync
 
         def hook(unit, xs, which):
             if xs is None:
@@ -414,9 +413,11 @@ class LocalSGD:
 
         def worker(params, opt_state, batch, det, extra):
             outer = self._outer(state, det, extra)
-            hook_xs, _ = rule.forward_inputs(outer, spec)
+            hook_xs, segments = rule.forward_inputs(outer, spec, span)
+            if segments is not None:  # a staggered group: the layers in segments (layer_scan.py)
+                hook_xs = {"root": hook_xs["root"], "layers": LayerSegments(tuple(segments))}
             params, opt_state, metrics, (outer, figures) = self._loss_step(params, opt_state, batch, hook, hook_xs,
-                                                                           k, outer, spec)
+                                                                           k, outer, spec, span=span)
             return ((params, opt_state, local_blocks(outer.detector), local_blocks(outer.extra)),
                     (outer.params, outer.opt_state), figures, metrics)
 
@@ -443,5 +444,4 @@ class LocalSGD:
 
 
 __all__ = ["LocalSGD", "LocalSGDRule", "LocalSGDState", "diloco", "post_local_sgd", "edit", "co2", "compressed",
-           "from_method", "identity_hook",
-           "Penalty", "OuterSpec"]
+           "from_method", "identity_hook", "Penalty", "OuterSpec"]

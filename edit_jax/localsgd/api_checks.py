@@ -87,11 +87,6 @@ def check_fragments(fragments, tau: int, rule) -> int:
     if fragments > 1 and not rule.sync.streams:
         raise ValueError(f"fragments: rule {rule.name!r} syncs every unit together (co2's stale all-reduce "
                          "spans the whole model); leave fragments=1")
-    if fragments > 1 and rule.layerwise:
-        raise ValueError(f"fragments: rule {rule.name!r} syncs inside the forward, where a group's sync needs the "
-                         "layer scan cut into segments (the trainer's models do it, edit-jax train "
-                         "sync.fragments=F); here staggered groups run with whole-model rules (diloco(), "
-                         "post_local_sgd(), edit(layerwise=False), compressed(...) of them)")
     return int(fragments)
 
 
@@ -197,8 +192,20 @@ def base_key(seed):
     raise ValueError(f"seed: expected an int or a JAX random key, got {seed!r}")
 
 
-def check_ys(ys) -> None:
-    """The ys of a forward that synced: every unit's ``UnitSync``, laid out as root and layers."""
+def check_ys(ys, span=None) -> None:
+    """The ys of a forward that synced: every unit's ``UnitSync``, laid out as root and layers;
+    with ``span`` (a staggered group's sync) the root's if it is in the group, and the layers' as
+    the list of the segments' (``layer_scan.scan_layers``)."""
+    if span is not None:
+        root_in, lo, hi = span
+        layers = ys.get("layers") if isinstance(ys, dict) else None
+        if not (isinstance(layers, list) and len(layers) == 3 and (hi == lo or isinstance(layers[1], UnitSync))
+                and (not root_in or isinstance(ys.get("root"), UnitSync))):
+            raise ValueError("loss_fn: on a staggered group's sync step the forward must pass the root through "
+                             "hook(unit, unit_xs, 'root') and run the layers with edit_jax.scan_layers (LayerStack "
+                             "and scan_blocks do), returning ys {'root': ..., 'layers': <the segments' list>}; got "
+                             f"ys={type(ys).__name__}")
+        return
     ok = isinstance(ys, dict) and isinstance(ys.get("root"), UnitSync) and isinstance(ys.get("layers"), UnitSync)
     if not ok:
         raise ValueError("loss_fn: on a sync step the forward must pass every unit through hook(unit, unit_xs, "

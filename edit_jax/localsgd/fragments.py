@@ -25,6 +25,12 @@ def unit_param_counts(cfg: Config) -> list[int]:
     return unit_sizes(abstract, cfg.model.n_layers)
 
 
+def group_span(params, n_layers: int, fragments: int, f: int) -> tuple[bool, int, int]:
+    """``fragment_layers`` of group ``f`` of ``params`` (``{"root", "layers"}``, arrays or shapes)
+    split into ``fragments`` groups as a run's units are (the API's, from its params' shapes)."""
+    return fragment_layers(balanced_groups(unit_sizes(params, n_layers), fragments), f)
+
+
 def unit_sizes(params, n_layers: int) -> list[int]:
     """Parameters of each unit of ``{"root": ..., "layers": <stacked>}`` (arrays or shapes)."""
     root = sum(math.prod(x.shape) for x in jax.tree.leaves(params["root"]))

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import jax
 
+from edit_jax.localsgd.layer_scan import scan_layers
 from edit_jax.models.family import identity_hook
 
 
@@ -113,7 +114,7 @@ class LayerStack:
             r = None if rngs is None else {n: jax.random.fold_in(k, i) for n, k in rngs.items()}
             return (self.block.apply({"params": block_params}, x, rngs=r, **kw), i + 1), ys
 
-        (x, _), ys = jax.lax.scan(layer, (x, 0), (stacked, stacked_xs))
+        (x, _), ys = scan_layers(layer, (x, 0), stacked, stacked_xs)  # (a staggered group's: in segments)
         return x, ys
 
 

@@ -28,6 +28,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from edit_jax.localsgd.layer_scan import scan_layers
+
 
 class _Forward:
     """One traced forward of a layer-wise step: the sync's hook, the layers' inputs, their outputs."""
@@ -65,7 +67,7 @@ def scan_blocks(blocks: nnx.Module, x: Any, **kw) -> Any:
         block = nnx.merge(graphdef, p, jax.tree.map(lambda v: own(v, i), rest))
         return (block(h, **kw), i + 1), ys
 
-    (x, _), ys = jax.lax.scan(layer, (x, 0), (params, xs))
+    (x, _), ys = scan_layers(layer, (x, 0), params, xs)  # (a staggered group's sync: in segments)
     if forward is not None:
         forward.layer_ys.append(ys)
     return x
