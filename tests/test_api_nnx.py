@@ -17,7 +17,9 @@ from flax import nnx
 import edit_jax
 from edit_jax.localsgd.api import LocalSGD
 from edit_jax.localsgd.outer_spec import Penalty
-from tests.test_api import N, _mesh
+from tests.helpers import load_example
+from tests.stages import one_stage
+from tests.test_api import N, _f64, _mesh, np_edit_sync
 
 
 class Regressor(nnx.Module):
@@ -196,3 +198,70 @@ def test_layerwise_nnx_with_dropout_per_layer_and_a_forward_that_scans_twice():
                              _lm_loss, blocks="blocks")
     with pytest.raises(ValueError, match=r"scan_blocks\(self.blocks, x\) once; it ran it 2 times"):
         twice.step(twice.init(), _lm_batch(0))
+
+
+# ============================================================================= the NNX example's sync
+
+
+PENALTY = Penalty(warmup=3, temperature=0.05, clip_threshold=0.5)
+RULES = {"diloco": lambda: edit_jax.diloco(0.6, 0.8), "co2": lambda: edit_jax.co2(0.6, 0.8, gap_penalty=2.0),
+         "edit": lambda: edit_jax.edit(outer_lr=0.6, outer_momentum=0.8, penalty=PENALTY),
+         "edit+topk2": lambda: edit_jax.compressed(edit_jax.edit(outer_lr=0.6, outer_momentum=0.8, penalty=PENALTY),
+                                                   "topk2")}
+
+
+def _close(got, want, what, rtol=2e-5, atol=2e-6):
+    assert jax.tree.structure(got) == jax.tree.structure(want), what  # (NNX paths end in .value: zipped)
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=rtol, atol=atol,
+                                   err_msg=f"{what}{jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_the_nnx_example_syncs_as_the_reference(rule):
+    """The NNX example's model (``examples/own_nnx_model.py``, tiny) through ``for_nnx``, its workers
+    moved off θ̄ by their own amounts (worker i 2^i as far): DiLoCo's and CO2's sync (a round, then
+    the flush) give NumPy's θ̄; EDiT's sync inside the forward (``scan_blocks`` placing the hook)
+    gives Algorithm 2's (``np_edit_sync``, the conformance tests' reference); EDiT on topk2 with
+    error feedback inside the forward gives what the same rule's sync after the step gives on the
+    same posts through the plain API (equal to the trainer's: ``test_rule_conformance``)."""
+    # each once per CI run: DiLoCo and EDiT + topk2 under the default Python, EDiT and CO2 under 3.12
+    stage, pair = {"diloco": ("default", "edit"), "edit+topk2": ("default", "co2"), "edit": ("3.12", "diloco"),
+                   "co2": ("3.12", "edit+topk2")}[rule]
+    one_stage(stage, f"the NNX example with {rule}", 12, other=f"the same with {pair}")
+    ex = load_example("own_nnx_model")
+    size = ex.SIZES["tiny"]
+    model = ex.ByteLM(size["d_model"], size["n_layers"], size["n_heads"], size["seq_len"], nnx.Rngs(0, dropout=1))
+    r = RULES[rule]()
+    trainer = LocalSGD.for_nnx(r, _mesh(), 1, model, optax.sgd(0.1), ex.loss_fn, blocks="blocks" if r.layerwise
+                               else None, donate=False)
+    state = trainer.init()
+    rng = np.random.default_rng(0)
+    theta = _f64(state.outer_params)
+    workers = jax.tree.map(lambda t: np.stack([t - 2.0 ** i * 0.02 * rng.standard_normal(t.shape)
+                                               for i in range(N)]).astype(np.float32), theta)
+    posts = state._replace(params=workers)
+    lr, mu = 0.6, 0.8
+    mean_delta = jax.tree.map(lambda t, w: np.mean(t[None] - w, axis=0), theta, workers)
+    if rule == "diloco":  # Nesterov from a zero momentum: b = Δ̄, θ̄ -= η(Δ̄ + μb)
+        new, _ = trainer.sync(posts)
+        _close(new.outer_params, jax.tree.map(lambda t, d: t - lr * (d + mu * d), theta, mean_delta), "DiLoCo θ̄")
+    elif rule == "co2":  # a round sends θ̄ − θ_i in flight (θ̄ unmoved: nothing was); the flush lands their mean / Λ
+        new, _ = trainer.sync(posts)
+        _close(new.outer_params, theta, "CO2 θ̄ after a round with nothing in flight")
+        new, _ = trainer.flush(new)
+        _close(new.outer_params, jax.tree.map(lambda t, d: t - lr * d / 2.0, theta, mean_delta), "CO2 θ̄ flushed")
+    else:  # the sync in step 1's forward (tau 1): θ̄ as Algorithm 2 gives it; the inner update leaves θ̄ be
+        batch = ex.batch_at(ex.load_bytes(), (N, size["batch"]), size["seq_len"], 0, 1)
+        assert trainer.kind_at(1) == "sync_forward"
+        new, metrics = trainer.step(posts._replace(step=np.int32(1)), batch)
+        assert "sync" in metrics
+        if rule == "edit":
+            want, _, _, w, clip = np_edit_sync(theta, workers, PENALTY, lr, mu)
+            assert np.ptp(w) > 0.05 and clip.min() < 1.0, (w, clip)  # the penalty is exercised
+            _close(new.outer_params, want, "EDiT θ̄, hook placed by scan_blocks")
+        else:
+            plain = LocalSGD(r, _mesh(), 1, loss_fn=lambda *a: None, optimizer=optax.sgd(0.1), donate=False)
+            after, _ = plain.sync(plain.init(state.outer_params)._replace(params=workers))
+            _close(new.outer_params, after.outer_params, "EDiT + topk2 θ̄, in the forward vs after the step")
+            _close(new.extra, after.extra, "EDiT + topk2 residuals")
