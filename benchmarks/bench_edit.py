@@ -45,7 +45,7 @@ import time
 if __package__ in (None, ""):  # run as a script: the repo root on the path, for `benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import harness as common
-from edit_jax.tools import hlo  # no jax import: safe before the device count is set
+from edit_jax.analysis import hlo  # no jax import: safe before the device count is set
 
 SECTIONS = ("a", "b", "c", "d", "e")
 

@@ -102,8 +102,8 @@ def _sync_in_profile(programs, state, batch, log_dir: str) -> list[dict]:
 
     import jax
 
-    from edit_jax.tools import hlo_overlap
-    from edit_jax.tools.profile import find_trace
+    from edit_jax.analysis import hlo_overlap
+    from edit_jax.analysis.profile import find_trace
 
     text = programs.lowered("sync_forward", state, batch).compile().as_text()
     names = {r["name"] for r in

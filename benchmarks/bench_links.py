@@ -251,7 +251,7 @@ def census(args, say) -> dict:
 def replica_bytes_per_kind(config: str, overrides: list[str]) -> dict[str, float]:
     """``plan``'s ring bytes across ``replica`` per device, per step kind (an A-EDiT sync moves
     what an EDiT sync moves: its kinds are taken from ``method=edit``)."""
-    from edit_jax.tools.plan import plan
+    from edit_jax.commands.plan import plan
     from edit_jax.validate import load_config
 
     overrides = ["method=edit" if o == "method=a_edit" else o for o in overrides if not o.startswith("sync.time.tau")]

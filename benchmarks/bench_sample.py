@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from edit_jax.models import llama as model_lib
-    from edit_jax.tools.sample import Sampler, choose
+    from edit_jax.commands.sample import Sampler, choose
     from edit_jax.rundir.trained import load_tokenizer, load_trained
 
     model = load_trained(args.run_dir)

@@ -21,7 +21,7 @@ Ratios are of the medians over all timed steps.
 
 Profile: with ``--profile-steps K`` (default 3) each configuration of this checkout traces K steps of
 every kind (``jax.profiler.trace(dir, create_perfetto_trace=True)``, under ``<json dir>/traces``)
-and the driver files every op's self time under a category (``edit_jax.tools.profile``). To look at a
+and the driver files every op's self time under a category (``edit_jax.analysis.profile``). To look at a
 trace: open ``perfetto_trace.json.gz`` in https://ui.perfetto.dev, or the directory in
 TensorBoard's profile plugin / ``xprof`` (the ``.xplane.pb``).
 """
@@ -322,7 +322,7 @@ def main(argv=None) -> dict:
         return {}
     n_dev = args.replica * args.shard
     common.ensure_cpu_devices(n_dev)
-    from edit_jax.tools.profile import find_trace, summarize
+    from edit_jax.analysis.profile import find_trace, summarize
 
     kinds = args.kinds.split(",") if args.kinds else default_kinds(args.method)
     base = {"model": args.model, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "remat": args.remat,
@@ -424,7 +424,7 @@ def report(args, specs, infos, runs, samples, profiles, env, loads) -> dict:
         common.print_table("derived ratios (medians)", ["quantity", "value"],
                            [[k, f"{v * 1e3:.1f} ms" if k.endswith("_s") else f"{v:.3f}"] for k, v in derived.items()])
     if profiles:
-        from edit_jax.tools.profile import CATEGORIES
+        from edit_jax.analysis.profile import CATEGORIES
 
         prow = [[k] + [f"{p['per_device_step_ms'][c]:.2f}" for c in CATEGORIES] + [f"{p['total_ms']:.1f}"]
                 for k, p in profiles.items()]

@@ -196,7 +196,7 @@ def main(argv=None):
         json.dump({"env": common.env_info(), "args": vars(args), "sweep": sweep, "best": best, "final": final,
                    "rows": rows, "checks": checks}, f, indent=1)
     try:
-        from edit_jax.tools.plot import plot_runs
+        from edit_jax.commands.plot import plot_runs
 
         seed0 = [r for r in final if r["seed"] == args.seeds[0] and not r["diverged"]]
         plot_runs([r["run_dir"] for r in seed0], args.plot, labels=[r["method"] for r in seed0])

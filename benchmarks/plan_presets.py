@@ -37,7 +37,7 @@ def main(argv=None) -> dict:
     common.ensure_cpu_devices(64)
     from edit_jax.config import apply_overrides
     from edit_jax.presets import paper
-    from edit_jax.tools.plan import GIB, plan
+    from edit_jax.commands.plan import GIB, plan
     from edit_jax.validate import validate
 
     rows, out = [], {"env": common.env_info(), "presets": {}, "checks": {}}

@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_LOCKED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
+from edit_jax.exit_codes import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_OK  # noqa: F401 - (exit codes: one module)
 
 
 ENV_DEBUG = "EDIT_JAX_DEBUG"
@@ -140,11 +140,11 @@ def _train(argv: list[str]) -> int:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"edit-jax: bad config: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     if args.distributed and cfg.mesh.processes < 2:
         print("edit-jax: bad config: --distributed runs one process per worker: set mesh.processes = mesh.replica "
               f"(the number of processes the cluster starts), got mesh.processes={cfg.mesh.processes}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     if args.distributed and os.environ.get("EDIT_JAX_DISTRIBUTED_CHILD") != "1":  # cluster_exit.ENV_CHILD
         from edit_jax.runtime.cluster_exit import watch  # the training runs in a child: its end -> retry/shrink/stop
 
@@ -161,7 +161,7 @@ def _train(argv: list[str]) -> int:
 
         if args.max_restarts < 0:
             print(f"edit-jax: bad option: --max-restarts {args.max_restarts}: expected 0 or more", file=sys.stderr)
-            return 2
+            return EXIT_BAD_INPUT
 
         def shrink_check(n: int) -> str | None:  # mesh.elastic: may the run go on with n workers?
             try:
@@ -225,7 +225,7 @@ def _train(argv: list[str]) -> int:
 
 
 def _launch_exchange_workers(cfg, args, run_dir: str) -> int:
-    from edit_jax.elastic.launch import launch_run
+    from edit_jax.elastic.supervisor import launch_run
 
     _started[0] = True
     return launch_run(cfg, args, run_dir)
@@ -358,12 +358,13 @@ COMMANDS = {  # what each does, for `edit-jax --help`
 
 def _main(argv: list[str]) -> int:
     _cpu_without_gpus()
-    commands = {"train": _train, "placement": lambda a: __import__("edit_jax.placement.cli", fromlist=["main"]).main(a),
-                "sample": lambda a: __import__("edit_jax.tools.sample", fromlist=["main"]).main(a),
+    commands = {"train": _train,
+                "placement": lambda a: __import__("edit_jax.commands.placement", fromlist=["main"]).main(a),
+                "sample": lambda a: __import__("edit_jax.commands.sample", fromlist=["main"]).main(a),
                 "export": lambda a: __import__("edit_jax.hf.export", fromlist=["main"]).main(a),
-                "plot": lambda a: __import__("edit_jax.tools.plot", fromlist=["main"]).main(a),
+                "plot": lambda a: __import__("edit_jax.commands.plot", fromlist=["main"]).main(a),
                 "tokenize": lambda a: __import__("edit_jax.data.tokenize", fromlist=["main"]).main(a),
-                "plan": lambda a: __import__("edit_jax.tools.plan", fromlist=["main"]).main(a),
+                "plan": lambda a: __import__("edit_jax.commands.plan", fromlist=["main"]).main(a),
                 "worker": _worker}
     if not argv or argv[0] not in commands:
         wanted = bool(argv) and argv[0] in ("-h", "--help")

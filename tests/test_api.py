@@ -25,7 +25,7 @@ import pytest
 import edit_jax
 from edit_jax.localsgd.api import LocalSGD, Penalty, diloco, edit, identity_hook, post_local_sgd
 from edit_jax.localsgd.outer import sgd_trace
-from edit_jax.tools import hlo
+from edit_jax.analysis import hlo
 from tests.helpers import load_example
 from tests.stages import one_stage
 

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import edit_jax
-from edit_jax.tools import hlo
+from edit_jax.analysis import hlo
 from tests.helpers import load_example
 from tests.stages import one_stage
 

@@ -15,7 +15,7 @@ from flax import nnx
 
 import edit_jax
 from edit_jax.localsgd.api import LocalSGD
-from edit_jax.tools import plot
+from edit_jax.commands import plot
 from tests.test_api import N, _mesh
 from tests.test_api_nnx import StackedLM, _lm_batch, _lm_loss
 

@@ -23,7 +23,7 @@ from edit_jax.localsgd.stale import StaleSync
 from edit_jax.localsgd.outer import make_outer_optimizer, sgd_trace, stale_outer_step
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.presets import cpu, paper
-from edit_jax.tools import hlo, hlo_parse
+from edit_jax.analysis import hlo, hlo_parse
 from edit_jax.validate import validate
 from tests.helpers import mesh_for, random_batch, tiny_config
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from edit_jax.config import SyncConfig, WireConfig
-from edit_jax.localsgd import compress, sparse
+from edit_jax.localsgd import quantize as compress, sparse
 from edit_jax.localsgd.codec import NONE, Codec
 
 # (the codec, its wire name as edit-jax wrote it before the codec existed: sparse.wire_name)

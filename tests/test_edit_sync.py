@@ -37,7 +37,7 @@ from edit_jax.localsgd.methods import plan_for
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import REPLICA
 from edit_jax.runtime.mesh import make_mesh
-from edit_jax.tools import hlo
+from edit_jax.analysis import hlo
 from edit_jax.validate import load_config
 from tests.stages import one_stage
 
@@ -691,7 +691,7 @@ def test_diloco_sync_equals_edit_layerwise_without_penalty(edit4, diverged):
 
 def collectives(text: str):
     """(op, groups, operand elements, record) of every collective in a compiled program (the parser
-    in edit_jax.tools.hlo reads every replica-group form jax 0.10 to 0.12 prints)."""
+    in edit_jax.analysis.hlo reads every replica-group form jax 0.10 to 0.12 prints)."""
     return [(r["op"], r["groups"], hlo.operand_elements(r), r)
             for r in hlo.hlo_collectives(text, (N4, S2), default_trip=4)["collectives"]]
 

@@ -443,7 +443,7 @@ def test_launcher_forks_workers_only_where_safe():
     fork copies neither another thread's locks nor a backend's thread pools safely), and never
     with EDIT_JAX_WORKER_START=spawn; JAX's backend check is a private name, so a JAX that
     renamed it would show here, not as a silent fallback to spawning."""
-    code = ("import os, threading, jax; from edit_jax.elastic import launch as L; a = L.can_fork(); "
+    code = ("import os, threading, jax; from edit_jax.elastic import supervisor as L; a = L.can_fork(); "
             "e = threading.Event(); t = threading.Thread(target=e.wait, daemon=True); t.start(); "
             "b = L.can_fork(); e.set(); t.join(); jax.devices(); c = L.can_fork(); os.environ[L.ENV_START] = 'spawn'; "
             "print(repr((a, b, c, L.can_fork())))")
@@ -480,7 +480,7 @@ def test_worker_stopped_seconds_after_joining_exits_130(tmp_path):
 
 def test_plot_shows_membership(tmp_path):
     """``edit-jax plot`` of an exchange run: a membership panel with a mark per (round, member)."""
-    from edit_jax.tools.plot import load_run, make_figure
+    from edit_jax.commands.plot import load_run, make_figure
 
     run = tmp_path / "run"
     run.mkdir()

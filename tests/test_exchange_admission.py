@@ -163,7 +163,7 @@ def test_plan_step_kinds_without_stepping():
     from types import SimpleNamespace
 
     from edit_jax.localsgd.methods import StepSchedule
-    from edit_jax.tools.plan import step_kinds
+    from edit_jax.commands.plan import step_kinds
 
     def stepped(schedule, tau):
         kinds = []

@@ -1,4 +1,4 @@
-"""The exchange waits out its storage (edit_jax/elastic/patience.py, exchange.py, s3.py, launch.py):
+"""The exchange waits out its storage (edit_jax/elastic/patience.py, exchange.py, s3.py, supervisor.py):
 transient faults injected at the storage boundary as real OSErrors, a directory renamed away and
 back, a real moto S3 server killed and started again, the launcher's own writes failing, and the
 exchange URLs that are config errors (exit 2, one line, no run dir)."""
@@ -212,18 +212,18 @@ sys.exit(75 if n < 3 else 0)
 
 
 def test_launcher_restarts_exit_75_once_per_outage_and_skips_failing_retracts(tmp_path, monkeypatch):
-    from edit_jax.elastic import launch  # (imports the worker's modules)
+    from edit_jax.elastic import supervisor  # (imports the worker's modules)
 
     counter, root = tmp_path / "starts", tmp_path / "x"
     ex = DirExchange(str(root))
     os.rename(root, tmp_path / "gone")  # every retract fails
-    monkeypatch.setenv(launch.ENV_START, "spawn")
-    monkeypatch.setattr(launch, "worker_argv", lambda *a: [sys.executable, "-c", _WORKER, str(counter)])
-    monkeypatch.setattr(launch, "RETRY_PAUSE_S", 0.05)
-    monkeypatch.setattr(launch, "RETRACT_S", 0.2)
+    monkeypatch.setenv(supervisor.ENV_START, "spawn")
+    monkeypatch.setattr(supervisor, "worker_argv", lambda *a: [sys.executable, "-c", _WORKER, str(counter)])
+    monkeypatch.setattr(supervisor, "RETRY_PAUSE_S", 0.05)
+    monkeypatch.setattr(supervisor, "RETRACT_S", 0.2)
     said = []
-    code = launch.launch_workers("c", str(tmp_path / "run"), [], 1, 1, max_restarts=1, say=said.append,
-                                 poll_s=0.02, exchange=ex)
+    code = supervisor.launch_workers("c", str(tmp_path / "run"), [], 1, 1, max_restarts=1, say=said.append,
+                                     poll_s=0.02, exchange=ex)
     assert code == 0 and counter.read_text() == "xxxx"
     restarts = [m for m in said if "starting it again" in m]
     assert len(restarts) == 3 and all("(1 of 1 restarts" in m for m in restarts), said
@@ -254,7 +254,7 @@ def test_unusable_exchange_urls_are_one_line_exit_2_and_no_run_dir(tmp_path, mot
 
 
 def test_probe_refuses_what_cannot_work_at_once(tmp_path, moto_server, monkeypatch):
-    from edit_jax.elastic.launch import probe_exchange
+    from edit_jax.elastic.supervisor import probe_exchange
 
     port, _ = moto_server
     (tmp_path / "afile").write_text("")
@@ -290,7 +290,7 @@ def test_worker_start_exits_2_on_a_bad_exchange_and_75_when_it_stays_unreachable
 
 
 def test_probe_of_an_unreachable_exchange_gives_up_after_its_deadline(monkeypatch):
-    from edit_jax.elastic.launch import probe_exchange
+    from edit_jax.elastic.supervisor import probe_exchange
 
     for k, v in AWS_ENV.items():
         monkeypatch.setenv(k, v)

@@ -181,7 +181,7 @@ def test_export_and_sample_refuse_a_damaged_checkpoint(tmp_path_factory, tmp_pat
     """Issue 22, case 5: export and sample verify the arrays they read against the checksums
     recorded at save time (as a resume does) and refuse a damaged checkpoint in one line, exit 2,
     naming it and the older checkpoints to pass with --step; nothing is exported."""
-    from edit_jax.tools.sample import main as sample_main
+    from edit_jax.commands.sample import main as sample_main
 
     _, shared = edit_run(tmp_path_factory)
     run_dir = str(tmp_path / "run")

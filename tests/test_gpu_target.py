@@ -15,7 +15,7 @@ import sys
 import jax
 import pytest
 
-from edit_jax.tools.gpu_target import TARGETS, cuda_plugin_missing, load_target
+from edit_jax.analysis.gpu_target import TARGETS, cuda_plugin_missing, load_target
 from tests.helpers import REPO, tiny_config
 
 needs_cuda = pytest.mark.skipif(cuda_plugin_missing() is not None,
@@ -34,8 +34,8 @@ def h100_sync_step():
     from edit_jax.localsgd.programs import StepPrograms
     from edit_jax.localsgd.sharding import BATCH_SPEC, named
     from edit_jax.runtime.mesh import make_mesh
-    from edit_jax.tools import gpu_plan
-    from edit_jax.tools.gpu_target import target_devices
+    from edit_jax.analysis import gpu_plan
+    from edit_jax.analysis.gpu_target import target_devices
 
     cfg = tiny_config(2, 2, **GPU_CFG)
     programs = StepPrograms.for_config(cfg, make_mesh(cfg.mesh, target_devices(load_target("h100"), 4)))
@@ -52,9 +52,9 @@ def _memory_reports(gpu_cfg: dict, kinds: tuple[str, ...]) -> dict:
     from edit_jax.localsgd.programs import StepPrograms
     from edit_jax.localsgd.sharding import BATCH_SPEC, named
     from edit_jax.runtime.mesh import make_mesh
-    from edit_jax.tools import gpu_plan
-    from edit_jax.tools.gpu_target import target_devices
-    from edit_jax.tools.plan import gpu_estimate, state_bytes
+    from edit_jax.analysis import gpu_plan
+    from edit_jax.analysis.gpu_target import target_devices
+    from edit_jax.commands.plan import gpu_estimate, state_bytes
 
     cfg = tiny_config(2, 2, **gpu_cfg)
     programs = StepPrograms.for_config(cfg, make_mesh(cfg.mesh, target_devices(load_target("h100"), 4)))
@@ -110,7 +110,7 @@ def test_sync_window_flops_and_verdict_against_numpy(h100_sync_step):
     matrix's size per device), and the verdict's times follow from the window and the link."""
     import numpy as np
 
-    from edit_jax.tools import gpu_window
+    from edit_jax.analysis import gpu_window
 
     programs, _, report = h100_sync_step
     w, m = report["sync_window"], programs.cfg.model
@@ -185,8 +185,8 @@ def test_target_file_that_cannot_be_a_description_is_one_line_exit_2(tmp_path, m
     and what was expected, exit 2, before any compile (in-process: ``plan.main``)."""
     import errno
 
-    from edit_jax.tools import gpu_target
-    from edit_jax.tools import plan as plan_mod
+    from edit_jax.analysis import gpu_target
+    from edit_jax.commands import plan as plan_mod
 
     monkeypatch.setattr(plan_mod, "plan", lambda *a, **k: pytest.fail("compiled with a bad --target-file"))
     path = tmp_path / "target.txtpb"
@@ -214,7 +214,7 @@ def test_target_file_that_cannot_be_a_description_is_one_line_exit_2(tmp_path, m
 @pytest.mark.parametrize("flag", ["--link-gbps", "--device-memory"])
 @pytest.mark.parametrize("rate", ["0", "-5", "nan"])
 def test_link_gbps_must_be_positive_one_line_exit_2(monkeypatch, capsys, rate, flag):
-    from edit_jax.tools import plan as plan_mod
+    from edit_jax.commands import plan as plan_mod
 
     monkeypatch.setattr(plan_mod, "plan", lambda *a, **k: pytest.fail(f"compiled with a bad {flag}"))
     code = plan_mod.main(["--config", os.path.join(REPO, "configs", "tiny.py"), flag, rate])

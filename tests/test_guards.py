@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from edit_jax.localsgd.outer import Detector, Penalty, detector_test
-from edit_jax.tools import hlo, hlo_overlap, hlo_parse
+from edit_jax.analysis import hlo, hlo_overlap, hlo_parse
 
 # ----------------------------------------------------------------------------- the detector's z-test
 
@@ -146,7 +146,7 @@ def test_hlo_schedule_pairs_start_with_done_and_profile_files_both_as_collective
     by_axis = hlo_overlap.by_axis(list(sched.values()))
     assert by_axis["replica"]["collective-permute"] == {"async": 1.0, "sync": 1.0, "ring_bytes": 32.0}
 
-    from edit_jax.tools.profile import op_categories
+    from edit_jax.analysis.profile import op_categories
 
     cats = op_categories(_HLO)
     for name in [*_EXPECTED, "cpd_r", "cpd_s", "ard_r", "agd_s"]:

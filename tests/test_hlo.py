@@ -1,10 +1,10 @@
-"""The HLO collective parser (edit_jax.tools.hlo_parse, edit_jax.tools.hlo) on hand-written HLO in
+"""The HLO collective parser (edit_jax.analysis.hlo_parse, edit_jax.analysis.hlo) on hand-written HLO in
 every form jax 0.10 to 0.12 prints, and on a real compiled program of the installed jax."""
 
 import numpy as np
 import pytest
 
-from edit_jax.tools import hlo, hlo_parse
+from edit_jax.analysis import hlo, hlo_parse
 
 _TEXT = """HloModule m, entry_computation_layout={(f32[8]{0})->f32[8]{0}}
 

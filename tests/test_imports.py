@@ -11,6 +11,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import pytest
+
 from tests.helpers import REPO, child_xla_flags
 
 PACKAGE = "edit_jax"
@@ -38,10 +40,11 @@ class Import:
         return f"{self.importer} -> {self.target}  [{self.path}:{self.line}]{where}"
 
 
-def package_modules() -> dict[str, str]:
-    """Module name -> file (relative to the repo) of every module of the package."""
+def package_modules(package: str = PACKAGE) -> dict[str, str]:
+    """Module name -> file (relative to the repo) of every module of the package (or of a folder of
+    the repository whose modules import each other as ``folder.module``: tools/, benchmarks/)."""
     out = {}
-    for folder, _, files in os.walk(os.path.join(REPO, PACKAGE)):
+    for folder, _, files in os.walk(os.path.join(REPO, package)):
         for name in files:
             if name.endswith(".py"):
                 path = os.path.relpath(os.path.join(folder, name), REPO)
@@ -178,6 +181,17 @@ def room(module: str) -> str:
     return module
 
 
+@pytest.mark.parametrize("folder", ["tools", "benchmarks"])
+def test_no_import_circle_in_the_repositorys_own_folders(folder):
+    """tools/ (the docs machinery, operator checks) and benchmarks/ hold no import circle either
+    (check_docs and run_docs imported each other: what both read is tools/doc_pages.py)."""
+    modules = package_modules(folder)
+    edges = [i for m, path in sorted(modules.items()) for i in imports_of(m, path, modules)]
+    assert any(e.target.startswith(f"{folder}.") for e in edges), f"no import between {folder}/ modules read"
+    found = circles(edges)
+    assert not found, f"import circles in {folder}/:\n" + "\n".join(_describe(c, edges) for c in found)
+
+
 def test_no_circle_between_packages():
     """The sub-packages (and the root's modules) import each other in one direction only."""
     _, edges = import_graph()
@@ -190,7 +204,7 @@ def test_no_circle_between_packages():
 # What the algorithm must not lean on: it is a library of pure functions and compiled steps that
 # any loop, runtime or file format can use.
 ALGORITHM = f"{PACKAGE}.localsgd"
-OUTER_LAYERS = ("training", "runtime", "rundir", "hf", "tools")
+OUTER_LAYERS = ("training", "runtime", "rundir", "hf", "commands", "analysis")
 
 
 def test_the_algorithm_imports_no_outer_layer():

@@ -18,8 +18,8 @@ from edit_jax.config import MODEL_CONFIGS, Config, ConfigError, ModelConfig, fro
 from edit_jax.models import family
 from edit_jax.rundir.checkpoint import CheckpointError
 from edit_jax.rundir.trained import load_trained
-from edit_jax.tools.plan import plan
-from edit_jax.tools.sample import Sampler
+from edit_jax.commands.plan import plan
+from edit_jax.commands.sample import Sampler
 from edit_jax.training.train import train
 from edit_jax.validate import load_config, validate
 from tests.stages import one_stage

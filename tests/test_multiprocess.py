@@ -25,7 +25,7 @@ from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.models.llama import init_params
 from edit_jax.runtime import multihost
 from edit_jax.runtime.mesh import make_mesh
-from edit_jax.tools import hlo
+from edit_jax.analysis import hlo
 from edit_jax.training.drivers import WorkerSteps
 from edit_jax.training.train import train
 from edit_jax.validate import load_config

@@ -24,7 +24,7 @@ from edit_jax.elastic import packed as PK
 from edit_jax.elastic import rounds as R
 from edit_jax.elastic.outer_round import OuterRound
 from edit_jax.localsgd.codec import Codec
-from edit_jax.localsgd.compress import flatten_unit
+from edit_jax.localsgd.quantize import flatten_unit
 from edit_jax.localsgd.layerwise import LayerwiseSync
 from edit_jax.localsgd.methods import OuterSpec, Penalty, Plan
 from edit_jax.localsgd.outer import Detector, make_outer_optimizer, sync_unit

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from edit_jax.placement import PlacementError, load_device_order
-from edit_jax.placement import cli
+from edit_jax.commands import placement as cli  # the `edit-jax placement` command
 from edit_jax.placement.cost import (
     DtfmCostModel,
     bottleneck_matching,

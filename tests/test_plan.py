@@ -11,7 +11,7 @@ import pytest
 
 from edit_jax.localsgd.methods import plan_for
 from edit_jax.models.llama import count_params, init_params
-from edit_jax.tools.plan import plan, step_kinds
+from edit_jax.commands.plan import plan, step_kinds
 from tests.helpers import REPO, child_xla_flags, tiny_config
 from tests.stages import one_stage
 
@@ -66,7 +66,7 @@ def test_cli_writes_json_with_fits_and_exit_codes(tmp_path):
 
 
 def test_gpu_estimate_terms_against_a_hand_computation():
-    from edit_jax.tools.memory_estimate import gpu_estimate
+    from edit_jax.analysis.memory_estimate import gpu_estimate
 
     # tiny model on 2 x 2: b = 16 / 4 = 4 rows, T = 64, d = 64, f = 128, L = 2, h = 4 (2 kv heads,
     # head dim 16), V = 320, bf16 (c = 2), one loss chunk (loss_chunk 1024 >= T), remat
@@ -104,7 +104,7 @@ def test_gpu_estimate_terms_against_a_hand_computation():
 
 def test_gpu_estimate_says_the_7b_preset_does_not_fit_80_gb_with_unfused_attention():
     from edit_jax.presets import paper
-    from edit_jax.tools.memory_estimate import gpu_estimate
+    from edit_jax.analysis.memory_estimate import gpu_estimate
 
     cfg = paper("7b", "edit")
     n_params = count_params(jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0))))
@@ -123,7 +123,7 @@ def test_json_path_that_cannot_be_written_is_refused_before_compiling(tmp_path, 
     (exit 1) after the whole compile. Now checked first, as ``export --out`` is (the same check,
     rundir.runlock.output_path_problem): one line naming the path, exit 2, nothing compiled."""
     from edit_jax.rundir import runlock
-    from edit_jax.tools import plan as plan_mod
+    from edit_jax.commands import plan as plan_mod
 
     monkeypatch.setattr(plan_mod, "plan", lambda *a, **k: pytest.fail("compiled with an unwritable --json"))
     (tmp_path / "a_file").write_text("x")

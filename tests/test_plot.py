@@ -11,7 +11,7 @@ import pytest
 from edit_jax import cli
 from edit_jax.config import OuterConfig, dumps
 from edit_jax.localsgd.methods import plan_for
-from edit_jax.tools.plot import DPI, PANEL_IN, WIDTH_IN, PlotError, load_run, make_figure, plot_runs, run_labels
+from edit_jax.commands.plot import DPI, PANEL_IN, WIDTH_IN, PlotError, load_run, make_figure, plot_runs, run_labels
 from edit_jax.training.train import train
 from tests.helpers import tiny_config
 
@@ -156,7 +156,7 @@ def test_bad_run_dir_is_named(tmp_path, capsys, setup, expect):
 def test_binary_metrics_line_and_binary_config_json(tmp_path):
     """Issue 22, case 15: a non-UTF-8 line in metrics.jsonl (a damaged record) is skipped like a
     cut line, the others kept; a non-UTF-8 config.json is a PlotError naming it, no traceback."""
-    from edit_jax.tools.plot import PlotError, _read_json, read_records
+    from edit_jax.commands.plot import PlotError, _read_json, read_records
 
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(b'{"step": 1, "loss": 2.0}\n\xff\xfe\x00garbage\n{"step": 2, "loss": 1.5}\n')

@@ -1,4 +1,4 @@
-"""edit_jax.tools.profile: op categories from HLO text, self times from a Perfetto trace (hand-worked
+"""edit_jax.analysis.profile: op categories from HLO text, self times from a Perfetto trace (hand-worked
 examples), and a real trace of compiled steps summarised without unknown ops."""
 
 import gzip
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from edit_jax.localsgd.programs import StepPrograms
-from edit_jax.tools.profile import CATEGORIES, SYNC_SCOPE, find_trace, op_categories, op_self_times, summarize
+from edit_jax.analysis.profile import CATEGORIES, SYNC_SCOPE, find_trace, op_categories, op_self_times, summarize
 from tests.helpers import mesh_for, random_batch, tiny_config
 
 HLO = f"""HloModule jit_step, entry_computation_layout={{()->f32[4]}}

@@ -39,7 +39,7 @@ from edit_jax.elastic.outer_round import OuterRound
 from edit_jax.elastic.rounds import Post
 from edit_jax.localsgd import api, methods
 from edit_jax.localsgd.codec import Codec
-from edit_jax.localsgd.compress import flatten_unit
+from edit_jax.localsgd.quantize import flatten_unit
 from edit_jax.localsgd.outer import sgd_trace, with_sgd_trace
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import REPLICA, gather_workers

@@ -15,7 +15,7 @@ from edit_jax.models import llama as model_lib
 from edit_jax.models.decode import forward_cached, init_cache
 from edit_jax.rundir.checkpoint import Checkpointer
 from edit_jax.rundir.trained import TrainedModelError, load_trained
-from edit_jax.tools.sample import Sampler, main as sample_main
+from edit_jax.commands.sample import Sampler, main as sample_main
 from tests.helpers import tiny_config
 from tests.trained_runs import edit_run, tokenizer_run
 
@@ -194,7 +194,7 @@ def test_nonsense_sampling_flags_are_refused(tmp_path_factory, capsys, flags):
 def test_top_p_draws_only_from_the_nucleus():
     """The nucleus recomputed in NumPy (sort, softmax at the temperature, the smallest prefix whose
     mass reaches p): 400 draws of rows with the same logits fall in it and cover it."""
-    from edit_jax.tools.sample import choose
+    from edit_jax.commands.sample import choose
 
     rng = np.random.default_rng(0)
     logits = rng.normal(size=16).astype(np.float32) * 2

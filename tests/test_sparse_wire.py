@@ -37,13 +37,13 @@ from test_streaming_sync import EDIT4, _cross_replica, _mesh, np_sync_compressed
 from edit_jax.config import ConfigError, MeshConfig
 from edit_jax.localsgd import sparse
 from edit_jax.localsgd.codec import Codec
-from edit_jax.localsgd.compress import compressed_weighted_sum, ring_bits_per_param, stacked_compressed_sum
+from edit_jax.localsgd.quantize import compressed_weighted_sum, ring_bits_per_param, stacked_compressed_sum
 from edit_jax.localsgd.fragments import unit_param_counts
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import REPLICA
 from edit_jax.runtime.mesh import make_mesh
-from edit_jax.tools import hlo
-from edit_jax.tools.plan import sync_bits
+from edit_jax.analysis import hlo
+from edit_jax.commands.plan import sync_bits
 
 # ============================================================================= NumPy reference
 

@@ -125,7 +125,7 @@ def test_fused_gather_equals_per_leaf_gathers():
 def test_fused_gather_one_collective_per_unit():
     """Compiled local step of a 2-layer model: with mesh.fused_gather one all-gather and one
     reduce-scatter per unit (root + 2 layers) run per step; per leaf, one per parameter."""
-    from edit_jax.tools import hlo
+    from edit_jax.analysis import hlo
 
     runs = {}
     for fused in (True, False):

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from edit_jax.config import ConfigError, MeshConfig
 from edit_jax.localsgd.codec import Codec
-from edit_jax.localsgd.compress import BLOCK, compressed_weighted_sum, dequantize_int8, exchange_pattern, quantize_int8
+from edit_jax.localsgd.quantize import BLOCK, compressed_weighted_sum, dequantize_int8, exchange_pattern, quantize_int8
 from edit_jax.localsgd.fragments import balanced_groups, fragment_of_unit, unit_param_counts
 from edit_jax.localsgd.methods import StepKind, plan_for
 from edit_jax.localsgd.outer import Penalty
@@ -35,7 +35,7 @@ from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import REPLICA, SHARD
 from edit_jax.localsgd.state import state_shapes
 from edit_jax.runtime.mesh import make_mesh
-from edit_jax.tools import hlo
+from edit_jax.analysis import hlo
 from tests.stages import one_stage
 from test_edit_sync import (BASE, BASE4, PERM, Ref, _assert_det_close, _assert_tree_close, _batch, _cfg,
                             _crafted_state, _det_tuple, _host, _put, _ref_of, _unit, np_detector_feed,

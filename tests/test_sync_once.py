@@ -13,7 +13,7 @@ import numpy as np
 from edit_jax.config import WireConfig
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import BATCH_SPEC, named
-from edit_jax.tools import hlo
+from edit_jax.analysis import hlo
 from tests.helpers import mesh_for, random_batch, tiny_config
 from tests.stages import one_stage
 

@@ -249,7 +249,7 @@ def test_placement_file_drives_the_mesh(tmp_path):
     """`edit-jax placement` on an 8-device network whose fast pairs are interleaved (0,2,4,6 on
     one node, 1,3,5,7 on another) writes a device order that puts each node in one replica;
     training with `mesh.placement` builds that mesh and trains."""
-    from edit_jax.placement.cli import main as placement_main
+    from edit_jax.commands.placement import main as placement_main
     from edit_jax.runtime.mesh import make_mesh
 
     n = 8

@@ -4,7 +4,7 @@ optimized HLO text: how the sync-window options of docs/benchmarks/gpu-program.m
 
     JAX_PLATFORMS=cpu python tools/dump_gpu_program.py configs/edit_7b.py 7b.txt \\
         --options '{"xla_gpu_all_reduce_combine_threshold_bytes": 1073741824}' model.n_layers=4
-    python -m edit_jax.tools.gpu_window 7b.txt 8 8 4      # the window of that program
+    python -m edit_jax.analysis.gpu_window 7b.txt 8 8 4      # the window of that program
 
 ``--options`` is a JSON object of compiler options set on top of the program's own (``null``
 removes one); ``--step`` names the step kind (default ``sync_forward``). Prints the options in
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     from edit_jax.localsgd.methods import plan_for
     from edit_jax.localsgd.programs import StepPrograms
     from edit_jax.runtime.mesh import make_mesh, set_cpu_device_count
-    from edit_jax.tools.gpu_target import load_target, target_devices
+    from edit_jax.analysis.gpu_target import load_target, target_devices
     from edit_jax.validate import load_config
 
     cfg = load_config(args.config, args.overrides)

@@ -24,8 +24,8 @@ import sys
 if __package__ in (None, ""):  # run as a script: the repo root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from edit_jax.tools.hlo import multiplicities
-from edit_jax.tools.hlo_parse import COLLECTIVES, parse_hlo
+from edit_jax.analysis.hlo import multiplicities
+from edit_jax.analysis.hlo_parse import COLLECTIVES, parse_hlo
 
 TRIVIAL = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast"}
 

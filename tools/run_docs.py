@@ -18,7 +18,7 @@ import os
 import re
 import shlex
 
-from tools.check_docs import REPO, bash_commands, pages, without_optional
+from tools.doc_pages import REPO, bash_commands, pages, without_optional
 
 # Documented commands the suite does not run (the first match in the command wins), and why; they are
 # still parsed (check_command). Everything else a page shows in a ```bash block runs at tiny size.

@@ -126,7 +126,7 @@ class OptimConfig:
 class WireConfig:
     """How the pseudo gradients cross ``replica`` (``sync.wire``): one ``codec.Codec`` is built from it."""
 
-    kind: str = "none"  # "none" (float32) | "bf16" | "int8" | "topk2" | "topk4" (compress.py, sparse.py)
+    kind: str = "none"  # "none" (float32) | "bf16" | "int8" | "topk2" | "topk4" (quantize.py, sparse.py)
     error_feedback: bool = False  # carry each worker's compression residual to its next sync
     decay: float = 1.0  # beta in (0, 1]: the residual enters the next sync as beta * e
     residual_dtype: str = "float32"  # the stored residual: float32 | bfloat16 (half the memory; math in float32)

@@ -41,6 +41,7 @@ from edit_jax.data.errors import DataError
 from edit_jax.data.shards import (INDEX_FORMAT, INDEX_NAME, INDEX_VERSION, SPLITS, dtype_for_vocab, shard_name,
                                   tokenizer_identity)
 from edit_jax.data.tokenizers import cached_tokenizer, make_tokenizer
+from edit_jax.exit_codes import EXIT_BAD_INPUT
 
 PARTS = ".parts"
 DEFAULT_VAL_FRACTION = 0.005  # --val-fraction left out: this, but at least one document (a handful of files)
@@ -401,7 +402,7 @@ def main(argv: list[str]) -> int:
     except (DataError, OSError) as e:
         message = str(e)
         print(f"edit-jax tokenize: {message.removeprefix('tokenize: ')}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     t = index["tokens"]
     print(f"edit-jax tokenize: {t['train']} train / {t['val']} val tokens ({index['documents']['train']} / "
           f"{index['documents']['val']} documents) in {len(index['splits']['train'])} + "

@@ -1,5 +1,5 @@
 """``edit-jax worker``: one A-EDiT worker of a run whose workers meet through ``sync.exchange.url``,
-started by the launcher (``launch.py``: forked or spawned), by hand or by SLURM.
+started by the supervisor (``supervisor.py``: forked or spawned), by hand or by SLURM.
 
     edit-jax worker --config C --run-dir RUN --worker I [key=value ...]
 
@@ -16,6 +16,7 @@ from edit_jax.elastic.worker import run_worker
 from edit_jax.runtime.compile_cache import cache_dir_for, compile_cache
 from edit_jax.runtime.mesh import set_cpu_device_count
 from edit_jax.validate import ConfigError, load_config
+from edit_jax.exit_codes import EXIT_BAD_INPUT
 
 
 def main(argv: list[str]) -> int:
@@ -35,7 +36,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"--worker: expected a worker slot 0..{cfg.mesh.replica - 1}, got {args.worker}")
     except ConfigError as e:
         print(f"edit-jax: bad config: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     set_cpu_device_count(cfg.mesh.shard)  # (before this process's JAX backend starts)
     with compile_cache(cache_dir_for(cfg.train.compile_cache, args.run_dir)):  # a restarted worker: no compile
         return run_worker(cfg, args.worker, args.run_dir, say=lambda m: print(m, file=sys.stderr, flush=True))

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from edit_jax.localsgd.codec import NONE, Codec
-from edit_jax.localsgd.compress import flatten_unit
+from edit_jax.localsgd.quantize import flatten_unit
 from edit_jax.localsgd.reduction import ReplicaPsum, sq_sum
 from edit_jax.localsgd.sharding import REPLICA
 from edit_jax.localsgd.sparse import sparse_encode

@@ -48,7 +48,7 @@ from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.rundir.records import replace_file, worker_log
 from edit_jax.rundir.runlock import exchange_problem
 from edit_jax.runtime import multihost
-from edit_jax.runtime.cluster_exit import EXIT_RETRY
+from edit_jax.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_RETRY
 from edit_jax.runtime.executables import ExecutableStore
 from edit_jax.runtime.mesh import make_mesh
 from edit_jax.runtime.multihost import parse_slowdown
@@ -373,12 +373,12 @@ class ElasticWorker(LocalTraining, RoundRecovery):
                                   aligned=shared.round > 0, save=lambda s=shared: self.save_progress(s, local),
                                   steps=None if self.plan.rule.asynchronous else self.cfg.sync.tau)
             if self.stop:
-                return 130
+                return EXIT_INTERRUPTED
             post, fresh, delta = self.post(shared, local, loss)
             self.announce(post.round + 1)  # expected next round even while this one is still being applied
             m = self.await_round(shared)
             if m is None:
-                return 130
+                return EXIT_INTERRUPTED
             shared = self.catch_up(shared)
             if fresh and self.me in m.members:
                 if self.wire != "none":  # the round used the post: its residual, zeroed where flagged
@@ -416,7 +416,7 @@ def run_worker(cfg: Config, worker: int, run_dir: str, say=print) -> int:
         return EXIT_RETRY
     except (SlotInUse, NotAdmitted, ExchangeError) as e:  # exit 2: the launcher does not start it again
         say(f"edit-jax: {'' if isinstance(e, SlotInUse) else 'bad config: '}{e}")
-        return 2
+        return EXIT_BAD_INPUT
 
     def on_signal(signum, frame):
         del signum, frame
@@ -428,12 +428,12 @@ def run_worker(cfg: Config, worker: int, run_dir: str, say=print) -> int:
         return w.run()
     except ExchangeUnavailable as e:
         if w.stop:  # a signal ended its wait for the storage
-            return 130
+            return EXIT_INTERRUPTED
         say(f"edit-jax worker {worker}: {e}; exit {EXIT_RETRY} (retry)")
         return EXIT_RETRY
     except ExchangeError as e:  # (e.g. the bucket deleted or the credentials revoked under the run)
         say(f"edit-jax worker {worker}: {e}")
-        return 1
+        return EXIT_FAILED
     finally:
         w.outer.close()  # no compile thread left running into the interpreter's exit
         w.heartbeat.close()

@@ -40,6 +40,7 @@ from edit_jax.data.tokenizers import BYTE_EOS
 from edit_jax.hf.tokenizer import EOS_TOKEN, byte_tokenizer_json, generation_config, tokenizer_config, with_eos
 from edit_jax.rundir.runlock import first_missing, output_path_problem
 from edit_jax.rundir.trained import TrainedModelError, load_tokenizer, load_trained, tokenizer_file
+from edit_jax.exit_codes import EXIT_BAD_INPUT
 
 DTYPES = ("float32", "bfloat16", "float16")
 WRITTEN = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
@@ -250,7 +251,7 @@ def main(argv: list[str]) -> int:
                              force=args.force)
     except (TrainedModelError, ExportError) as e:
         print(f"edit-jax: export error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     for p in written:
         print(p)
     return 0

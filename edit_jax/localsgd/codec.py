@@ -1,6 +1,6 @@
 """The wire's codec: how a worker's pseudo gradient crosses to the others, as one value.
 
-A ``Codec`` is the kind (``"none"`` float32, ``"bf16"``, ``"int8"``: ``compress.py``; ``"topk2"``,
+A ``Codec`` is the kind (``"none"`` float32, ``"bf16"``, ``"int8"``: ``quantize.py``; ``"topk2"``,
 ``"topk4"``: ``sparse.py``), the sparse kinds' chunk and k, and error feedback: on or off, the
 residual's decay β and its stored dtype. It is built once from the config (``from_sync``) and
 handed to everything that sends, reads or stores the wire: the ``Compressed`` wrapper (through
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from edit_jax.config import SyncConfig, WireConfig
 from edit_jax.config.renames import quiet, upgrade
-from edit_jax.localsgd import compress as dense
+from edit_jax.localsgd import quantize as dense
 from edit_jax.localsgd import sparse
 
 KINDS = ("none", "bf16", "int8", "topk2", "topk4")

@@ -1,5 +1,5 @@
 """The compressed variant of any sync rule (``Compressed(rule)``; ``sync.wire.kind``,
-``sync.wire.error_feedback``): the pseudo gradients cross ``replica`` as bf16 or int8 (``compress.py``)
+``sync.wire.error_feedback``): the pseudo gradients cross ``replica`` as bf16 or int8 (``quantize.py``)
 or sparse and 2/4-bit (``sparse.py``); everything before and after the exchange stays float32.
 
 The wrapper owns what compression adds and nothing else: the wire (its ``codec.Codec``, handed to

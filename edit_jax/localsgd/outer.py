@@ -22,7 +22,7 @@ import optax
 from flax import struct
 
 from edit_jax.localsgd.codec import NONE, Codec
-from edit_jax.localsgd.compress import compressed_weighted_sum, stacked_compressed_sum
+from edit_jax.localsgd.quantize import compressed_weighted_sum, stacked_compressed_sum
 from edit_jax.localsgd.outer_spec import Penalty  # the static switches, part of a method's plan (re-exported here)
 from edit_jax.localsgd.reduction import Reduction, ReplicaPsum
 from edit_jax.localsgd.sharding import REPLICA, SHARD, replica_gather, shard_sq_norm
@@ -198,7 +198,7 @@ def sync_unit(local: Any, outer_params: Any, opt_state: Any, det: Detector, p: P
     ``shares`` ([N], A-EDiT): each worker's share of the steps since the last sync.
 
     With a lossy ``codec`` (codec.py: bf16, int8, topk2, topk4) the pseudo gradients cross ``replica``
-    in that form (compress.py, sparse.py); their norms, flags and weights are computed before, in
+    in that form (quantize.py, sparse.py); their norms, flags and weights are computed before, in
     float32. ``residual`` (this worker's block of the unit) turns on error feedback; a flagged
     worker's residual is reset.
     """

@@ -18,7 +18,7 @@ Streaming (``sync.fragments=F > 1``): the units are split into F contiguous grou
 (``fragments.py``) and the two sync kinds carry the group, ``"sync_forward@f"`` and
 ``"local_then_sync@f"``: one compiled program per group, holding only that group's collectives
 (the forward scans the layer stack segment by segment, the due segment with the sync hook).
-With ``sync.wire.kind`` the pseudo gradients cross ``replica`` quantized (compress.py).
+With ``sync.wire.kind`` the pseudo gradients cross ``replica`` quantized (quantize.py).
 
 Besides the steps: the initialising sync (θ̄ <- the replicas' params after warmup) and a whole-model
 sync of a state (for evaluation on a fresh θ̄, and tests). The method's plan comes in computed

@@ -1,7 +1,7 @@
 """XLA options the step programs are compiled with, per platform of the mesh's devices.
 
 On GPUs, what makes EDiT's sync overlap the layers' compute (docs/developer/gpu-program.md; measured in XLA:GPU's
-compiled ``sync_forward`` for an H100, ``edit_jax/tools/gpu_window.py``):
+compiled ``sync_forward`` for an H100, ``edit_jax/analysis/gpu_window.py``):
 
 - the pipelined layer loop (llama ``_pipelined_layers``): iteration l syncs layer l+1, which
   depends on nothing layer l computes (with the plain loop the window is empty);

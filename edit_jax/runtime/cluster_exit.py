@@ -28,8 +28,7 @@ import sys
 
 from edit_jax.runtime.launch import ENV_FORWARDS, _ended_how, _in_child
 
-EXIT_RETRY = 75  # as sysexits.h EX_TEMPFAIL: try again
-EXIT_SHRINK = 76
+from edit_jax.exit_codes import EXIT_RETRY, EXIT_SHRINK  # (75: try again; 76: without this host)
 ENV_CHILD = "EDIT_JAX_DISTRIBUTED_CHILD"  # "1": this process is the watched child
 STOP_EXITS = (0, 2, 3, 4, 130)
 

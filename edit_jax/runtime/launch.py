@@ -45,7 +45,7 @@ import time
 from edit_jax.runtime.cluster import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from edit_jax.runtime.restarts import ENV_DEBUG, EXIT_WORKER_LOST, supervise, survivors_note
 
-EXIT_INTERRUPTED = 130
+from edit_jax.exit_codes import EXIT_INTERRUPTED
 NORMAL_EXITS = (0, EXIT_INTERRUPTED)  # done; stopped by a signal with a checkpoint
 STOP_NOW_GRACE_S = 5.0  # after a second signal: how long the workers have to leave by themselves
 PASSED_ON_EXITS = (2, 3, 4)  # cli.py: bad input, diverged, run dir locked

@@ -26,7 +26,7 @@ import json
 import os
 from typing import Callable
 
-EXIT_WORKER_LOST = 5
+from edit_jax.exit_codes import EXIT_INTERRUPTED, EXIT_WORKER_LOST
 ENV_DEBUG = "EDIT_JAX_DEBUG"  # as cli.ENV_DEBUG
 
 
@@ -130,7 +130,7 @@ def supervise(start: Callable[[list[str], int], tuple[int, tuple | None]], argv:
         if interrupted():
             say("edit-jax: stopped before the restart (a Ctrl-C or SIGTERM came); nothing more started. "
                 f"{survivors_note(run_dir)}")
-            return 130
+            return EXIT_INTERRUPTED
 
 
 __all__ = ["supervise", "survivors_note", "EXIT_WORKER_LOST", "newest_checkpoint", "newest_logged_step"]

@@ -38,6 +38,7 @@ from edit_jax.runtime.launch import ENV_FORWARDS, take_forwarded
 from edit_jax.training.loop import TrainResult, run
 from edit_jax.training.resume import DivergedError
 from edit_jax.validate import validate
+from edit_jax.exit_codes import EXIT_INTERRUPTED
 
 # Bad input (exit 2): found after the run dir was written to, what this invocation wrote is removed
 # when no checkpoint exists (docs/guides/restarts.md: nothing written). A save or record that cannot be
@@ -81,7 +82,7 @@ class _StopFlag:
             print(f"\nedit-jax: second signal ({signum}); exiting now without a checkpoint (the last "
                   "checkpoint is kept; re-run the same command to resume)", file=sys.stderr, flush=True)
             sys.stdout.flush()
-            os._exit(130)
+            os._exit(EXIT_INTERRUPTED)
         if self.signal is None:
             self.signal = signum
 

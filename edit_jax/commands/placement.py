@@ -51,6 +51,7 @@ from edit_jax.placement.cost import DtfmCostModel, GPT3_XL_C_DP_GB, GPT3_XL_C_PP
 from edit_jax.placement.edit_cost import EditCostModel
 from edit_jax.placement.report import build_report, plot_convergence, print_report, run_searches
 from edit_jax.placement.topology import SCENARIOS, PlacementError, load_topology, scenario
+from edit_jax.exit_codes import EXIT_BAD_INPUT
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except PlacementError as exc:
         print(f"edit-jax placement: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
 
 
 def _check_option(ok: bool, field: str, message: str) -> None:

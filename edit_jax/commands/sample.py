@@ -32,6 +32,7 @@ from edit_jax.config import FamilyConfig
 from edit_jax.models import decode
 from edit_jax.models.family import identity_hook, model_family
 from edit_jax.rundir.trained import TrainedModelError, load_tokenizer, load_trained
+from edit_jax.exit_codes import EXIT_BAD_INPUT
 
 
 def choose(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, vocab_limit: int,
@@ -194,13 +195,13 @@ def main(argv: list[str]) -> int:
     problem = flag_problem(args)  # before reading anything
     if problem:
         print(f"edit-jax: sample error: {problem}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     try:
         model = load_trained(args.run_dir, args.step)
         tok = load_tokenizer(model.cfg, args.tokenizer, model.run_dir)
     except TrainedModelError as e:
         print(f"edit-jax: sample error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     sampler = Sampler(model.cfg.model, model.params, model.cfg.data.seq_len, tok.eos_id, tok.vocab_size)
     prompt = np.concatenate([[tok.eos_id], tok.encode(args.prompt)]).astype(np.int32)
     gen = sampler.generate(prompt, args.max_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from edit_jax.localsgd.methods import METHODS
+from edit_jax.exit_codes import EXIT_BAD_INPUT
 
 X_AXES = ("tokens", "time", "step")
 # Config keys that change how a run is logged or kept, not what it learns: never in a label.
@@ -395,7 +396,7 @@ def main(argv: list[str]) -> int:
         path = plot_runs(args.run_dirs, args.out, labels=args.label, x=args.x)
     except PlotError as e:
         print(f"edit-jax: plot error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     print(path)
     return 0
 

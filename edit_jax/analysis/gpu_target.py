@@ -24,7 +24,7 @@ TARGETS = ("h100", "a100", "h200")
 CUDA_HINT = "pip install -e '.[cuda]' (jax[cuda12]: the CUDA plugin; no GPU needed)"
 # What --target-file takes, said by every error about one.
 EXPECTED = ("a text protobuf of an XLA GPU target description (stream_executor.GpuTargetConfigProto, like "
-            "edit_jax/tools/gpu_targets/h100.txtpb)")
+            "edit_jax/analysis/gpu_targets/h100.txtpb)")
 MAX_TARGET_BYTES = 2**20  # the shipped descriptions are about 1 KB: a larger file is another kind of file
 
 

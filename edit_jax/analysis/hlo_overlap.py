@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import re
 
-from edit_jax.tools import hlo
-from edit_jax.tools.hlo_parse import parse_hlo
+from edit_jax.analysis import hlo
+from edit_jax.analysis.hlo_parse import parse_hlo
 
 _COMPUTE_RE = re.compile(r"gemm|cublas|__cudnn\$fmha|fmha|convolution")
 TENSOR_ELEMENTS = 1024  # operands with fewer elements are norms, weights, flags: latency, not bandwidth

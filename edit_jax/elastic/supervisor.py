@@ -50,7 +50,7 @@ from edit_jax.runtime.cluster_exit import EXIT_RETRY
 from edit_jax.rundir.runlock import RunDirError, RunLockError, exchange_problem
 from edit_jax.runtime.launch import die_with_parent, without_cpu_device_count
 
-EXIT_OK, EXIT_USAGE, EXIT_LOCKED, EXIT_INTERRUPTED, EXIT_WORKER_LOST = 0, 2, 4, 130, 5
+from edit_jax.exit_codes import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_OK, EXIT_WORKER_LOST
 ENV_START = "EDIT_JAX_WORKER_START"  # "fork" (default where safe) or "spawn"
 PROBE_S = 10.0  # how long `train` tries the exchange before it refuses it (exit 2)
 RETRACT_S = 3.0  # how long the launcher tries a dead worker's retract before it skips it
@@ -211,7 +211,7 @@ def launch_workers(config: str, run_dir: str, overrides: list[str], workers: int
                     continue
                 if code == EXIT_OK or interrupted[0]:
                     ended[i] = code
-                elif code == EXIT_USAGE:  # a bad config or a slot in use: starting it again changes nothing
+                elif code == EXIT_BAD_INPUT:  # a bad config or a slot in use: starting it again changes nothing
                     ended[i] = code
                     say(f"edit-jax: worker {i} refused to start (exit 2, its message above); not restarting it")
                 elif code == EXIT_RETRY and (outage[i] or restarts[i] < max_restarts):
@@ -245,7 +245,7 @@ def launch_workers(config: str, run_dir: str, overrides: list[str], workers: int
         return EXIT_INTERRUPTED
     if EXIT_OK in ended.values():
         return EXIT_OK
-    return EXIT_USAGE if set(ended.values()) == {EXIT_USAGE} else EXIT_WORKER_LOST
+    return EXIT_BAD_INPUT if set(ended.values()) == {EXIT_BAD_INPUT} else EXIT_WORKER_LOST
 
 
 def launch_run(cfg, args, run_dir: str) -> int:
@@ -254,7 +254,7 @@ def launch_run(cfg, args, run_dir: str) -> int:
     the workers."""
     if args.max_restarts < 0:
         print(f"edit-jax: bad option: --max-restarts {args.max_restarts}: expected 0 or more", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     say = lambda m: print(m, file=sys.stderr, flush=True)
     try:
         # (another exchange's run dir: that exchange never made)
@@ -269,7 +269,7 @@ def launch_run(cfg, args, run_dir: str) -> int:
                                   args.max_restarts, exchange=exchange)
     except (NotAdmitted, RunDirError, ExchangeError) as e:
         print(f"edit-jax: {'run dir error' if isinstance(e, RunDirError) else 'bad config'}: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_BAD_INPUT
     except RunLockError as e:
         print(f"edit-jax: {e}", file=sys.stderr)
         return EXIT_LOCKED

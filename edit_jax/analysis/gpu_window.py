@@ -25,7 +25,7 @@ import json
 import math
 import re
 
-from edit_jax.tools.hlo_parse import parse_hlo, parse_shapes
+from edit_jax.analysis.hlo_parse import parse_hlo, parse_shapes
 from edit_jax.training.throughput import device_peak_tflops
 
 H100_BF16_PEAK_FLOPS = 989e12  # dense bf16 tensor-core peak of an H100 SXM: an unknown GPU's stand-in
@@ -174,10 +174,10 @@ def report_line(window: dict | None, verdict: dict | None) -> str:
     return line
 
 
-if __name__ == "__main__":  # python -m edit_jax.tools.gpu_window HLO.txt REPLICA SHARD LAYERS
+if __name__ == "__main__":  # python -m edit_jax.analysis.gpu_window HLO.txt REPLICA SHARD LAYERS
     import sys
 
-    from edit_jax.tools.hlo_overlap import collective_schedule
+    from edit_jax.analysis.hlo_overlap import collective_schedule
 
     txt = open(sys.argv[1]).read()
     sched = collective_schedule(txt, (int(sys.argv[2]), int(sys.argv[3])), int(sys.argv[4]))

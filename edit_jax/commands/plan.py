@@ -8,7 +8,7 @@ array is allocated, so a 7B preset plans on a laptop. Per device it reports:
 
 - the state by part (params, inner optimizer, outer state, the rest), from the shardings;
 - each step's compiled temporaries (``memory_analysis``) and FLOPs (``cost_analysis``);
-- bytes per collective and mesh axis per step, from the HLO (``edit_jax/tools/hlo.py``: ring bytes),
+- bytes per collective and mesh axis per step, from the HLO (``edit_jax/analysis/hlo.py``: ring bytes),
   and for the methods that sync the tau-window mean of the bytes crossing ``replica`` and a full
   sync's bits per parameter (beside the figure the config's ``sync.wire.kind`` implies);
 - an analytic estimate of a GPU's peak per step kind (``memory_estimate.gpu_estimate``, the
@@ -31,17 +31,18 @@ import jax
 
 from edit_jax.config import ModelConfig
 from edit_jax.localsgd.codec import Codec
-from edit_jax.localsgd.compress import ring_bits_per_param
+from edit_jax.localsgd.quantize import ring_bits_per_param
 from edit_jax.localsgd.fragments import unit_param_counts
 from edit_jax.localsgd.methods import plan_for, step_kinds
 from edit_jax.localsgd.programs import StepPrograms
 from edit_jax.localsgd.sharding import BATCH_SPEC, named
 from edit_jax.rundir.runlock import output_path_problem
 from edit_jax.runtime.mesh import make_mesh, set_cpu_device_count
-from edit_jax.tools import gpu_plan, hlo
-from edit_jax.tools.gpu_target import GpuTarget, TargetError, cuda_plugin_missing, load_target, target_devices
-from edit_jax.tools.memory_estimate import compute_bytes, gpu_estimate
+from edit_jax.analysis import gpu_plan, hlo
+from edit_jax.analysis.gpu_target import GpuTarget, TargetError, cuda_plugin_missing, load_target, target_devices
+from edit_jax.analysis.memory_estimate import compute_bytes, gpu_estimate
 from edit_jax.validate import ConfigError, load_config
+from edit_jax.exit_codes import EXIT_BAD_INPUT
 
 GIB = 1024 ** 3
 
@@ -253,7 +254,7 @@ def main(argv: list[str]) -> int:
     for flag, value in (("--link-gbps", args.link_gbps), ("--device-memory", args.device_memory)):
         if value is not None and not (math.isfinite(value) and value > 0):
             print(f"edit-jax: plan error: {flag} must be a positive number, got {value}", file=sys.stderr)
-            return 2
+            return EXIT_BAD_INPUT
     try:  # bad input (config, target) is one line and exit 2, before any compile and from inside it
         cfg = load_config(args.config, args.overrides)
         target = None
@@ -263,7 +264,7 @@ def main(argv: list[str]) -> int:
                 raise TargetError(f"--target {target.name}: {target_error}")
         if args.json and (problem := output_path_problem(args.json, "--json", directory=False)):
             print(f"edit-jax: plan error: {problem}", file=sys.stderr)  # export --out's check, before any compile
-            return 2
+            return EXIT_BAD_INPUT
         memory = args.device_memory or (target.memory_bytes / GIB if target is not None else 80.0)
         # Compiled for emulated CPU devices whatever this machine has (importing jax started no
         # backend yet: the platform and the device count still apply); a GPU target's devices are
@@ -273,10 +274,10 @@ def main(argv: list[str]) -> int:
         p = plan(cfg, memory, target, args.link_gbps)
     except TargetError as e:
         print(f"edit-jax: plan error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except ConfigError as e:
         print(f"edit-jax: bad config: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     print(report(p))
     if args.json:
         try:
@@ -284,7 +285,7 @@ def main(argv: list[str]) -> int:
                 json.dump(p, f, indent=1)
         except OSError as e:  # checked before compiling; gone since, or a full disk
             print(f"edit-jax: plan error: --json {args.json!r} cannot be written: {e.strerror or e}", file=sys.stderr)
-            return 2
+            return EXIT_BAD_INPUT
     return 0 if p["fits"] else 1
 
 

@@ -30,7 +30,7 @@ import re
 from collections import defaultdict
 
 from edit_jax.localsgd.sync import SYNC_SCOPE
-from edit_jax.tools.hlo_parse import COLLECTIVES, HloModule, parse_hlo
+from edit_jax.analysis.hlo_parse import COLLECTIVES, HloModule, parse_hlo
 
 CATEGORIES = ("matmul", "collective", "copy", "sync", "elementwise", "control", "other")
 

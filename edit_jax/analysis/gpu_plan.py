@@ -15,7 +15,7 @@ import math
 import jax
 
 from edit_jax.localsgd.methods import StepKind
-from edit_jax.tools import gpu_window, hlo_overlap
+from edit_jax.analysis import gpu_window, hlo_overlap
 
 GIB = 1024 ** 3
 

@@ -19,7 +19,7 @@ import math
 import re
 from functools import lru_cache
 
-from edit_jax.tools.hlo_parse import (
+from edit_jax.analysis.hlo_parse import (
     COLLECTIVES,
     HloModule,
     parse_hlo,
