@@ -47,6 +47,7 @@ def test_chunked_loss_equals_the_plain_one(chunk):
 def test_model_loss_sum_never_holds_the_whole_logits():
     """The tiny model's loss through ``loss_sum`` (chunks of 8 of 32 positions) equals forward +
     token_loss_sum, and its jaxpr has no [batch, seq, vocab] array."""
+    one_stage("3.12", "the loss sum's peak", 12, other="test_chunked_loss_inside_the_sharded_step_equals_the_whole_one")
     cfg = tiny_config().model
     chunked_cfg = dataclasses.replace(cfg, loss_chunk=8)
     params = model_lib.init_params(cfg, jax.random.key(0))
@@ -134,6 +135,8 @@ def test_attention_kernel_choice_and_errors():
 def test_chunked_loss_inside_the_sharded_step_equals_the_whole_one():
     """The same hsdp step with the loss in chunks of 8 positions (of 32) and at once: inside
     shard_map (where the scan's carry must be per-device) the losses and params agree."""
+    one_stage("default", "the chunked loss in the sharded step", 15,
+              other="test_model_loss_sum_never_holds_the_whole_logits")
     # AdamW's eps well above the gradients' float noise: with 1e-8 its first step is a sign
     # function, and an element whose gradient is ~0 flips with the summation order.
     whole = tiny_config(2, 2, model={"loss_chunk": 0}, optim={"eps": 1e-3})

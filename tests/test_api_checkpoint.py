@@ -64,6 +64,7 @@ def test_a_resumed_loop_continues_exactly_and_a_damaged_checkpoint_is_reported(t
 
 
 def test_edit_layerwise_resumes_exactly(tmp_path):
+    one_stage("default", "the API's exact resume of EDiT", 25, other="the API's exact resume of DiLoCo + int8")
     tx = optax.sgd(0.1)
     make = lambda: LocalSGD(edit_jax.edit(), _mesh(), 2, loss_fn=_scanned_loss, optimizer=tx)
     params = _scanned_params()

@@ -60,6 +60,8 @@ def _train(rule, steps=12, seed=0, same_batch=False):
 
 
 def test_an_nnx_model_trains_with_diloco_and_comes_back_as_a_module():
+    one_stage("default", "DiLoCo on an NNX model", 9,
+              other="test_dropout_streams_differ_per_worker_and_step_and_repeat_with_the_seed")
     trainer, state, losses = _train(edit_jax.diloco())
     means = [float(x.mean()) for x in losses]
     assert all(math.isfinite(x) for x in means) and np.mean(means[-3:]) < means[0] * 0.7, means
@@ -72,6 +74,8 @@ def test_an_nnx_model_trains_with_diloco_and_comes_back_as_a_module():
 
 
 def test_dropout_streams_differ_per_worker_and_step_and_repeat_with_the_seed():
+    one_stage("3.12", "NNX dropout streams", 8,
+              other="test_an_nnx_model_trains_with_diloco_and_comes_back_as_a_module")
     _, _, a = _train(edit_jax.diloco(), steps=2, same_batch=True)
     _, _, b = _train(edit_jax.diloco(), steps=2, same_batch=True)
     assert len({round(float(x), 6) for x in a[0]}) == N  # same rows, another mask per worker
@@ -166,6 +170,8 @@ def test_layerwise_edit_on_nnx_equals_the_hook_placed_by_hand():
     """EDiT (layer-wise, tau 3, two syncs in the forward) on an NNX model with stacked blocks equals
     the same rule on the same params through loss_fn with the hook placed by hand: the library
     places it on the root and on every layer. Every unit's θ̄ moved at the syncs."""
+    one_stage("default", "EDiT on NNX against the hook by hand", 24,
+              other="test_layerwise_nnx_with_dropout_per_layer_and_a_forward_that_scans_twice")
     rule = edit_jax.edit(penalty=Penalty(clip_threshold=0.05))  # a clip that binds: the units' norms matter
     model = StackedLM(nnx.Rngs(0))
     nnx_trainer = LocalSGD.for_nnx(rule, _mesh(), 3, model, optax.adam(0.05), _lm_loss, blocks="blocks")
@@ -189,6 +195,7 @@ def test_layerwise_edit_on_nnx_equals_the_hook_placed_by_hand():
 def test_layerwise_nnx_with_dropout_per_layer_and_a_forward_that_scans_twice():
     """Dropout streams stacked over the blocks are reseeded per worker and step (a key per layer);
     a forward that runs scan_blocks twice is refused, naming it."""
+    one_stage("3.12", "NNX dropout per layer", 10, other="test_layerwise_edit_on_nnx_equals_the_hook_placed_by_hand")
     model = StackedLM(nnx.Rngs(0, dropout=1), dropout=0.3)
     trainer = LocalSGD.for_nnx(edit_jax.edit(), _mesh(), 2, model, optax.adam(0.05), _lm_loss, blocks="blocks",
                                seed=0)

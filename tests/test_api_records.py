@@ -18,6 +18,7 @@ from edit_jax.localsgd.api import LocalSGD
 from edit_jax.commands import plot
 from tests.test_api import N, _mesh
 from tests.test_api_nnx import StackedLM, _lm_batch, _lm_loss
+from tests.stages import one_stage
 
 
 def _trainer(rule=None):
@@ -36,6 +37,7 @@ def _loop(trainer, records, state, steps):
 
 
 def test_a_loops_records_plot_beside_a_run_and_resume_drops_what_is_redone(tmp_path):
+    one_stage("default", "a loop's records plotted", 11, other="test_plot's real run")
     run = str(tmp_path / "mine")
     trainer = _trainer()
     records = edit_jax.LocalSGDRecords(run, trainer, batch_size=N * 4, seq_len=6)

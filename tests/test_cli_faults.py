@@ -71,6 +71,7 @@ def test_run_dir_too_long_for_a_checkpoint_is_refused(tmp_path):
 def test_input_error_leaves_no_empty_run_dir(tmp_path):
     """A data error is found after the run dir was checked (and so created): before, an empty run
     dir (and its parents) stayed behind although the README says nothing is written."""
+    one_stage("3.12", "an input error leaves no run dir", 5)
     run_dir = tmp_path / "runs" / "new"
     code, out = _train(run_dir, "data.source=text", f"data.paths={tmp_path / 'missing.txt'}",
                        env=_env(EDIT_JAX_COMPILE_CACHE=""))  # the run dir's own cache, made before the data check

@@ -114,6 +114,7 @@ TRAIN = [sys.executable, "-m", "edit_jax", "train", "--distributed", "--config",
 
 
 def test_distributed_without_a_cluster_is_one_line(tmp_path):
+    one_stage("3.12", "--distributed without a cluster", 12)
     proc = subprocess.run(TRAIN + ["--run-dir", str(tmp_path / "r")], cwd=REPO, env=_cli_env(), capture_output=True,
                           text=True, timeout=120)
     out = proc.stdout + proc.stderr

@@ -26,6 +26,7 @@ from edit_jax.presets import cpu, paper
 from edit_jax.analysis import hlo, hlo_parse
 from edit_jax.validate import validate
 from tests.helpers import mesh_for, random_batch, tiny_config
+from tests.stages import one_stage
 
 # ----------------------------------------------------------------------------- worked example
 
@@ -188,11 +189,13 @@ def _bulk_exchanges_depend_on_batch(cfg) -> list[bool]:
 
 
 def test_hlo_co2_exchange_is_independent_of_the_round():
+    one_stage("3.12", "CO2's exchange in the HLO", 9, other="test_hlo_diloco_exchange_waits_for_the_step")
     assert not any(_bulk_exchanges_depend_on_batch(tiny_config(2, 2, "co2", sync=CO2_SYNC)))
 
 
 def test_hlo_diloco_exchange_waits_for_the_step():
     """The control: the same check sees DiLoCo's exchange depend on the step's batch."""
+    one_stage("default", "DiLoCo's exchange in the HLO", 13, other="test_hlo_co2_exchange_is_independent_of_the_round")
     assert all(_bulk_exchanges_depend_on_batch(tiny_config(2, 2, "diloco")))
 
 

@@ -570,6 +570,8 @@ def test_nan_worker_rejoins_after_sync(edit4, diverged, kind):
     to θ̄ at the sync, and its inner optimizer moments are zeroed (shared step count kept), so every
     worker's loss is finite at every step after the sync. Before, its moments stayed NaN and its
     loss was NaN at every later local step."""
+    one_stage("default" if kind == "sync_forward" else "3.12", "a NaN worker rejoining", 14,
+              other="the other step kind")
     m, _ = edit4
     start = _poison(diverged, 1)
     start = start.replace(opt_state=jax.tree.map(
@@ -666,6 +668,7 @@ def test_post_local_sgd_sync_is_replica_mean(edit4, diverged):
 def test_diloco_sync_equals_edit_layerwise_without_penalty(edit4, diverged):
     """The same pseudo gradients through DiLoCo's whole-model sync and through EDiT's layer-wise sync
     (penalty off, same η and μ) give the same θ̄ and trace, equal to the NumPy reference."""
+    one_stage("3.12", "DiLoCo as EDiT without its penalty", 23, other="test_rule_conformance's DiLoCo")
     m, _ = edit4
     outer = ["sync.outer.lr=0.7", "sync.outer.momentum=0.8"]
     diloco = StepPrograms.for_config(_cfg(*BASE4, "sync.method=diloco", *outer), m.mesh)

@@ -63,6 +63,7 @@ def test_round_equals_the_collective_meeting():
     """OuterRound (Stacked, host CPU) vs sync_unit with ReplicaPsum under shard_map over `replica`,
     unit by unit, with the penalty on, the step shares and a warm detector: same θ̄, momentum,
     detectors (float32 rounding)."""
+    one_stage("3.12", "a round against the collective meeting", 10, other="test_round_plain_mean_against_numpy")
     n, rng = 3, np.random.default_rng(0)
     penalty = Penalty(warmup=2, step_weight_ratio=0.5, clip_threshold=0.3)
     plan = Plan("a_edit", A_EDIT_RULE, True, penalty, OuterSpec("nesterov", 0.8, 0.85, True))
@@ -117,6 +118,7 @@ def test_round_equals_the_collective_meeting():
 def test_round_plain_mean_against_numpy():
     """Penalty off, outer lr 1, momentum 0 (Post Local SGD): θ̄ - mean(Δ_i) by hand; a subset of the
     slots participating leaves the others' detectors and cursors untouched."""
+    one_stage("default", "a round's plain mean", 10, other="test_round_equals_the_collective_meeting")
     rng = np.random.default_rng(1)
     plan = Plan("a_edit", A_EDIT_RULE, True, Penalty.off(), OuterSpec("nesterov", 1.0, 0.0, False))
     rnd = OuterRound(plan)

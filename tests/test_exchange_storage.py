@@ -21,6 +21,7 @@ from edit_jax.elastic.exchange import DirExchange, ExchangeError
 from edit_jax.elastic.keys import ExchangeUnavailable
 from edit_jax.elastic.patience import PatientExchange, open_patient
 from edit_jax.elastic.s3 import S3Exchange
+from tests.stages import one_stage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUCKET = "edit-jax-storage"
@@ -242,6 +243,7 @@ def _train(tmp_path, exchange: str, env: dict | None = None):
 
 
 def test_unusable_exchange_urls_are_one_line_exit_2_and_no_run_dir(tmp_path, moto_server):
+    one_stage("default", "unusable exchange URLs", 11)
     port, _ = moto_server
     afile = tmp_path / "afile"
     afile.write_text("not a directory")
@@ -305,7 +307,6 @@ def test_a_run_outlives_its_exchange_directory_gone_for_seconds(tmp_path):
     """Real processes: the launcher and two workers; mid-run the exchange directory is renamed away
     (an unmounted share) for 4 s, then back. Every worker waits it out (one line each when it starts
     and when it ends), the run finishes by itself, exit 0, one θ̄ on both workers, no traceback."""
-    from tests.stages import one_stage
 
     one_stage("3.12", "an exchange run outliving its storage gone for seconds", 30,
               other="test_exchange_trust's run given junk")

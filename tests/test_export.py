@@ -254,6 +254,7 @@ def test_export_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path_factory, 
     gave a 23-line safetensors traceback, exit 1, and left an empty --out. Now one line naming
     --out and the error, exit 2; a new --out (and the parents it would have made) does not
     remain, and an existing export written over with --force is left exactly as it was."""
+    one_stage("default", "an export on a full disk", 13)
     import errno
 
     _, run_dir = edit_run(tmp_path_factory)

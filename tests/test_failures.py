@@ -116,6 +116,7 @@ def test_checksums_refuse_damage_that_leaves_every_value_finite(tmp_path):
     Checkpoint 2: one array written again with other, finite values (a valid file, only its
     recorded checksum is the old one). Checkpoint 3: the recorded checksum of one array changed,
     the arrays intact. Both refused, naming the array; checkpoint 1, untouched, restores."""
+    one_stage("default", "checksums against finite damage", 6)
     import orbax.checkpoint as ocp
 
     from edit_jax.localsgd.methods import plan_for
@@ -255,6 +256,7 @@ def test_missing_config_lists_each_path_once(monkeypatch):
 
 def test_checkpoint_error_message_is_short(tmp_path):
     """A damaged checkpoint's message is a line, not the 2 KB TensorStore spec dump."""
+    one_stage("default", "a short checkpoint error", 9)
     cfg = tiny_config(2, 4, steps=2)
     train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
     files = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path / "checkpoints" / "2" / "state") for f in fs]
@@ -354,6 +356,8 @@ def test_second_run_on_a_run_dir_exits_4(tmp_path, processes):
     """While a run holds the run dir (here: this process, through the same lock), a second run
     exits 4 with one message naming the holder, at once, and writes nothing (before, a second
     2-process launcher ended after 19 s with exit 5 and "Shutdown barrier ... failed")."""
+    one_stage("default" if processes == 1 else "3.12", "a second run on a locked run dir", 8,
+              other="the other process count")
     with RunLock(str(tmp_path)):
         t0 = time.time()
         code, out = _cli(tmp_path, processes, "steps=2")
@@ -374,6 +378,7 @@ def test_ctrl_c_while_compiling_is_a_clean_stop(tmp_path, processes, signals):
     signal arrives (the 0.2 s apart can be seconds): then the run has ended already and the second
     is ignored while the process exits, still 130 (before: -2, or exit 5 with a worker's SIGABRT;
     test_quiet_faults.py::test_a_late_second_signal_still_exits_130 forces that case)."""
+    one_stage("default" if processes == 1 else "3.12", "a Ctrl-C while compiling", 9, other="the other process count")
     code, out = interrupt_when(_cmd(tmp_path, processes, "steps=5", "method=edit"),
                                lambda: (tmp_path / "config.json").exists(), env=_cli_env(), signals=signals)
     assert code == 130, out[-3000:]
@@ -436,6 +441,8 @@ def test_full_disk_during_a_save_is_one_message(tmp_path, processes):
     244-307 lines). The filler races the run, so what fails first varies: the append of a training
     record to metrics.jsonl (then only checkpoint 2 exists), or a later save (then the checkpoints
     the message names as intact are exactly those on disk: CI once saw a renamed-but-unfinished 4)."""
+    if processes == 1:
+        one_stage("3.12", "the 1-process full disk", 10, other="the 2-process one")
     if processes == 2:
         one_stage("default", "the 2-process full disk", 22, other="test_full_disk_during_a_save_is_one_message[1]")
     disk, run_dir, out_dir = tmp_path / "disk", tmp_path / "disk" / "run", tmp_path / "after"
@@ -524,6 +531,7 @@ def test_changed_data_state_is_caught(tmp_path, capfd):
     """One changed number in a checkpoint's data-stream state (``"step": 4`` -> ``5``): before, the
     run resumed from it with nothing reported, on other batches than the uninterrupted run. Now its
     checksum in the metadata fails: reported, moved to checkpoints.bad/, fallback to 2."""
+    one_stage("3.12", "a changed data state", 13)
     cfg = tiny_config(2, 4, steps=4, checkpoint_every=2, keep_checkpoints=3)
     train(cfg, str(tmp_path), progress=False, devices=devs(cfg))
     files = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path / "checkpoints" / "4" / "data") for f in fs]

@@ -96,6 +96,7 @@ def test_compile_cache_setting(tmp_path, monkeypatch):
 def test_async_save_of_a_state_the_next_steps_donate_verifies(tmp_path):
     """The save returns before the write; the steps that follow donate (reuse) the state's buffers.
     What is written is the state as saved: its checksums verify on restore."""
+    one_stage("3.12", "an async save of a donated state", 6)
     cfg = tiny_config(2, 2, steps=8)
     plan = plan_for(cfg)
     programs = StepPrograms(plan, make_mesh(cfg.mesh, jax.devices()[:4]))
@@ -148,6 +149,7 @@ def test_a_crash_while_a_checkpoint_is_written_keeps_the_previous_one(tmp_path):
     """keep_checkpoints=1: checkpoint 2 would be deleted once 4 is finished. Killed while 4 is
     written (after step 5 ran: the save did not block the loop), 2 stays the newest checkpoint, 4
     is not one, and the re-run resumes from 2 (verified) and finishes."""
+    one_stage("3.12", "a crash during a save", 12)
     proc = subprocess.run([sys.executable, "-c", _CRASH.format(repo=REPO, run_dir=str(tmp_path))], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]

@@ -23,6 +23,7 @@ from edit_jax.training.train import train
 from edit_jax.validate import load_config, validate
 from tests.helpers import mesh_for, tiny_config
 from tests.test_export import _random_params, read_safetensors
+from tests.stages import one_stage
 
 
 def _exported(tmp_path, name="hf", dtype="float32", **model):
@@ -192,6 +193,7 @@ def test_missing_wrong_or_truncated_weights_are_reported_naming_the_tensor_or_fi
 def test_training_starts_from_the_directory(tmp_path, capsys):
     """The loop's wiring: with a learning rate too small to move them, the trained run's θ̄ is the
     directory's params; the run says where its params came from."""
+    one_stage("default", "training from a Hugging Face directory", 15)
     _, params, out = _exported(tmp_path)
     cfg = _starting_from(out, replica=2, shard=1, method="edit", steps=2, optim={"lr": 1e-12, "weight_decay": 0.0},
                          sync={"warmup_steps": 0, "tau": 2})

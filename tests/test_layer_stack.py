@@ -11,6 +11,7 @@ import optax
 import pytest
 
 from edit_jax import LayerStack, LocalSGD, edit
+from tests.stages import one_stage
 
 N, S, L, D, V, T = 4, 2, 3, 16, 32, 8
 
@@ -55,6 +56,7 @@ def test_the_layout_and_the_forward_equal_the_modules_composed_by_hand():
 
 
 def test_edit_trains_a_layer_stack_in_a_few_lines():
+    one_stage("3.12", "EDiT on a LayerStack", 12, other="test_examples' linen example")
     model, tx = _model(), optax.adamw(1e-2)
 
     def loss_fn(params, batch, hook, hook_xs):

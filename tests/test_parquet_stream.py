@@ -215,6 +215,7 @@ def test_errors_name_the_field_or_file(files, tmp_path, monkeypatch):
 def test_training_on_streamed_parquet_resumes_bit_exactly(files, tmp_path):
     """End to end (2 replicas x 2 devices, reader process): a run stopped at step 3 and resumed
     logs the same losses and validation loss as an uninterrupted one."""
+    one_stage("3.12", "streamed parquet's exact resume", 13, other="test_multiprocess' 2-process streamed parquet")
     from tests.helpers import assert_stop_and_resume_is_exact, tiny_config
 
     paths = []

@@ -108,6 +108,7 @@ def test_remat_saves_keeps_the_gradients_and_drops_the_recomputed_matmuls(pipeli
     backward recomputes no projection: its gradient program has exactly the projection matmuls of
     no remat at all, where remat that keeps nothing reruns them; attention's own (batched) dots are
     rerun by both."""
+    one_stage("default" if pipelined else "3.12", "remat saves", 15, other="the other hook")
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, 320)
     targets = jnp.roll(tokens, -1, axis=1)
     xs = {"root": {"scale": jnp.float32(0.05)}, "layers": {"scale": jnp.asarray([0.1, -0.2, 0.3], jnp.float32)}}

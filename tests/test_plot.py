@@ -14,6 +14,7 @@ from edit_jax.localsgd.methods import plan_for
 from edit_jax.commands.plot import DPI, PANEL_IN, WIDTH_IN, PlotError, load_run, make_figure, plot_runs, run_labels
 from edit_jax.training.train import train
 from tests.helpers import tiny_config
+from tests.stages import one_stage
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -42,6 +43,7 @@ def _sync(step, norms, flagged, clip=1.0):
 def test_cli_plots_a_real_diloco_run(tmp_path, capsys):
     # DiLoCo on 2 x 2, no warmup, a sync every 2 steps: sync records from the start (compiling the
     # local and the local-then-sync step is most of this test's time).
+    one_stage("3.12", "plotting a real run", 14, other="test_api_records' plot of a loop's records")
     cfg = tiny_config(replica=2, shard=2, method="diloco", steps=6, eval_every=3, sync={"warmup_steps": 0, "tau": 2})
     run_dir = str(tmp_path / "run")
     train(cfg, run_dir, progress=False, devices=jax.devices()[:4])

@@ -128,6 +128,7 @@ def test_saved_progress_resumes_exactly_and_only_when_uncounted(tmp_path):
 def test_saved_residual_of_a_packed_wire_resumes(tmp_path):
     """With sparse posts the error-feedback residual is part of the saved progress: a restart gets
     it back instead of zeros; an .npz of another kind is refused."""
+    one_stage("default", "a packed wire's saved residual resumed", 8)
     from edit_jax.elastic import packed as PK
     from edit_jax.runtime.compile_cache import compile_cache
 

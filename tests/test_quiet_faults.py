@@ -178,6 +178,7 @@ def test_a_failed_restore_leaves_no_reads_behind(tmp_path, monkeypatch, capfd, t
     pending printed "Exception ignored in: <coroutine object _read_array_index_and_device_put>"
     when collected (hundreds, with their TensorStore specs). Now none; the fallback is one line
     under 200 characters naming the checkpoint and the array, and the run resumes from 2."""
+    one_stage("default" if damage == 'truncated' else "3.12", "a failed restore's reads", 9, other="the other damage")
     from orbax.checkpoint._src.serialization import serialization
 
     src, cfg = two_checkpoints
@@ -241,6 +242,7 @@ def test_a_late_second_signal_still_exits_130(tmp_path, processes):
     -2; with 2 processes the launcher passed it on as "the second signal", one worker left at once
     and the other aborted in JAX's shutdown barrier: exit 5; or one landing after the training
     returned said "stopped before training started". Now 130 and nothing more."""
+    one_stage("default" if processes == 1 else "3.12", "a late second signal", 10, other="the other process count")
     mp = ["mesh.processes=2"] if processes == 2 else []
     cmd = [sys.executable, "-u", "-m", "edit_jax", "train", "--config", "configs/tiny.py", "--run-dir", str(tmp_path),
            "--no-progress", "mesh.replica=2", "mesh.shard=2", *mp, "data.seq_len=32", "batch_size=8", "steps=5",
@@ -300,6 +302,7 @@ def test_a_finished_2_process_run_is_said_once_without_workers(tmp_path):
     """A finished 2-process run rerun: the launcher looks at the run dir first and says so once,
     in seconds, no worker started (before: both workers started, 4-9 s, and "already finished"
     twice)."""
+    one_stage("default", "a finished 2-process run said once", 5)
     cfg = tiny_config(2, 2, steps=2)
     programs = StepPrograms(plan_for(cfg), make_mesh(cfg.mesh, jax.devices()[:4]))
     ckpt = Checkpointer(str(tmp_path), keep=2)
@@ -320,6 +323,7 @@ def test_a_damaged_rollback_target_names_the_way_out(tmp_path):
     during the spike) in checkpoints.spike/. Every rerun exits 2 as before, and now its message
     names the way on: move checkpoints.spike/4 back and rerun with --restore-step 4 (before:
     "move it away to start over", nothing about 4). Doing so resumes from 4."""
+    one_stage("3.12", "a damaged rollback target", 6)
     cfg = tiny_config(2, 2, steps=4, checkpoint_every=2, keep_checkpoints=3)
     train(cfg, str(tmp_path), progress=False, devices=jax.devices()[:4])
     meta4 = tmp_path / "checkpoints" / "4" / "meta" / "metadata"

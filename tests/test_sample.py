@@ -18,6 +18,7 @@ from edit_jax.rundir.trained import TrainedModelError, load_trained
 from edit_jax.commands.sample import Sampler, main as sample_main
 from tests.helpers import tiny_config
 from tests.trained_runs import edit_run, tokenizer_run
+from tests.stages import one_stage
 
 
 def _model(init_std=0.02, **kw):
@@ -123,6 +124,8 @@ def test_load_trained_picks_outer_params_or_replica(tmp_path_factory):
 
 
 def test_cli_sample_byte_tokenizer(tmp_path_factory, capsys):
+    one_stage("3.12", "sampling with the byte tokenizer", 6,
+              other="test_cli_sample_tokenizer_json")
     _, run_dir = edit_run(tmp_path_factory)
     args = ["--run-dir", run_dir, "--prompt", "def ", "--max-tokens", "12", "--seed", "3", "--no-eos-stop"]
     assert sample_main(args) == 0
@@ -137,6 +140,8 @@ def test_cli_sample_byte_tokenizer(tmp_path_factory, capsys):
 
 
 def test_cli_sample_tokenizer_json(tmp_path_factory, capsys):
+    one_stage("default", "sampling with a tokenizer.json", 6,
+              other="test_cli_sample_byte_tokenizer")
     pytest.importorskip("tokenizers")
     _, run_dir, tok_path = tokenizer_run(tmp_path_factory)
     assert sample_main(["--run-dir", run_dir, "--prompt", "def f", "--max-tokens", "8", "--no-eos-stop"]) == 0

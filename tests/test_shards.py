@@ -15,6 +15,7 @@ from edit_jax.cli import main as cli_main
 from edit_jax.config import DataConfig
 from edit_jax.data import shards as S
 from edit_jax.data import tokenize as T
+from tests.stages import one_stage
 
 SEQ = 7  # windows of 8 tokens
 
@@ -348,6 +349,7 @@ def test_resume_with_other_settings_starts_over(inputs, tmp_path, monkeypatch):
 def test_training_on_shards_resumes_bit_exactly(shard_dir, tmp_path):
     """End to end: a run on a shard directory stopped at step 3 (checkpoint) and resumed logs the
     same losses as an uninterrupted one."""
+    one_stage("3.12", "token shards' exact resume", 7)
     from tests.helpers import assert_stop_and_resume_is_exact, tiny_config
 
     cfg = tiny_config(2, 2, steps=6, checkpoint_every=3, eval_every=6)

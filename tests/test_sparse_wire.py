@@ -44,6 +44,7 @@ from edit_jax.localsgd.sharding import REPLICA
 from edit_jax.runtime.mesh import make_mesh
 from edit_jax.analysis import hlo
 from edit_jax.commands.plan import sync_bits
+from tests.stages import one_stage
 
 # ============================================================================= NumPy reference
 
@@ -300,6 +301,7 @@ def test_bfloat16_residual_is_the_float32_one_rounded_once(tmp_path, topk2):
     float32. From the same state (a residual exactly representable in bfloat16), θ̄, trace, params
     and detectors equal the float32 residual's sync bit for bit, and the new residual is the
     float32 sync's rounded to bfloat16 once. A float32 run's checkpoint resumes into bfloat16 (cast)."""
+    one_stage("default", "the bfloat16 residual", 12)
     from edit_jax.rundir.checkpoint import Checkpointer
     from edit_jax.training.resume import restore
 

@@ -217,6 +217,7 @@ def test_blown_up_run_exits_3_and_a_sane_rerun_does_not_resume_it(tmp_path, proc
 
 
 def test_spike_after_max_rollbacks_exits_3_and_names_the_checkpoint_left(tmp_path):
+    one_stage("3.12", "a spike past the rollbacks", 7)
     code, out = _cli(tmp_path, 1, *SPIKE, "debug.lr_spike=20-23:3000", "train.spike.max_rollbacks=0")
     assert code == 3, out[-3000:]
     assert ("not rolled back (train.spike.max_rollbacks=0 reached). A rerun resumes from checkpoint 20"

@@ -46,6 +46,7 @@ def test_stop_right_at_a_rollback_keeps_its_data_position(tmp_path, monkeypatch)
     is set from inside it: the issue's SIGINT 0-0.05 s after the record of the rollback) ends the run at step 8;
     before, the save at 8 kept the checkpoint from before the spike (its data position 0), so the
     rerun trained on the skipped batches again, and the stop reported the spiked loss."""
+    one_stage("default", "a stop at a rollback", 12)
     cfg = apply_overrides(tiny_config(2, 2, steps=12, checkpoint_every=4, log_every=1, batch_size=8),
                           ["debug.lr_spike=8-9:3000", "train.spike.patience=1"])
     devices = jax.devices()[:4]

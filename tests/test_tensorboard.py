@@ -18,6 +18,7 @@ pytest.importorskip("tensorboardX")
 from tensorboardX.proto import event_pb2  # the Event message's schema
 
 from edit_jax.rundir.tensorboard import TeeLog, TensorBoardWriter, record_scalars
+from tests.stages import one_stage
 
 
 def _crc32c(data: bytes) -> int:
@@ -146,6 +147,7 @@ def test_log_section_config(monkeypatch):
 def test_turned_on_at_a_resume_shows_the_whole_history(tmp_path):
     """Steps 1-2 trained without TensorBoard, 3-4 with it: the event files hold all four steps
     (before: only 3-4), with the values of metrics.jsonl; a second resume adds no duplicate."""
+    one_stage("default", "TensorBoard turned on at a resume", 8, other="wandb turned on at a resume")
     import jax
 
     from edit_jax.config import LogConfig

@@ -249,6 +249,7 @@ def test_placement_file_drives_the_mesh(tmp_path):
     """`edit-jax placement` on an 8-device network whose fast pairs are interleaved (0,2,4,6 on
     one node, 1,3,5,7 on another) writes a device order that puts each node in one replica;
     training with `mesh.placement` builds that mesh and trains."""
+    one_stage("3.12", "a placement file", 12)
     from edit_jax.commands.placement import main as placement_main
     from edit_jax.runtime.mesh import make_mesh
 
@@ -345,6 +346,8 @@ def test_format2_checkpoint_resumes(tmp_path, case):
     reproduces the losses the old code computed without interruption. CO2's case runs under Python
     3.12 only, beside test_legacy_checkpoint_resumes under the default (both: an older checkpoint
     read by today's jax and orbax, a translation in Python); edit_int8_ef's runs in both stages."""
+    if case == 'edit_int8_ef':
+        one_stage("default", "the format-2 EDiT + int8 checkpoint", 13, other="the format-2 CO2 one")
     if case == "co2":
         one_stage("3.12", "CO2's format-2 checkpoint resumed", 17, other="test_legacy_checkpoint_resumes")
     _resumes_like_the_old_code(tmp_path, os.path.join(REPO, "tests", "fixtures", "format2_run", case))

@@ -21,6 +21,7 @@ from edit_jax.rundir.wandb_log import ID_FILE
 from edit_jax.training.train import train
 from edit_jax.validate import validate
 from tests.helpers import REPO, child_xla_flags, tiny_config
+from tests.stages import one_stage
 
 BLOCK = 32768
 
@@ -78,6 +79,7 @@ def _records(run_dir):
 
 
 def test_offline_run_logs_every_record_and_a_resume_continues_the_same_run(tmp_path, offline):
+    one_stage("default", "the offline wandb run", 12, other="test_wandb_turned_on_at_a_resume_logs_the_history_first")
     run_dir = str(tmp_path / "run")
     cfg = tiny_config(2, 1, method="edit", steps=2, checkpoint_every=2, eval_every=2, log=LogConfig(wandb=True))
     train(cfg, run_dir, progress=False, devices=jax.devices()[:2])
@@ -105,6 +107,8 @@ def test_offline_run_logs_every_record_and_a_resume_continues_the_same_run(tmp_p
 
 
 def test_wandb_turned_on_at_a_resume_logs_the_history_first(tmp_path, offline):
+    one_stage("3.12", "wandb turned on at a resume", 10,
+              other="test_offline_run_logs_every_record_and_a_resume_continues_the_same_run")
     run_dir = str(tmp_path / "run")
     cfg = tiny_config(1, 2, steps=2, checkpoint_every=2)
     train(cfg, run_dir, progress=False, devices=jax.devices()[:2])
