@@ -24,6 +24,7 @@ import pytest
 
 import edit_jax
 from edit_jax.localsgd.api import LocalSGD, Penalty, diloco, edit, identity_hook, post_local_sgd
+from edit_jax.localsgd.layer_scan import scan_layers
 from edit_jax.localsgd.outer import sgd_trace
 from edit_jax.analysis import hlo
 from tests.helpers import load_example
@@ -41,17 +42,12 @@ def _f64(tree):
 
 
 def _close(got, want, what, rtol=2e-5, atol=2e-6):
+    """Each leaf of ``got`` against ``want``'s in the same place (one structure, asserted first;
+    zipped, so NNX states, whose paths end in ``.value``, compare as dicts do)."""
     assert jax.tree.structure(got) == jax.tree.structure(want), what
-    for path, g in jax.tree_util.tree_flatten_with_path(got)[0]:
-        w = _get(want, path)
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=rtol, atol=atol,
                                    err_msg=f"{what}{jax.tree_util.keystr(path)}")
-
-
-def _get(tree, path):
-    for key in path:
-        tree = tree[getattr(key, "key", getattr(key, "idx", None))]
-    return tree
 
 
 # ============================================================================= the example
@@ -318,8 +314,9 @@ def _scanned_params(layers: int = 2, d: int = 3, h: int = 8):
     return {"root": {"w_in": f(d, h), "w_out": f(h, 1)}, "layers": {"w": f(layers, h, h), "b": f(layers, h)}}
 
 
-def _scanned_loss(p, batch, hook=identity_hook, hook_xs=None):
-    """A ScannedModel: the root, then each layer in a scan, through the hook."""
+def _scanned_loss(p, batch, hook=identity_hook, hook_xs=None, *, segmented=False):
+    """A ScannedModel: the root, then each layer in a scan, through the hook (``segmented``: the
+    scan by ``edit_jax.scan_layers``, which runs a staggered group's segments)."""
     xs = hook_xs if hook_xs is not None else {"root": None, "layers": None}
     root, root_ys = hook(p["root"], xs["root"], "root")
     h = jnp.tanh(batch["x"] @ root["w_in"])
@@ -329,7 +326,10 @@ def _scanned_loss(p, batch, hook=identity_hook, hook_xs=None):
         params, ys = hook(params, unit_xs, "layer")
         return h + jnp.tanh(h @ params["w"] + params["b"]), ys
 
-    h, layer_ys = jax.lax.scan(layer, h, (p["layers"], xs["layers"]))
+    if segmented:  # a staggered group's sync: the layers in segments (test_api_fragments)
+        h, layer_ys = scan_layers(layer, h, p["layers"], xs["layers"])
+    else:
+        h, layer_ys = jax.lax.scan(layer, h, (p["layers"], xs["layers"]))
     return jnp.mean((h @ root["w_out"] - batch["y"]) ** 2), {"root": root_ys, "layers": layer_ys}
 
 

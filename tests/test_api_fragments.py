@@ -9,13 +9,11 @@ units untouched) and against the same run without the offload (bit for bit)."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 from edit_jax.localsgd.api import LocalSGD, Penalty, co2, diloco, edit
-from edit_jax.localsgd.layer_scan import scan_layers
 from edit_jax.localsgd.outer import sgd_trace
 from tests.stages import one_stage
 from tests.test_api import N, _close, _f64, _mesh, _scanned_batch, _scanned_loss, _scanned_params, np_edit_sync
@@ -112,17 +110,7 @@ def test_fragments_are_refused_where_they_cannot_run():
 
 def _segmented_loss(p, batch, hook, hook_xs):
     """``_scanned_loss`` with its layers run by ``edit_jax.scan_layers`` (a staggered group's sync)."""
-    xs = hook_xs if hook_xs is not None else {"root": None, "layers": None}
-    root, root_ys = hook(p["root"], xs["root"], "root")
-    h = jnp.tanh(batch["x"] @ root["w_in"])
-
-    def layer(h, unit):
-        params, unit_xs = unit
-        params, ys = hook(params, unit_xs, "layer")
-        return h + jnp.tanh(h @ params["w"] + params["b"]), ys
-
-    h, layer_ys = scan_layers(layer, h, p["layers"], xs["layers"])
-    return jnp.mean((h @ root["w_out"] - batch["y"]) ** 2), {"root": root_ys, "layers": layer_ys}
+    return _scanned_loss(p, batch, hook, hook_xs, segmented=True)
 
 
 def test_streaming_edit_syncs_each_group_inside_the_forward_as_numpy_says():

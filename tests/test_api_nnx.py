@@ -19,7 +19,7 @@ from edit_jax.localsgd.api import LocalSGD
 from edit_jax.localsgd.outer_spec import Penalty
 from tests.helpers import load_example
 from tests.stages import one_stage
-from tests.test_api import N, _f64, _mesh, np_edit_sync
+from tests.test_api import N, _close, _f64, _mesh, np_edit_sync
 
 
 class Regressor(nnx.Module):
@@ -215,13 +215,6 @@ RULES = {"diloco": lambda: edit_jax.diloco(0.6, 0.8), "co2": lambda: edit_jax.co
          "edit": lambda: edit_jax.edit(outer_lr=0.6, outer_momentum=0.8, penalty=PENALTY),
          "edit+topk2": lambda: edit_jax.compressed(edit_jax.edit(outer_lr=0.6, outer_momentum=0.8, penalty=PENALTY),
                                                    "topk2")}
-
-
-def _close(got, want, what, rtol=2e-5, atol=2e-6):
-    assert jax.tree.structure(got) == jax.tree.structure(want), what  # (NNX paths end in .value: zipped)
-    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=rtol, atol=atol,
-                                   err_msg=f"{what}{jax.tree_util.keystr(path)}")
 
 
 @pytest.mark.parametrize("rule", list(RULES))

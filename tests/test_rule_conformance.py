@@ -51,6 +51,7 @@ from edit_jax.config import CO2Config, ConfigError, OuterConfig, PenaltyConfig, 
     register_rule_section, require, to_dict
 from edit_jax.validate import load_config
 from tests.stages import one_stage
+from tests.test_api import _close
 from tests.test_edit_sync import TINY, Ref, np_sync
 
 N = 2
@@ -143,13 +144,6 @@ def _exchange(m: StepPrograms, posts):
     settled = [PK.settle_residual(pending[w], np.asarray(figures["unit_flagged"])[:, w], layerwise)
                for w in range(len(pending))] or None
     return got, figures, settled
-
-
-def _close(got, want, what, rtol=2e-5, atol=2e-6):
-    assert jax.tree.structure(got) == jax.tree.structure(want), what
-    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=rtol, atol=atol,
-                                   err_msg=f"{what}{jax.tree_util.keystr(path)}")
 
 
 def _ref(m: StepPrograms) -> Ref:

@@ -261,14 +261,20 @@ def readme_command(readme: str, start: str) -> list[str]:
     return without_optional(shlex.split(command))[1:]
 
 
+def tour_paths(work: str) -> dict[str, str]:
+    """Where the tour's outputs go under ``work``, by the README's own path."""
+    run = os.path.join(work, "run")
+    return {"runs/tiny": run, "runs/demo": run, "runs/diloco": run, "exports/demo": os.path.join(work, "export"),
+            "plots/compare.png": os.path.join(work, "plot.png"), "plan.json": os.path.join(work, "plan.json")}
+
+
 def tour_steps(work: str) -> list[tuple[str, list[str]]]:
-    """The README's tour as (name, argv of ``edit-jax``), its paths moved under ``work``: train
-    (configs/tiny.py, 2 steps), the same command with steps=4 (a resume), sample (4 tokens), plot,
-    export, plan."""
+    """The README's tour as (name, argv of ``edit-jax``), its paths moved under ``work``
+    (``tour_paths``): train (configs/tiny.py, 2 steps), the same command with steps=4 (a resume),
+    sample (4 tokens), plot, export, plan."""
     readme = open(os.path.join(REPO, "README.md")).read()
-    run, out = os.path.join(work, "run"), os.path.join(work, "export")
-    moved = {"runs/tiny": run, "runs/demo": run, "runs/diloco": run, "exports/demo": out,
-             "plots/compare.png": os.path.join(work, "plot.png"), "plan.json": os.path.join(work, "plan.json")}
+    moved = tour_paths(work)
+    run = moved["runs/tiny"]
 
     def local(words):
         words = [moved.get(w, w) for w in words]
@@ -288,8 +294,8 @@ def run_tour(work: str) -> dict:
     tests/test_docs.py checks them."""
     from edit_jax import cli
 
-    run, out = os.path.join(work, "run"), os.path.join(work, "export")
-    moved = {"plots/compare.png": os.path.join(work, "plot.png"), "plan.json": os.path.join(work, "plan.json")}
+    moved = tour_paths(work)
+    run, out = moved["runs/tiny"], moved["exports/demo"]
     result = {"commands": {}}
     import json
     import time

@@ -223,7 +223,8 @@ class SyncConfig:
         # Reached only when no field has the name: a registered rule's section, its values as set,
         # else its defaults (reading it stores nothing, so the config compares as before).
         if name in RULE_SECTIONS:
-            return self.__dict__.get("rule_sections", {}).get(name) or RULE_SECTIONS[name]()
+            section = self.__dict__.get("rule_sections", {}).get(name)
+            return RULE_SECTIONS[name]() if section is None else section
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 

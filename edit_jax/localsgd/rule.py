@@ -90,7 +90,7 @@ class SyncRule:
     # by wall clock with each worker at its own pace after the warmup (``methods.TimeSchedule``).
     asynchronous = False
     # Whether its units may sync in staggered groups (``sync.fragments`` > 1, a ``span`` per sync):
-    # CO2's stale all-reduce spans the whole model, so not it (``StaleSync.validate``, the API).
+    # CO2's stale all-reduce spans the whole model, so not it (``rules.validate``, the API's check).
     streams = True
     codec: Codec = NONE  # the wire, and the state it carries (the compressed wrapper's)
     # Its own hyperparameters' config section, ``sync.<owned_section>`` ("": none; CO2's is

@@ -16,6 +16,7 @@ from edit_jax.localsgd.methods import METHODS, section_owners
 from edit_jax.localsgd.rule import RuleWrapper, SyncRule
 from edit_jax.localsgd.timed import Timed
 
+
 def validate(cfg: Config) -> None:
     """Every rule's field rules, then the method's own rule's relations with the rest of the config."""
     s = cfg.sync
@@ -39,6 +40,8 @@ def validate(cfg: Config) -> None:
                         f"got {value}")
     if s.exchange.url:
         validate_exchange(cfg, rule)
+    require(s.fragments == 1 or rule.streams, "sync.fragments",  # (CO2: its stale all-reduce spans the whole model)
+            f"method {s.method} syncs every unit together; got {s.fragments}")
     rule.check_config(cfg)
 
 

@@ -105,9 +105,8 @@ class StaleSync(SyncRule):
     def validate(cfg: Config) -> None:
         s = cfg.sync
         # CO2's stale sync is the whole model after the step, one all-reduce of the pending pseudo
-        # gradients; the streaming, quantized and replica-sharded exchanges are not built for it.
-        require(s.fragments == 1 or StaleSync.streams, "sync.fragments",
-                f"method {s.method} syncs every unit together; got {s.fragments}")
+        # gradients; the quantized and replica-sharded exchanges are not built for it (nor the
+        # streaming one: ``streams`` above, which rules.validate reads).
         require(s.wire.kind == "none", "sync.wire.kind",
                 f"method {s.method} exchanges float32 pseudo gradients; got {s.wire.kind!r}")
         require(s.outer_sharding == "shard", "sync.outer_sharding",
